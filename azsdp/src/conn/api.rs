@@ -1,0 +1,299 @@
+//! The engine's vocabulary: what drivers hand it and what it asks of them.
+
+use std::fmt;
+use std::ops::Range;
+
+use thiserror::Error;
+
+use crate::wire::{AbortCode, MsgType, WireError};
+
+/// A blocked application call (one thread inside `send`/`recv`), named by the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CallId(pub u64);
+
+/// A fabric or host operation the engine started, named by the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u64);
+
+/// A blocked memory access (a fault) or a memory-lifetime request, named by the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Ticket(pub u64);
+
+/// An application buffer: an address in the application's memory and a length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UserBuf {
+    pub addr: u64,
+    pub len: u64,
+}
+
+impl UserBuf {
+    pub fn range(&self) -> Range<u64> {
+        self.addr..self.addr.saturating_add(self.len)
+    }
+}
+
+/// How a `send()` may proceed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendFlags {
+    /// O_NONBLOCK or MSG_DONTWAIT: never wait for the peer.
+    pub nonblocking: bool,
+    /// The driver may write-protect the buffer's whole pages (anonymous, private,
+    /// not a main-thread stack). If false, zero-copy sends of it are synchronous.
+    pub protectable: bool,
+}
+
+/// How a `recv()` may proceed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecvFlags {
+    pub nonblocking: bool,
+    /// MSG_PEEK: copy without consuming.
+    pub peek: bool,
+    /// MSG_WAITALL: wait for the whole length (or EOF / error).
+    pub waitall: bool,
+    /// The driver may arm the buffer's whole pages (receive-side protection).
+    pub armable: bool,
+}
+
+/// A memory access that faulted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
+
+/// Copies between the application's memory and the engine's buffers.
+///
+/// The engine calls it only for ranges it knows are not protected by itself,
+/// and only on behalf of a call that is blocked (so the range is stable).
+pub trait UserMemory {
+    fn read(&mut self, addr: u64, out: &mut [u8]);
+    fn write(&mut self, addr: u64, data: &[u8]);
+}
+
+/// Memory of the peer, as advertised: an address and the key that guards it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteBuf {
+    pub addr: u64,
+    pub key: u32,
+}
+
+/// Which lock word a compare-and-swap targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CasTarget {
+    /// One of this side's own lock words (the sink takes and releases them).
+    Local { slot: u16 },
+    /// A lock word in the peer's memory (the source, on a write fault).
+    Remote { addr: u64, key: u32 },
+}
+
+/// What became of the data of an armed receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DisarmOutcome {
+    /// The data is in place; the pages are ordinary memory again.
+    Landed,
+    /// The transfer failed: the data the application was promised will not
+    /// arrive. Drivers make a later touch of these pages fail loudly (SIGBUS).
+    Lost,
+    /// The receive failed before returning; the pages hold no promised data.
+    Abandoned,
+}
+
+/// What the engine asks the driver to do. Drivers execute actions in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Expose `[addr, addr+len)` for remote GET and write-protect the listed
+    /// ranges (whole pages). Answer with [`Completion::Prepared`].
+    PrepareSource {
+        op: OpId,
+        addr: u64,
+        len: u64,
+        protect: Vec<Range<u64>>,
+    },
+    /// `[addr, addr+len)` is no longer advertised under `key`.
+    ReleaseSource { addr: u64, len: u64, key: u32 },
+    /// Lift write protection from these whole pages.
+    Unprotect { range: Range<u64> },
+    /// Arm these whole pages for an early-returning receive: any access blocks
+    /// (reported as a fault) until the data lands. Answer with [`Completion::Armed`].
+    Arm { op: OpId, range: Range<u64> },
+    /// The armed pages are ordinary memory again.
+    Disarm {
+        range: Range<u64>,
+        outcome: DisarmOutcome,
+    },
+    /// One-sided read of `len` bytes from the peer into local memory. With
+    /// `armed`, the destination pages are armed: the driver lands the data in
+    /// staging pages and moves them into place when the read completes.
+    Get {
+        op: OpId,
+        src: RemoteBuf,
+        dst: u64,
+        len: u64,
+        armed: bool,
+    },
+    /// 64-bit compare-and-swap. Answer with [`Completion::Cas`] (the old value).
+    Cas {
+        op: OpId,
+        target: CasTarget,
+        expect: u64,
+        new: u64,
+    },
+    /// Copy `[addr, addr+len)` into private, GET-able memory (copy-on-write).
+    /// Answer with [`Completion::Copied`].
+    CopyAside { op: OpId, addr: u64, len: u64 },
+    /// A private copy made by `CopyAside` is no longer needed.
+    ReleaseCopy { buf: RemoteBuf, len: u64 },
+    /// After this, no peer operation on this side's memory may succeed (QP to
+    /// error, shared "broken" flag): executed before an abort unprotects pages. Messages still flow.
+    RevokeAccess,
+    /// An application call finished.
+    CallDone {
+        call: CallId,
+        result: Result<u64, CallError>,
+    },
+    /// A blocked access (fault or lifetime request) may proceed.
+    Resume { ticket: Ticket },
+}
+
+/// Results the driver reports for operations the engine started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    Prepared(Result<u32, OpError>),
+    Armed(Result<(), OpError>),
+    Get(Result<(), OpError>),
+    Cas(Result<u64, OpError>),
+    Copied(Result<RemoteBuf, OpError>),
+}
+
+/// Why an operation failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum OpError {
+    /// The peer refused the access (bad key or address): it lied or forgot.
+    #[error("remote access refused")]
+    RemoteAccess,
+    /// The peer or the link is gone.
+    #[error("peer unreachable")]
+    Unreachable,
+    /// A local resource failed (registration, protection, memory).
+    #[error("local resource failure")]
+    Local,
+}
+
+/// How an application call failed; drivers map these to errno.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum CallError {
+    /// EAGAIN.
+    #[error("operation would block")]
+    WouldBlock,
+    /// EINTR (cancelled before any byte moved).
+    #[error("interrupted")]
+    Interrupted,
+    /// EPIPE: sending after shutdown or after the connection ended.
+    #[error("broken pipe")]
+    BrokenPipe,
+    /// ECONNRESET.
+    #[error("connection reset")]
+    ConnReset,
+    /// ETIMEDOUT.
+    #[error("connection timed out")]
+    TimedOut,
+}
+
+/// A violation of the protocol by the peer.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ProtocolError {
+    #[error("malformed message: {0}")]
+    Wire(#[from] WireError),
+    #[error("sequence number {got}, expected {expected}")]
+    Sequence { expected: u32, got: u32 },
+    #[error("{ty} not allowed {when}")]
+    Unexpected { ty: MsgType, when: &'static str },
+    #[error("{ty}: {why}")]
+    Invalid { ty: MsgType, why: &'static str },
+    #[error("{ty}: stream offset {got}, expected {expected}")]
+    StreamOffset {
+        ty: MsgType,
+        expected: u64,
+        got: u64,
+    },
+    #[error("{ty}: unknown advertisement id {id}")]
+    UnknownAvail { ty: MsgType, id: u32 },
+    #[error("lock word {slot} holds {value:#x}, which no valid peer writes")]
+    LockWord { slot: u16, value: u64 },
+}
+
+/// Why a connection ended abnormally.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum AbortReason {
+    #[error("reset by the local application")]
+    LocalReset,
+    #[error("aborted by the peer ({0:?})")]
+    PeerAbort(AbortCode),
+    #[error("protocol error: {0}")]
+    Protocol(ProtocolError),
+    #[error("peer did not answer within the timeout")]
+    PeerTimeout,
+    #[error("peer is gone")]
+    PeerGone,
+    #[error("fabric operation failed: {0}")]
+    Fabric(OpError),
+    #[error("linger timeout with data still in flight")]
+    LingerTimeout,
+    #[error("no common protocol version")]
+    Incompatible,
+}
+
+impl AbortReason {
+    /// The error pending and later calls see.
+    pub fn call_error(&self) -> CallError {
+        match self {
+            AbortReason::PeerTimeout | AbortReason::LingerTimeout => CallError::TimedOut,
+            _ => CallError::ConnReset,
+        }
+    }
+}
+
+/// How `close()` treats data still in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Linger {
+    /// SO_LINGER off: return at once; the connection finishes in the background,
+    /// aborting if it has not within the configured linger timeout.
+    Background,
+    /// SO_LINGER {on, 0}: abort at once (the peer sees a reset).
+    Abort,
+}
+
+/// Which directions `shutdown()` closes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shutdown {
+    Read,
+    Write,
+    Both,
+}
+
+/// Readiness for poll/select/epoll.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Readiness {
+    pub readable: bool,
+    pub writable: bool,
+    /// Both directions are finished (POLLHUP).
+    pub hangup: bool,
+    /// The connection was aborted (POLLERR).
+    pub error: bool,
+}
+
+/// Which side opened the connection (who sends HELLO).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Client,
+    Server,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Client => "client",
+            Role::Server => "server",
+        })
+    }
+}

@@ -1,0 +1,1034 @@
+//! The sans-IO AZ-SDP connection engine.
+//!
+//! A [`Connection`] takes application intents (`send`, `recv`, `shutdown`,
+//! `close`), fabric events (`handle_message`, `handle_completion`,
+//! `handle_peer_gone`), fault notifications (`handle_fault`, `evacuate`) and
+//! timer ticks (`handle_timeout`). It answers with messages to post
+//! ([`Connection::poll_transmit`]) and [`Action`]s ([`Connection::poll_action`]):
+//! GETs, compare-and-swaps, protection changes, and wake-ups of blocked calls
+//! and faults. It performs no syscalls and reads no clock; application memory
+//! is reached only through the [`UserMemory`] the driver passes in.
+//!
+//! The send path lives in `tx.rs`, the receive path in `rx.rs`; this file holds
+//! what both share: handshake, message dispatch, credits, faults, timers and
+//! teardown. The state machines are specified in `docs/protocol.md`.
+
+mod api;
+mod counters;
+mod fallback;
+pub mod lockword;
+mod rx;
+mod settings;
+mod tx;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Range;
+use std::time::Duration;
+
+pub use api::*;
+pub use counters::{Counters, FallbackReason};
+pub use settings::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect};
+
+use crate::pages::{self, RangeCounter};
+use crate::time::Timestamp;
+use crate::wire::{self, AbortCode, Frame, Hello, Message, MsgType};
+use fallback::FaultMonitor;
+use rx::{InAvail, RecvCall, RxItem};
+use tx::{OutAvail, SendCall, TxItem};
+
+/// Connection life cycle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Waiting for HELLO (server) or HELLO_ACK (client).
+    Handshake,
+    Established,
+    /// Aborted; pending operations are draining, no new work is accepted.
+    Aborted(AbortReason),
+}
+
+/// The send mode in force for new zero-copy sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TxMode {
+    /// AZ-SDP: asynchronous zero-copy.
+    Async,
+    /// ZSDP: zero-copy, `send()` waits for GET_COMPLETE.
+    Sync,
+    /// BSDP only: no zero-copy possible.
+    Buffered,
+}
+
+/// What the peer told us in its HELLO, plus what we derived.
+#[derive(Clone, Copy, Debug)]
+struct Peer {
+    hello: Hello,
+    /// Most DATA payload bytes per message.
+    max_payload: u64,
+    /// SRC_AVAILs we may have in flight.
+    max_outstanding: u16,
+    cow: bool,
+}
+
+/// A message waiting to be posted, in wire order.
+#[derive(Clone, Copy, Debug)]
+enum OutMsg {
+    Hello,
+    HelloAck,
+    /// DATA carrying the next `len` bytes of the send buffer.
+    Data {
+        len: u64,
+    },
+    Avail(wire::SrcAvail),
+    Update(wire::SrcAvailUpdate),
+    Cancel(u32),
+    GetComplete(wire::GetComplete),
+    Credit {
+        ping: bool,
+        pong: bool,
+    },
+    Shutdown(u64),
+    Abort(AbortCode),
+}
+
+/// What an operation in flight is for.
+#[derive(Clone, Debug)]
+enum OpKind {
+    Prepare {
+        avail: u32,
+    },
+    CowCas {
+        avail: u32,
+    },
+    Copy {
+        avail: u32,
+    },
+    LockTake {
+        avail: u32,
+    },
+    LockRelease {
+        avail: u32,
+        expect: u64,
+        finished: bool,
+    },
+    Arm {
+        avail: u32,
+        call: CallId,
+        range: Range<u64>,
+        src: RemoteBuf,
+    },
+    Get {
+        avail: u32,
+        call: Option<CallId>,
+        armed: Option<Range<u64>>,
+    },
+}
+
+/// A blocked access waiting for a range to become ordinary memory.
+#[derive(Clone, Debug)]
+struct Waiter {
+    ticket: Ticket,
+    range: Range<u64>,
+    access: Access,
+    since: Timestamp,
+    escalated: bool,
+}
+
+/// One AZ-SDP connection. See the module documentation.
+#[derive(Debug)]
+pub struct Connection {
+    cfg: EngineConfig,
+    state: State,
+    peer: Option<Peer>,
+    now: Timestamp,
+    next_op: u64,
+    ops: HashMap<OpId, OpKind>,
+    actions: VecDeque<Action>,
+    counters: Counters,
+
+    // message channel
+    out: VecDeque<OutMsg>,
+    tx_seq: u32,
+    rx_seq: u32,
+    /// DATA credits we may still use.
+    credits: u32,
+    /// DATA messages we sent whose credit has not come back.
+    credits_in_use: u32,
+    /// Slots freed here not yet reported to the peer.
+    unreported: u32,
+    /// DATA messages received whose slot is not yet reported free.
+    rx_slots_held: u32,
+
+    // send side
+    txbuf: VecDeque<u8>,
+    /// Bytes in `txbuf` not yet moved to the out queue.
+    tx_unposted: u64,
+    txq: VecDeque<TxItem>,
+    send_calls: VecDeque<SendCall>,
+    out_avails: BTreeMap<u32, OutAvail>,
+    next_avail_id: u32,
+    /// Generation of each of the peer's lock slots, and whether it is in use.
+    slot_gen: Vec<u32>,
+    slot_busy: Vec<bool>,
+    send_prot: RangeCounter,
+    tx_stream_off: u64,
+    tx_shutdown: TxShutdown,
+    mode: TxMode,
+    monitor: FaultMonitor,
+
+    // receive side
+    rxbuf: VecDeque<u8>,
+    /// Unconsumed bytes of each DATA message, in order (credit accounting).
+    rx_msgs: VecDeque<u64>,
+    rxq: VecDeque<RxItem>,
+    in_avails: BTreeMap<u32, InAvail>,
+    rx_next_avail_id: u32,
+    rx_stream_off: u64,
+    /// Generation of each of our lock slots, and which advertisement holds it.
+    my_slot_gen: Vec<u32>,
+    my_slot_user: Vec<Option<u32>>,
+    recv_calls: VecDeque<RecvCall>,
+    armed: RangeCounter,
+    rx_eof: bool,
+    rx_shut: bool,
+
+    // faults and lifetime
+    waiters: Vec<Waiter>,
+
+    // liveness and teardown
+    last_rx: Timestamp,
+    ping_outstanding: bool,
+    app_closed: bool,
+    linger_deadline: Option<Timestamp>,
+    /// A recv after an abort reports the error once, like TCP after a reset.
+    reset_reported: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TxShutdown {
+    Open,
+    Queued,
+    Sent,
+}
+
+impl Connection {
+    /// A new connection. The client posts HELLO at once; the server waits for it.
+    pub fn new(cfg: EngineConfig, now: Timestamp) -> Connection {
+        let monitor = FaultMonitor::new(
+            cfg.fallback_faults,
+            cfg.fallback_window,
+            cfg.fallback_recover,
+        );
+        let my_slots = usize::from(cfg.lock_region.slots);
+        let mut c = Connection {
+            state: State::Handshake,
+            peer: None,
+            now,
+            next_op: 1,
+            ops: HashMap::new(),
+            actions: VecDeque::new(),
+            counters: Counters::default(),
+            out: VecDeque::new(),
+            tx_seq: 0,
+            rx_seq: 0,
+            credits: 0,
+            credits_in_use: 0,
+            unreported: 0,
+            rx_slots_held: 0,
+            txbuf: VecDeque::new(),
+            tx_unposted: 0,
+            txq: VecDeque::new(),
+            send_calls: VecDeque::new(),
+            out_avails: BTreeMap::new(),
+            next_avail_id: 0,
+            slot_gen: Vec::new(),
+            slot_busy: Vec::new(),
+            send_prot: RangeCounter::new(),
+            tx_stream_off: 0,
+            tx_shutdown: TxShutdown::Open,
+            mode: TxMode::Buffered,
+            monitor,
+            rxbuf: VecDeque::new(),
+            rx_msgs: VecDeque::new(),
+            rxq: VecDeque::new(),
+            in_avails: BTreeMap::new(),
+            rx_next_avail_id: 0,
+            rx_stream_off: 0,
+            my_slot_gen: vec![0; my_slots],
+            my_slot_user: vec![None; my_slots],
+            recv_calls: VecDeque::new(),
+            armed: RangeCounter::new(),
+            rx_eof: false,
+            rx_shut: false,
+            waiters: Vec::new(),
+            last_rx: now,
+            ping_outstanding: false,
+            app_closed: false,
+            linger_deadline: None,
+            reset_reported: false,
+            cfg,
+        };
+        if c.cfg.role == Role::Client {
+            c.out.push_back(OutMsg::Hello);
+        }
+        c
+    }
+
+    // ----- queries -------------------------------------------------------
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The send mode new zero-copy sends would use now.
+    pub fn tx_mode(&self) -> TxMode {
+        self.mode
+    }
+
+    /// SRC_AVAILs this side has advertised that are not finished.
+    pub fn outstanding_avails(&self) -> usize {
+        self.out_avails.len()
+    }
+
+    /// Readiness for poll/select/epoll.
+    pub fn readiness(&self) -> Readiness {
+        let aborted = matches!(self.state, State::Aborted(_));
+        let established = self.state == State::Established;
+        Readiness {
+            readable: aborted || self.rx_eof || self.rx_shut || !self.rxq.is_empty(),
+            writable: aborted
+                || (established
+                    && self.tx_shutdown == TxShutdown::Open
+                    && self.tx_unposted < self.cfg.sndbuf),
+            hangup: aborted || (self.rx_eof && self.tx_shutdown == TxShutdown::Sent),
+            error: aborted,
+        }
+    }
+
+    /// Nothing is left to do: the driver may drop the connection.
+    pub fn is_finished(&self) -> bool {
+        let drained = self.ops.is_empty()
+            && self.out.is_empty()
+            && self.actions.is_empty()
+            && self.send_calls.is_empty()
+            && self.recv_calls.is_empty()
+            && self.waiters.is_empty();
+        match self.state {
+            State::Aborted(_) => drained,
+            _ => {
+                drained
+                    && self.app_closed
+                    && self.tx_shutdown == TxShutdown::Sent
+                    && self.out_avails.is_empty()
+                    && self.in_avails.is_empty()
+            }
+        }
+    }
+
+    /// Pages this connection holds write-protected (for checks and stats).
+    pub fn protected_ranges(&self) -> Vec<Range<u64>> {
+        self.send_prot.ranges()
+    }
+
+    /// Pages this connection holds armed.
+    pub fn armed_ranges(&self) -> Vec<Range<u64>> {
+        self.armed.ranges()
+    }
+
+    // ----- outputs -------------------------------------------------------
+
+    /// The next action for the driver, in order.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Largest message this connection may ask `poll_transmit` to write.
+    pub fn max_message_len(&self) -> usize {
+        let data = self
+            .peer
+            .map_or(0, |p| p.max_payload as usize + wire::HEADER_LEN);
+        data.max(wire::MAX_CONTROL_LEN)
+    }
+
+    /// Write the next message into `buf` (at least [`max_message_len`] bytes)
+    /// and return its length, or `None` if nothing is due.
+    ///
+    /// [`max_message_len`]: Connection::max_message_len
+    pub fn poll_transmit(&mut self, buf: &mut [u8]) -> Option<usize> {
+        loop {
+            let msg = self.out.pop_front()?;
+            let credits = self.unreported.min(u32::from(u16::MAX));
+            let is_plain_credit = matches!(
+                msg,
+                OutMsg::Credit {
+                    ping: false,
+                    pong: false
+                }
+            );
+            if is_plain_credit && credits == 0 {
+                continue; // an earlier message already carried them
+            }
+            let len = match self.emit(msg, credits as u16, buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    // Only a driver passing a short buffer gets here.
+                    debug_assert!(false, "poll_transmit: {e}");
+                    self.out.push_front(msg);
+                    return None;
+                }
+            };
+            self.unreported -= credits;
+            self.rx_slots_held -= credits;
+            self.counters.credits_returned += u64::from(credits);
+            self.tx_seq = self.tx_seq.wrapping_add(1);
+            self.counters.msgs_sent += 1;
+            return Some(len);
+        }
+    }
+
+    fn emit(
+        &mut self,
+        msg: OutMsg,
+        credits: u16,
+        buf: &mut [u8],
+    ) -> Result<usize, wire::WireError> {
+        let seq = self.tx_seq;
+        let m = match msg {
+            OutMsg::Hello => Message::Hello(self.my_hello()),
+            OutMsg::HelloAck => Message::HelloAck(self.my_hello()),
+            OutMsg::Data { len } => {
+                let len = len as usize;
+                let need = wire::HEADER_LEN + len;
+                if buf.len() < need {
+                    return Err(wire::WireError::BufferTooSmall {
+                        need,
+                        have: buf.len(),
+                    });
+                }
+                wire::emit_header(MsgType::Data, 0, seq, credits, len, buf)?;
+                let (a, b) = self.txbuf.as_slices();
+                let from_a = a.len().min(len);
+                buf[wire::HEADER_LEN..wire::HEADER_LEN + from_a].copy_from_slice(&a[..from_a]);
+                buf[wire::HEADER_LEN + from_a..need].copy_from_slice(&b[..len - from_a]);
+                self.txbuf.drain(..len);
+                self.counters.data_msgs_sent += 1;
+                return Ok(need);
+            }
+            OutMsg::Avail(a) => Message::SrcAvail(a),
+            OutMsg::Update(u) => Message::SrcAvailUpdate(u),
+            OutMsg::Cancel(id) => Message::SrcAvailCancel { id },
+            OutMsg::GetComplete(g) => Message::GetComplete(g),
+            OutMsg::Credit { ping, pong } => Message::Credit { ping, pong },
+            OutMsg::Shutdown(end) => Message::Shutdown { stream_end: end },
+            OutMsg::Abort(code) => Message::Abort { code },
+        };
+        wire::emit(
+            &Frame {
+                seq,
+                credits,
+                msg: m,
+            },
+            buf,
+        )
+    }
+
+    fn my_hello(&self) -> Hello {
+        let caps = self.cfg.caps;
+        let slots = self.cfg.lock_region.slots;
+        let mut features = 0;
+        if caps.zcopy_source {
+            features |= wire::features::ZCOPY_SOURCE;
+        }
+        if caps.zcopy_sink && slots > 0 {
+            features |= wire::features::ZCOPY_SINK;
+            if caps.cas {
+                features |= wire::features::COW_LOCK;
+            }
+        }
+        Hello {
+            min_version: wire::VERSION,
+            max_version: wire::VERSION,
+            page_size: self.cfg.page_size,
+            features,
+            credits: self.cfg.rx_credits.max(1),
+            lock_slots: slots,
+            slot_size: self
+                .cfg
+                .slot_size
+                .clamp(wire::MIN_SLOT_SIZE, wire::MAX_SLOT_SIZE),
+            lock_addr: self.cfg.lock_region.addr,
+            lock_key: self.cfg.lock_region.key,
+            max_avail: self.cfg.max_avail_len,
+        }
+    }
+
+    /// When the driver should call [`Connection::handle_timeout`] next.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        if matches!(self.state, State::Aborted(_)) {
+            return None;
+        }
+        let mut t: Option<Timestamp> = None;
+        let mut at = |x: Timestamp| t = Some(t.map_or(x, |y| y.min(x)));
+        if self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO {
+            at(self.last_rx + self.cfg.peer_timeout);
+            if !self.ping_outstanding && self.state == State::Established {
+                at(self.last_rx + self.cfg.keepalive);
+            }
+        }
+        if let Some(d) = self.linger_deadline
+            && !self.is_finished()
+        {
+            at(d);
+        }
+        if self.cfg.write_fault == FaultPolicy::Block {
+            for w in self.waiters.iter().filter(|w| !w.escalated) {
+                at(w.since + self.cfg.block_escalate);
+            }
+        }
+        t
+    }
+
+    /// Is the peer expected to do something for us (so silence is suspicious)?
+    fn owes_liveness(&self) -> bool {
+        self.state == State::Handshake
+            || !self.out_avails.is_empty()
+            || !self.send_calls.is_empty()
+            || !self.recv_calls.is_empty()
+            || !self.waiters.is_empty()
+            || self.app_closed
+    }
+
+    // ----- small helpers ---------------------------------------------------
+
+    fn op(&mut self, kind: OpKind) -> OpId {
+        let id = OpId(self.next_op);
+        self.next_op += 1;
+        self.ops.insert(id, kind);
+        id
+    }
+
+    fn push(&mut self, a: Action) {
+        self.actions.push_back(a);
+    }
+
+    fn page(&self) -> u64 {
+        u64::from(self.cfg.page_size)
+    }
+
+    fn is_aborted(&self) -> bool {
+        matches!(self.state, State::Aborted(_))
+    }
+
+    fn abort_error(&self) -> Option<CallError> {
+        match &self.state {
+            State::Aborted(r) => Some(r.call_error()),
+            _ => None,
+        }
+    }
+
+    // ----- application: shutdown and close ---------------------------------
+
+    /// `shutdown(how)`.
+    pub fn shutdown(&mut self, now: Timestamp, how: Shutdown, mem: &mut dyn UserMemory) {
+        self.now = now;
+        if matches!(how, Shutdown::Write | Shutdown::Both)
+            && self.tx_shutdown == TxShutdown::Open
+            && !self.is_aborted()
+        {
+            self.tx_shutdown = TxShutdown::Queued;
+            self.txq.push_back(TxItem::Shutdown);
+        }
+        if matches!(how, Shutdown::Read | Shutdown::Both) && !self.rx_shut {
+            self.rx_shut = true;
+            self.discard_rx();
+        }
+        self.progress(mem);
+    }
+
+    /// `close()`. The connection may live on (lingering) until
+    /// [`Connection::is_finished`].
+    pub fn close(&mut self, now: Timestamp, linger: Linger, mem: &mut dyn UserMemory) {
+        self.now = now;
+        if self.app_closed {
+            return;
+        }
+        self.app_closed = true;
+        let unread = !self.rxq.is_empty();
+        if linger == Linger::Abort || unread {
+            // TCP sends a reset when closing with unread data; so do we.
+            self.abort(AbortReason::LocalReset, Some(AbortCode::Reset));
+        } else {
+            self.linger_deadline = Some(now + self.cfg.linger);
+            self.shutdown(now, Shutdown::Both, mem);
+        }
+        self.progress(mem);
+    }
+
+    /// Abort from the application or the driver (e.g. the fabric failed).
+    pub fn abort_local(&mut self, now: Timestamp, reason: AbortReason, code: AbortCode) {
+        self.now = now;
+        self.abort(reason, Some(code));
+    }
+
+    // ----- fabric events ---------------------------------------------------
+
+    /// The fabric lost the peer (process died, link down).
+    pub fn handle_peer_gone(&mut self, now: Timestamp) {
+        self.now = now;
+        self.abort(AbortReason::PeerGone, None);
+    }
+
+    /// A message arrived from the peer.
+    pub fn handle_message(&mut self, now: Timestamp, bytes: &[u8], mem: &mut dyn UserMemory) {
+        self.now = now;
+        self.last_rx = now;
+        self.ping_outstanding = false;
+        if self.is_aborted() {
+            return;
+        }
+        self.counters.msgs_received += 1;
+        if let Err(e) = self.dispatch(bytes) {
+            let code = if matches!(
+                e,
+                ProtocolError::Unexpected {
+                    ty: MsgType::Hello | MsgType::HelloAck,
+                    ..
+                }
+            ) {
+                AbortCode::Incompatible
+            } else {
+                AbortCode::ProtocolError
+            };
+            self.abort(AbortReason::Protocol(e), Some(code));
+        }
+        self.progress(mem);
+    }
+
+    fn dispatch(&mut self, bytes: &[u8]) -> Result<(), ProtocolError> {
+        let frame = wire::parse(bytes)?;
+        if frame.seq != self.rx_seq {
+            return Err(ProtocolError::Sequence {
+                expected: self.rx_seq,
+                got: frame.seq,
+            });
+        }
+        self.rx_seq = self.rx_seq.wrapping_add(1);
+        let ty = frame.msg.msg_type();
+        let established = self.state == State::Established;
+        match (ty, established) {
+            (MsgType::Hello | MsgType::HelloAck | MsgType::Abort, _) => {}
+            (_, false) => {
+                return Err(ProtocolError::Unexpected {
+                    ty,
+                    when: "before the handshake",
+                });
+            }
+            _ => {}
+        }
+        if frame.credits > 0 {
+            let c = u32::from(frame.credits);
+            if c > self.credits_in_use {
+                return Err(ProtocolError::Invalid {
+                    ty,
+                    why: "returns more credits than are in use",
+                });
+            }
+            self.credits_in_use -= c;
+            self.credits += c;
+        }
+        match frame.msg {
+            Message::Hello(h) => self.on_hello(h, false)?,
+            Message::HelloAck(h) => self.on_hello(h, true)?,
+            Message::Data(payload) => self.on_data(payload)?,
+            Message::SrcAvail(a) => self.on_src_avail(a)?,
+            Message::SrcAvailUpdate(u) => self.on_update(u)?,
+            Message::SrcAvailCancel { id } => self.on_cancel(id)?,
+            Message::GetComplete(g) => self.on_get_complete(g)?,
+            Message::Credit { ping, pong: _ } => {
+                if ping {
+                    self.out.push_back(OutMsg::Credit {
+                        ping: false,
+                        pong: true,
+                    });
+                }
+            }
+            Message::Shutdown { stream_end } => {
+                if stream_end != self.rx_stream_off {
+                    return Err(ProtocolError::StreamOffset {
+                        ty,
+                        expected: self.rx_stream_off,
+                        got: stream_end,
+                    });
+                }
+                if self.rx_eof {
+                    return Err(ProtocolError::Unexpected { ty, when: "twice" });
+                }
+                self.rx_eof = true;
+            }
+            Message::Abort { code } => self.abort(AbortReason::PeerAbort(code), None),
+        }
+        Ok(())
+    }
+
+    fn on_hello(&mut self, h: Hello, is_ack: bool) -> Result<(), ProtocolError> {
+        let ty = if is_ack {
+            MsgType::HelloAck
+        } else {
+            MsgType::Hello
+        };
+        let expected = match self.cfg.role {
+            Role::Server => !is_ack,
+            Role::Client => is_ack,
+        };
+        if self.state != State::Handshake || !expected {
+            return Err(ProtocolError::Unexpected {
+                ty,
+                when: "in this role or state",
+            });
+        }
+        if h.min_version > wire::VERSION || h.max_version < wire::VERSION {
+            return Err(ProtocolError::Unexpected {
+                ty,
+                when: "with no common version",
+            });
+        }
+        let payload = u64::from(h.slot_size) - wire::HEADER_LEN as u64;
+        let sink = h.features & wire::features::ZCOPY_SINK != 0;
+        let cow = h.features & wire::features::COW_LOCK != 0 && self.cfg.caps.cas;
+        let max_outstanding = if sink {
+            self.cfg.max_outstanding.min(h.lock_slots)
+        } else {
+            0
+        };
+        self.peer = Some(Peer {
+            hello: h,
+            max_payload: payload,
+            max_outstanding,
+            cow,
+        });
+        self.credits = u32::from(h.credits);
+        self.slot_gen = vec![0; usize::from(h.lock_slots)];
+        self.slot_busy = vec![false; usize::from(h.lock_slots)];
+        self.mode = if !(sink && self.cfg.caps.zcopy_source) || max_outstanding == 0 {
+            self.counters.fallback_reason = Some(FallbackReason::NoZeroCopy);
+            TxMode::Buffered
+        } else if !self.cfg.async_zcopy {
+            TxMode::Sync
+        } else if !self.cfg.caps.protect_send {
+            self.counters.fallback_reason = Some(FallbackReason::NoProtection);
+            TxMode::Sync
+        } else {
+            TxMode::Async
+        };
+        if !is_ack {
+            self.out.push_back(OutMsg::HelloAck);
+        }
+        self.state = State::Established;
+        Ok(())
+    }
+
+    /// A fabric or host operation finished.
+    pub fn handle_completion(
+        &mut self,
+        now: Timestamp,
+        op: OpId,
+        result: Completion,
+        mem: &mut dyn UserMemory,
+    ) {
+        self.now = now;
+        let Some(kind) = self.ops.remove(&op) else {
+            debug_assert!(false, "completion for unknown op {op:?}");
+            return;
+        };
+        let r = match (kind, result) {
+            (OpKind::Prepare { avail }, Completion::Prepared(r)) => {
+                self.on_prepared(avail, r);
+                Ok(())
+            }
+            (OpKind::CowCas { avail }, Completion::Cas(r)) => self.on_cow_cas(avail, r),
+            (OpKind::Copy { avail }, Completion::Copied(r)) => {
+                self.on_copied(avail, r);
+                Ok(())
+            }
+            (OpKind::LockTake { avail }, Completion::Cas(r)) => self.on_lock_taken(avail, r),
+            (
+                OpKind::LockRelease {
+                    avail,
+                    expect,
+                    finished,
+                },
+                Completion::Cas(r),
+            ) => self.on_lock_released(avail, expect, finished, r),
+            (
+                OpKind::Arm {
+                    avail,
+                    call,
+                    range,
+                    src,
+                },
+                Completion::Armed(r),
+            ) => {
+                self.on_armed(avail, call, range, src, r);
+                Ok(())
+            }
+            (OpKind::Get { avail, call, armed }, Completion::Get(r)) => {
+                self.on_get_done(avail, call, armed, r);
+                Ok(())
+            }
+            (kind, result) => {
+                debug_assert!(false, "completion {result:?} does not match {kind:?}");
+                Ok(())
+            }
+        };
+        if let Err(e) = r {
+            self.abort(e, Some(AbortCode::ProtocolError));
+        }
+        self.progress(mem);
+    }
+
+    /// Time passed: keepalives, peer timeout, linger timeout, BOW escalation.
+    pub fn handle_timeout(&mut self, now: Timestamp, mem: &mut dyn UserMemory) {
+        self.now = now;
+        if self.is_aborted() {
+            return;
+        }
+        if let Some(d) = self.linger_deadline
+            && now >= d
+            && !self.is_finished()
+        {
+            self.abort(AbortReason::LingerTimeout, Some(AbortCode::Timeout));
+            return;
+        }
+        if self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO {
+            if now >= self.last_rx + self.cfg.peer_timeout {
+                self.abort(AbortReason::PeerTimeout, Some(AbortCode::Timeout));
+                return;
+            }
+            if now >= self.last_rx + self.cfg.keepalive
+                && !self.ping_outstanding
+                && self.state == State::Established
+            {
+                self.ping_outstanding = true;
+                self.out.push_back(OutMsg::Credit {
+                    ping: true,
+                    pong: false,
+                });
+            }
+        }
+        if self.cfg.write_fault == FaultPolicy::Block {
+            let due: Vec<Range<u64>> = self
+                .waiters
+                .iter_mut()
+                .filter(|w| !w.escalated && now >= w.since + self.cfg.block_escalate)
+                .map(|w| {
+                    w.escalated = true;
+                    w.range.clone()
+                })
+                .collect();
+            for r in due {
+                self.counters.block_escalations += 1;
+                self.evacuate_range(&r);
+            }
+        }
+        self.progress(mem);
+    }
+
+    // ----- faults and memory lifetime --------------------------------------
+
+    /// The application touched `addr` and faulted. The driver resumes the
+    /// access when it sees [`Action::Resume`] for `ticket`.
+    pub fn handle_fault(&mut self, now: Timestamp, ticket: Ticket, addr: u64, access: Access) {
+        self.now = now;
+        let page = self.page();
+        let range = pages::page_down(addr, page)..pages::page_down(addr, page) + page;
+        let write_prot = access == Access::Write && self.send_prot.overlaps(&range);
+        let armed = self.armed.overlaps(&range);
+        if !write_prot && !armed {
+            self.counters.spurious_faults += 1;
+            self.push(Action::Resume { ticket });
+            return;
+        }
+        if write_prot {
+            self.counters.send_faults += 1;
+            for a in self.out_avails.values_mut() {
+                if a.protects(&range) {
+                    a.faults += 1;
+                }
+            }
+            if self.cfg.write_fault == FaultPolicy::Copy || self.cfg.block_escalate.is_zero() {
+                self.evacuate_range(&range);
+            }
+        }
+        if armed {
+            self.counters.recv_faults += 1;
+        }
+        self.waiters.push(Waiter {
+            ticket,
+            range,
+            access,
+            since: now,
+            escalated: self.cfg.write_fault == FaultPolicy::Copy,
+        });
+    }
+
+    /// The application is about to free, unmap, remap or discard `range`:
+    /// everything in flight on it must finish or move first. The driver
+    /// proceeds when it sees [`Action::Resume`] for `ticket`.
+    pub fn evacuate(
+        &mut self,
+        now: Timestamp,
+        ticket: Ticket,
+        range: Range<u64>,
+        mem: &mut dyn UserMemory,
+    ) {
+        self.now = now;
+        self.evacuate_range(&range);
+        self.waiters.push(Waiter {
+            ticket,
+            range,
+            access: Access::Write,
+            since: now,
+            escalated: true,
+        });
+        self.progress(mem);
+    }
+
+    /// Resume every waiter whose range is ordinary memory again.
+    fn wake_waiters(&mut self) {
+        let mut i = 0;
+        while i < self.waiters.len() {
+            let w = &self.waiters[i];
+            let blocked = self.armed.overlaps(&w.range)
+                || (w.access == Access::Write && self.send_prot.overlaps(&w.range));
+            if blocked {
+                i += 1;
+            } else {
+                let w = self.waiters.swap_remove(i);
+                self.push(Action::Resume { ticket: w.ticket });
+            }
+        }
+    }
+
+    // ----- progress and teardown -----------------------------------------
+
+    /// Run every state machine as far as it can go.
+    fn progress(&mut self, mem: &mut dyn UserMemory) {
+        // Loop because each side can unblock the other (a recv's evacuation
+        // frees a send's pages; a send's buffer space frees credits...).
+        for _ in 0..8 {
+            let before = (
+                self.actions.len(),
+                self.out.len(),
+                self.send_calls.len(),
+                self.recv_calls.len(),
+            );
+            self.progress_sends(mem);
+            self.pump_tx();
+            self.progress_recvs(mem);
+            self.release_idle_locks();
+            self.maybe_return_credits();
+            self.wake_waiters();
+            let after = (
+                self.actions.len(),
+                self.out.len(),
+                self.send_calls.len(),
+                self.recv_calls.len(),
+            );
+            if before == after {
+                break;
+            }
+        }
+    }
+
+    /// Return freed receive slots when the peer may be waiting for them.
+    fn maybe_return_credits(&mut self) {
+        if self.unreported == 0 || self.state != State::Established {
+            return;
+        }
+        let half = (u32::from(self.cfg.rx_credits) / 2).max(1);
+        let idle = self.rx_msgs.is_empty();
+        let already_queued = !self.out.is_empty();
+        if !already_queued && (self.unreported >= half || idle) {
+            self.out.push_back(OutMsg::Credit {
+                ping: false,
+                pong: false,
+            });
+        }
+    }
+
+    /// Tear the connection down: tell the peer (if `code`), cut its access,
+    /// release every page, fail every call.
+    fn abort(&mut self, reason: AbortReason, code: Option<AbortCode>) {
+        if self.is_aborted() {
+            return;
+        }
+        let err = reason.call_error();
+        self.state = State::Aborted(reason);
+        self.out.clear();
+        if let Some(code) = code {
+            self.out.push_back(OutMsg::Abort(code));
+        }
+        self.push(Action::RevokeAccess);
+        // Send side: every advertisement ends here.
+        let ids: Vec<u32> = self.out_avails.keys().copied().collect();
+        for id in ids {
+            self.drop_out_avail(id);
+        }
+        self.txq.clear();
+        self.txbuf.clear();
+        self.tx_unposted = 0;
+        for call in std::mem::take(&mut self.send_calls) {
+            if call.waiting_prepare.is_none() {
+                let result = if call.accepted > 0 {
+                    Ok(call.accepted)
+                } else {
+                    Err(err)
+                };
+                self.push(Action::CallDone {
+                    call: call.call,
+                    result,
+                });
+            } else {
+                // Its PrepareSource is still out; finish the call when it returns.
+                self.send_calls.push_back(call);
+            }
+        }
+        // Receive side: armed pages will never get their data.
+        for r in self.armed.ranges() {
+            let _ = self.armed.remove(r.clone());
+            self.counters.armed_lost_bytes += r.end - r.start;
+            self.push(Action::Disarm {
+                range: r,
+                outcome: DisarmOutcome::Lost,
+            });
+        }
+        self.rxq.clear();
+        self.rxbuf.clear();
+        self.rx_msgs.clear();
+        self.in_avails.clear();
+        let calls = std::mem::take(&mut self.recv_calls);
+        for mut call in calls {
+            call.failed = true;
+            if call.gets == 0 && call.pending_arm == 0 {
+                self.push(Action::CallDone {
+                    call: call.call,
+                    result: Err(err),
+                });
+                self.reset_reported = true;
+            } else {
+                // Its GETs write into the buffer until they complete.
+                self.recv_calls.push_back(call);
+            }
+        }
+        self.wake_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,84 @@
+//! The fabric: what the engine's actions run on.
+//!
+//! A verbs-like interface, so that the same driver logic serves every
+//! provider: registered regions with keys; an ordered, reliable message
+//! channel with transport credits; one-sided GET (RDMA READ); one-sided
+//! 64-bit compare-and-swap on lock words.
+//!
+//! Providers: [`sim`] (deterministic, seeded, for tests), `shm` (intra-host:
+//! rings in a memfd, GET = `process_vm_readv`) and `verbs` (rdma-core) come
+//! with the intra-host and verbs issues.
+
+pub mod sim;
+
+use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+use thiserror::Error;
+
+/// Why the fabric refused to start an operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum FabricError {
+    /// No transport credit: the peer's ring is full. Retry after [`Fabric::poll`].
+    #[error("no transport credit")]
+    NoCredits,
+    /// The message is larger than the peer's receive slot.
+    #[error("message too large")]
+    TooLarge,
+    /// The connection is broken.
+    #[error("fabric connection broken")]
+    Broken,
+}
+
+/// Result of a one-sided operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpResult {
+    Get(Result<(), OpError>),
+    Cas(Result<u64, OpError>),
+}
+
+/// Something the fabric reports.
+#[derive(Debug)]
+pub enum FabricEvent<'a> {
+    /// A message from the peer, valid for the duration of the callback.
+    Message(&'a [u8]),
+    /// A one-sided operation finished.
+    Done { op: OpId, result: OpResult },
+    /// The peer died or the link failed; nothing more will arrive.
+    PeerGone,
+}
+
+/// A verbs-like fabric endpoint (one per connection).
+pub trait Fabric {
+    /// Where this side's lock words live, for the peer's compare-and-swap.
+    fn lock_region(&self) -> LockRegion;
+    /// Expose `[addr, addr+len)` to the peer's GET; returns its key.
+    fn register(&mut self, addr: u64, len: u64) -> Result<u32, OpError>;
+    /// Withdraw a registration.
+    fn deregister(&mut self, key: u32);
+    /// Messages that can be posted now without [`FabricError::NoCredits`].
+    fn send_credits(&self) -> usize;
+    /// Post a message; delivered whole, in order, exactly once, unless broken.
+    fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError>;
+    /// Read `len` bytes at `src` in the peer's memory into local `dst`.
+    /// With `staged`, the data lands in staging pages and is moved into
+    /// place at completion (the destination pages are armed meanwhile).
+    fn post_get(
+        &mut self,
+        op: OpId,
+        src: RemoteBuf,
+        dst: u64,
+        len: u64,
+        staged: bool,
+    ) -> Result<(), FabricError>;
+    /// Atomic compare-and-swap on a lock word; the result is the old value.
+    fn post_cas(
+        &mut self,
+        op: OpId,
+        target: CasTarget,
+        expect: u64,
+        new: u64,
+    ) -> Result<(), FabricError>;
+    /// From now on no peer operation on this side's memory succeeds.
+    fn revoke_access(&mut self);
+    /// Deliver what is ready; returns how many events were delivered.
+    fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
+}

@@ -1,0 +1,20 @@
+//! azsdp: transparent, asynchronous, zero-copy sockets (AZ-SDP).
+//!
+//! This crate holds everything that is independent of the operating system:
+//!
+//! - [`wire`]: the message formats, with strict `parse`/`emit`;
+//! - [`conn`]: the sans-IO connection engine (BSDP, ZSDP, AZ-SDP, copy-on-write);
+//! - [`fabric`]: the verbs-like transport trait and the deterministic `sim` provider;
+//! - [`sim`]: the simulation harness that drives two engines over the sim fabric
+//!   and checks the protocol's invariants;
+//! - [`config`]: the configuration file, environment overrides and rules.
+//!
+//! See `docs/architecture.md` and `docs/protocol.md` in the repository.
+
+pub mod config;
+pub mod conn;
+pub mod fabric;
+pub mod pages;
+pub mod sim;
+pub mod time;
+pub mod wire;

@@ -1,0 +1,206 @@
+//! A random scenario from a seed: engine settings for both sides, fabric
+//! timing, application behaviour and the faults to inject.
+
+use std::time::Duration;
+
+use super::rng::Rng;
+use crate::conn::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect, Role};
+use crate::fabric::sim::SimFabricParams;
+
+/// What goes wrong in this run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Injection {
+    None,
+    /// Side dies at the given simulated time.
+    Kill {
+        side: usize,
+        at: Duration,
+    },
+    /// Side's process stops (SIGSTOP) for a while, longer than the peer timeout.
+    Stall {
+        side: usize,
+        at: Duration,
+        dur: Duration,
+    },
+    /// Side's `nth` outgoing message is replaced by garbage.
+    Garbage {
+        side: usize,
+        nth: u64,
+    },
+    /// Side's `nth` SRC_AVAIL lies about its address or key.
+    Lie {
+        side: usize,
+        nth: u64,
+    },
+}
+
+impl Injection {
+    /// Does this injection end the connection abnormally (so completeness
+    /// is not expected)?
+    pub fn is_fatal(&self) -> bool {
+        !matches!(self, Injection::None)
+    }
+}
+
+/// Application behaviour for one direction of the stream.
+#[derive(Clone, Debug)]
+pub struct AppSpec {
+    pub messages: u32,
+    pub max_len: u64,
+    /// Probability that the sender rewrites part of its buffer right after send().
+    pub p_touch_send: f64,
+    /// Probability that the receiver writes into its buffer before reading it.
+    pub p_touch_recv: f64,
+    pub p_nonblocking: f64,
+    pub p_peek: f64,
+    pub p_waitall: f64,
+    /// Probability of reusing buffer 0 (the paper's benchmarks reuse one buffer).
+    pub p_reuse: f64,
+    /// Compute time between operations.
+    pub max_compute: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    pub seed: u64,
+    pub page: [u64; 2],
+    pub engine: [EngineConfig; 2],
+    pub fabric: SimFabricParams,
+    /// Direction 0 is side 0 -> side 1; direction 1 (if any) the reverse.
+    pub apps: Vec<AppSpec>,
+    pub injection: Injection,
+    /// Per-side delay before the progress engine reacts to fabric events.
+    pub skew: [(u64, u64); 2],
+    /// Probabilities that a host operation fails (registration, arm, copy).
+    pub p_prepare_fail: f64,
+    pub p_arm_fail: f64,
+    pub p_copy_fail: f64,
+    /// Buffers in each side's pool: (capacity, protectable).
+    pub buffers: [Vec<(u64, bool)>; 2],
+    pub time_limit: Duration,
+}
+
+impl Scenario {
+    pub fn from_seed(seed: u64) -> Scenario {
+        let mut r = Rng::new(seed);
+        let page = [page_size(&mut r), page_size(&mut r)];
+        let fabric = SimFabricParams {
+            msg_latency: (r.range(200, 2_000), r.range(2_000, 20_000)),
+            op_latency: (r.range(500, 3_000), r.range(3_000, 30_000)),
+            bytes_per_us: r.range(500, 12_000),
+            ring_capacity: r.range(2, 64) as usize,
+            death_detect: Duration::from_micros(r.range(10, 2_000)),
+            lock_slots: r.range(1, 16) as u16,
+        };
+        let engine = [
+            engine_config(&mut r, Role::Client, page[0], fabric.lock_slots),
+            engine_config(&mut r, Role::Server, page[1], fabric.lock_slots),
+        ];
+        let bidirectional = r.chance(0.4);
+        let mut apps = vec![app_spec(&mut r)];
+        if bidirectional {
+            apps.push(app_spec(&mut r));
+        }
+        let injection = match r.below(20) {
+            0..=1 => Injection::Kill {
+                side: r.below(2) as usize,
+                at: Duration::from_micros(r.range(1, 20_000)),
+            },
+            2 => Injection::Stall {
+                side: r.below(2) as usize,
+                at: Duration::from_micros(r.range(1, 5_000)),
+                dur: Duration::from_millis(200),
+            },
+            3 => Injection::Garbage {
+                side: r.below(2) as usize,
+                nth: r.range(0, 40),
+            },
+            4 => Injection::Lie {
+                side: r.below(2) as usize,
+                nth: r.range(0, 4),
+            },
+            _ => Injection::None,
+        };
+        let host_failures = r.chance(0.2);
+        let mut buffers = [Vec::new(), Vec::new()];
+        for b in &mut buffers {
+            for _ in 0..r.range(2, 6) {
+                let cap = *r.pick(&[4 << 10, 64 << 10, 1 << 20, (4 << 20) + 8192]);
+                b.push((cap, r.chance(0.85)));
+            }
+        }
+        Scenario {
+            seed,
+            page,
+            engine,
+            fabric,
+            apps,
+            injection,
+            skew: [(0, r.range(0, 20_000)), (0, r.range(0, 20_000))],
+            p_prepare_fail: if host_failures { 0.05 } else { 0.0 },
+            p_arm_fail: if host_failures { 0.05 } else { 0.0 },
+            p_copy_fail: if host_failures { 0.05 } else { 0.0 },
+            buffers,
+            time_limit: Duration::from_secs(30),
+        }
+    }
+}
+
+fn page_size(r: &mut Rng) -> u64 {
+    *r.pick(&[4096, 4096, 4096, 16384])
+}
+
+fn engine_config(r: &mut Rng, role: Role, page: u64, slots: u16) -> EngineConfig {
+    let mut caps = Capabilities::ALL;
+    caps.protect_send = r.chance(0.9);
+    caps.arm_recv = r.chance(0.85);
+    caps.cas = r.chance(0.9);
+    caps.zcopy_source = r.chance(0.95);
+    caps.zcopy_sink = r.chance(0.95);
+    let mut c = EngineConfig::new(
+        role,
+        caps,
+        LockRegion {
+            addr: 0,
+            key: 0,
+            slots,
+        },
+    );
+    c.page_size = page as u32;
+    c.zcopy_threshold = *r.pick(&[1, 1024, 4096, 64 << 10, 1 << 20]);
+    c.async_zcopy = r.chance(0.75);
+    c.write_fault = if r.chance(0.5) {
+        FaultPolicy::Copy
+    } else {
+        FaultPolicy::Block
+    };
+    c.block_escalate = Duration::from_micros(*r.pick(&[0, 100, 1_000, 5_000]));
+    c.recv_protect = *r.pick(&[RecvProtect::Off, RecvProtect::On, RecvProtect::Auto]);
+    c.recv_protect_min = *r.pick(&[4096, 64 << 10, 256 << 10]);
+    c.max_outstanding = r.range(1, 16) as u16;
+    c.max_avail_len = *r.pick(&[page as u32, 64 << 10, 1 << 20, 8 << 20]);
+    c.fallback_faults = *r.pick(&[0, 1, 2, 4, 8]);
+    c.fallback_window = r.range(1, 16) as u32;
+    c.fallback_recover = *r.pick(&[0, 1, 4, 16]);
+    c.sndbuf = *r.pick(&[1, 4096, 64 << 10, 1 << 20]);
+    c.rx_credits = r.range(1, 32) as u16;
+    c.slot_size = *r.pick(&[256, 4096, 16 << 10, 64 << 10]);
+    c.peer_timeout = Duration::from_millis(50);
+    c.keepalive = Duration::from_millis(10);
+    c.linger = Duration::from_millis(500);
+    c
+}
+
+fn app_spec(r: &mut Rng) -> AppSpec {
+    AppSpec {
+        messages: r.range(1, 24) as u32,
+        max_len: *r.pick(&[64, 8 << 10, 256 << 10, 4 << 20]),
+        p_touch_send: *r.pick(&[0.0, 0.2, 0.6, 1.0]),
+        p_touch_recv: *r.pick(&[0.0, 0.2, 0.6]),
+        p_nonblocking: *r.pick(&[0.0, 0.1, 0.5]),
+        p_peek: *r.pick(&[0.0, 0.05, 0.2]),
+        p_waitall: *r.pick(&[0.0, 0.3]),
+        p_reuse: *r.pick(&[0.0, 0.5, 0.9]),
+        max_compute: Duration::from_micros(*r.pick(&[0, 10, 200, 2_000])),
+    }
+}

@@ -1,0 +1,3 @@
+//! The `azsdp` command.
+
+fn main() {}
