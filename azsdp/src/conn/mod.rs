@@ -200,6 +200,8 @@ pub struct Connection {
     linger_deadline: Option<Timestamp>,
     /// A recv after an abort reports the error once, like TCP after a reset.
     reset_reported: bool,
+    /// Work waits for queued actions to run: `poll_timeout` says "now".
+    repoll: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -264,6 +266,7 @@ impl Connection {
             app_closed: false,
             linger_deadline: None,
             reset_reported: false,
+            repoll: false,
             cfg,
         };
         if c.cfg.role == Role::Client {
@@ -470,6 +473,9 @@ impl Connection {
 
     /// When the driver should call [`Connection::handle_timeout`] next.
     pub fn poll_timeout(&self) -> Option<Timestamp> {
+        if self.repoll {
+            return Some(self.now);
+        }
         if matches!(self.state, State::Aborted(_)) {
             return None;
         }
@@ -795,6 +801,9 @@ impl Connection {
     /// Time passed: keepalives, peer timeout, linger timeout, BOW escalation.
     pub fn handle_timeout(&mut self, now: Timestamp, mem: &mut dyn UserMemory) {
         self.now = now;
+        if std::mem::take(&mut self.repoll) {
+            self.progress(mem);
+        }
         if self.is_aborted() {
             return;
         }
@@ -897,6 +906,24 @@ impl Connection {
             escalated: true,
         });
         self.progress(mem);
+    }
+
+    /// Is `r` (application memory) unsafe to touch from the engine right now:
+    /// protected by us, or released by an action the driver has not run yet?
+    /// In the second case, ask to be polled again once it has.
+    fn memory_busy(&mut self, r: &Range<u64>, write: bool) -> bool {
+        if self.armed.overlaps(r) || (write && self.send_prot.overlaps(r)) {
+            return true;
+        }
+        let pending = self.actions.iter().any(|a| match a {
+            Action::Unprotect { range } => write && pages::overlaps(range, r),
+            Action::Disarm { range, .. } => pages::overlaps(range, r),
+            _ => false,
+        });
+        if pending {
+            self.repoll = true;
+        }
+        pending
     }
 
     /// Resume every waiter whose range is ordinary memory again.

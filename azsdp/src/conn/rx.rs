@@ -159,7 +159,7 @@ impl Connection {
                 Err(CallError::ConnReset)
             } else if stop == Stop::Full {
                 Ok(filled)
-            } else if filled > 0 && !f.waitall {
+            } else if filled > 0 && (!f.waitall || f.peek) {
                 Ok(filled)
             } else if stop == Stop::Empty && (self.rx_eof || self.rx_shut) {
                 Ok(filled)
@@ -211,7 +211,9 @@ impl Connection {
         call.filled = 0;
         let stop = self.fill_from_stream(mem);
         let call = &mut self.recv_calls[0];
-        if stop == Stop::Full || (call.filled > 0 && !call.flags.waitall) {
+        // MSG_WAITALL is ignored with MSG_PEEK: peeking consumes nothing, so a
+        // synchronous sender would never advertise more (docs/protocol.md).
+        if stop == Stop::Full || call.filled > 0 {
             call.peek_done = true;
             return Stop::Full;
         }
@@ -302,7 +304,7 @@ impl Connection {
     fn must_clear(&mut self, r: Range<u64>) -> bool {
         let page = self.page();
         let pages_r = pages::covering_pages(r.start, r.end - r.start, page);
-        let busy = self.send_prot.overlaps(&pages_r) || self.armed.overlaps(&pages_r);
+        let busy = self.memory_busy(&pages_r, true);
         if busy {
             // Writing here would fault on our own protection: copy the sends
             // aside (never wait on the peer's application), or let the earlier

@@ -285,7 +285,8 @@ impl Connection {
             let (buf, flags) = (call.buf, call.flags);
             if call.plan.is_none() {
                 // A source still being filled by an armed receive must land first.
-                if self.armed.overlaps(&buf.range()) {
+                let pages_r = pages::covering_pages(buf.addr, buf.len, self.page());
+                if self.memory_busy(&pages_r, false) {
                     return;
                 }
                 let plan = self.plan(buf, flags);
@@ -740,7 +741,11 @@ impl Connection {
                 return;
             }
         }
-        let sync_call = a.sync_call.take();
+        // Only a prepared advertisement was counted in its call's sync_pending.
+        let sync_call = a
+            .sync_call
+            .take()
+            .filter(|_| a.state != AvailState::Preparing);
         let prot = a.prot.take();
         let a = self.out_avails.remove(&id).expect("present");
         if let Some(p) = prot {
