@@ -637,6 +637,11 @@ impl Connection {
             }
             _ => {}
         }
+        // A closed connection lingers as long as the peer keeps taking data.
+        let progress = frame.credits > 0 || matches!(frame.msg, Message::GetComplete(_));
+        if progress && let Some(d) = self.linger_deadline.as_mut() {
+            *d = self.now + self.cfg.linger;
+        }
         if frame.credits > 0 {
             let c = u32::from(frame.credits);
             if c > self.credits_in_use {

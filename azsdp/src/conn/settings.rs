@@ -104,7 +104,8 @@ pub struct EngineConfig {
     pub peer_timeout: Duration,
     /// Probe a silent peer after this long.
     pub keepalive: Duration,
-    /// Time a closed connection may take to finish its transfers.
+    /// How long a closed connection may wait for the peer to take more of its
+    /// data before giving up (reset by every bit of progress).
     pub linger: Duration,
     pub caps: Capabilities,
     pub lock_region: LockRegion,

@@ -94,6 +94,8 @@ pub(super) struct OutAvail {
     pub sync_call: Option<CallId>,
     pub cancel_sent: bool,
     pub faults: u32,
+    /// Byte of the advertisement the copy in flight starts at.
+    pub copy_from: u32,
     /// While preparing: the ranges this advertisement asked to protect.
     /// If the driver fails, it leaves them unprotected.
     pub asked: Vec<Range<u64>>,
@@ -449,6 +451,7 @@ impl Connection {
                 sync_call: sync.then_some(owner),
                 cancel_sent: false,
                 faults: 0,
+                copy_from: 0,
                 asked,
             },
         );
@@ -799,6 +802,7 @@ impl Connection {
             AvailState::Queued => {
                 // Not posted: no one can be reading it; copy without the lock.
                 a.cow = Cow::Copying;
+                a.copy_from = 0;
                 let (addr, len) = (a.addr, u64::from(a.len));
                 self.counters.cow_attempts += 1;
                 let op = self.op(OpKind::Copy { avail: id });
@@ -835,7 +839,10 @@ impl Connection {
         };
         if old == lockword::open(a.gen_) {
             a.cow = Cow::Copying;
+            // A GET_COMPLETE may still advance `acked` before the copy is
+            // done; the copy (and the UPDATE) start where it is now.
             let off = a.acked;
+            a.copy_from = off;
             let (addr, len) = (a.addr + u64::from(off), u64::from(a.len - off));
             a.copy = None;
             let op = self.op(OpKind::Copy { avail: id });
@@ -858,7 +865,7 @@ impl Connection {
             return;
         };
         let posted = a.state == AvailState::Posted;
-        let base = if posted { a.acked } else { 0 };
+        let base = a.copy_from;
         match r {
             Ok(buf) if !aborted => {
                 a.cow = Cow::Idle;

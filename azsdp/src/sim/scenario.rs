@@ -182,7 +182,7 @@ fn engine_config(r: &mut Rng, role: Role, page: u64, slots: u16) -> EngineConfig
     c.fallback_faults = *r.pick(&[0, 1, 2, 4, 8]);
     c.fallback_window = r.range(1, 16) as u32;
     c.fallback_recover = *r.pick(&[0, 1, 4, 16]);
-    c.sndbuf = *r.pick(&[1, 4096, 64 << 10, 1 << 20]);
+    c.sndbuf = *r.pick(&[4096, 16 << 10, 64 << 10, 1 << 20]);
     c.rx_credits = r.range(1, 32) as u16;
     c.slot_size = *r.pick(&[256, 4096, 16 << 10, 64 << 10]);
     c.peer_timeout = Duration::from_millis(50);
