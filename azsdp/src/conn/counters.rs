@@ -7,6 +7,9 @@ pub enum FallbackReason {
     FaultRate,
     /// The host cannot protect pages safely (no full userfaultfd).
     NoProtection,
+    /// The peer keeps no lock words (or this side cannot compare-and-swap):
+    /// copy-on-write is impossible, so sends are synchronous (ZSDP).
+    NoCopyOnWrite,
     /// The peer cannot GET (or this side cannot expose memory): BSDP only.
     NoZeroCopy,
     /// Protecting or registering a buffer failed; that send used BSDP.

@@ -734,6 +734,11 @@ impl Connection {
         } else if !self.cfg.caps.protect_send {
             self.counters.fallback_reason = Some(FallbackReason::NoProtection);
             TxMode::Sync
+        } else if !cow {
+            // Without the peer's lock words a write to an in-flight page could
+            // only wait for the peer application to read: no asynchrony.
+            self.counters.fallback_reason = Some(FallbackReason::NoCopyOnWrite);
+            TxMode::Sync
         } else {
             TxMode::Async
         };

@@ -32,6 +32,9 @@ pub(super) enum Lock {
     Copied,
     /// Reading from the source's private copy: no lock needed.
     Updated,
+    /// This sink offered no lock words (no compare-and-swap): the source
+    /// never copies, so nothing needs locking.
+    Unused,
 }
 
 /// A SRC_AVAIL received from the peer.
@@ -271,16 +274,19 @@ impl Connection {
                     let pos = a.taken + skip as u32;
                     let k = want.min(u64::from(a.len - pos));
                     debug_assert!(k > 0, "empty advertisement {id} left in the stream: {a:?}");
-                    match a.lock {
-                        Lock::Held | Lock::Updated => {}
+                    let lock = a.lock;
+                    // Clear the destination before taking the lock: holding it
+                    // while waiting would block the source's copy-on-write.
+                    if self.must_clear(dst..dst + k) {
+                        return Stop::Wait;
+                    }
+                    match lock {
+                        Lock::Held | Lock::Updated | Lock::Unused => {}
                         Lock::Free => {
                             self.take_lock(id);
                             return Stop::Wait;
                         }
                         Lock::Taking | Lock::Releasing | Lock::Copied => return Stop::Wait,
-                    }
-                    if self.must_clear(dst..dst + k) {
-                        return Stop::Wait;
                     }
                     self.get_into_call(id, pos, dst, k);
                     self.recv_calls[0].filled += k;
@@ -527,6 +533,25 @@ impl Connection {
             Lock::Held => lockword::taken(g),
             Lock::Free if finished => lockword::open(g),
             Lock::Copied | Lock::Updated if finished => lockword::copied(g),
+            Lock::Unused => {
+                // No lock word in use: just report (and free the slot).
+                if a.taken > a.reported || finished {
+                    a.reported = a.taken;
+                    let g = wire::GetComplete {
+                        id,
+                        consumed: a.taken,
+                        final_: finished,
+                    };
+                    self.out.push_back(OutMsg::GetComplete(g));
+                }
+                if finished {
+                    let (slot, gen_) = (usize::from(a.slot), a.gen_);
+                    self.in_avails.remove(&id);
+                    self.my_slot_user[slot] = None;
+                    self.my_slot_gen[slot] = gen_.wrapping_add(1);
+                }
+                return;
+            }
             Lock::Updated | Lock::Free => {
                 // Nothing to release: just report.
                 if a.taken > a.reported {
@@ -757,7 +782,11 @@ impl Connection {
                 update_seen: false,
                 taken: 0,
                 gets: 0,
-                lock: Lock::Free,
+                lock: if self.cfg.caps.cas {
+                    Lock::Free
+                } else {
+                    Lock::Unused
+                },
                 reported: 0,
                 cancel_req: false,
             },
@@ -790,10 +819,10 @@ impl Connection {
                 why: "base beyond what the sink has taken",
             });
         }
-        if a.lock == Lock::Held {
+        if matches!(a.lock, Lock::Held | Lock::Unused) {
             return Err(ProtocolError::Unexpected {
                 ty,
-                when: "while the sink holds the lock",
+                when: "while the sink holds the lock, or without lock words",
             });
         }
         if u.addr.checked_add(u64::from(a.len - u.base)).is_none() {

@@ -561,10 +561,16 @@ impl Connection {
                 }
                 TxItem::Avail(id) => {
                     let id = *id;
-                    self.txq.pop_front();
                     let Some(a) = self.out_avails.get_mut(&id) else {
+                        self.txq.pop_front();
                         continue;
                     };
+                    if a.cow == Cow::Copying {
+                        // A lock-free copy (started before posting) is in
+                        // flight: post it once it is done, pointing at the copy.
+                        return;
+                    }
+                    self.txq.pop_front();
                     a.state = AvailState::Posted;
                     let src = a.source_at(0);
                     let msg = wire::SrcAvail {

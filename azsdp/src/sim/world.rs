@@ -1094,8 +1094,12 @@ impl World {
                     .iter()
                     .any(|r| r.start < addr + n && addr < r.end)
                 {
-                    // Reading promised-but-lost armed data: SIGBUS in the real system.
+                    // Reading promised-but-lost armed data: SIGBUS in the real
+                    // system. recv() did return these bytes, so they count.
                     self.threads[t].sigbus = true;
+                    if !peek {
+                        self.threads[t].pos += n;
+                    }
                     return Some(Phase::Release);
                 }
                 let p = self.app_access(t, addr, n, pos, None);
