@@ -113,8 +113,9 @@ fn main() {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let (n, failures) = run_seeds(args.first, args.seeds, threads);
-    for f in &failures {
+    let summary = run_seeds(args.first, args.seeds, threads);
+    let (n, failures) = (summary.seeds, &summary.failures);
+    for f in failures {
         println!(
             "seed {} FAILED: {}",
             f.seed,
@@ -126,6 +127,24 @@ fn main() {
         );
     }
     if args.verbose {
+        let t = &summary.totals;
+        println!(
+            "all seeds: {} injected failures, {} aborted; {} sends, {} recvs; {} B by BSDP, {} B by AZ-SDP, {} B by ZSDP; {} GETs; {} faults; {} copy-on-writes ({} lost races); {} fallbacks, {} recoveries; {} cancels",
+            summary.injected,
+            summary.aborted,
+            t.sends,
+            t.recvs,
+            t.bytes_sent_bsdp,
+            t.bytes_sent_async,
+            t.bytes_sent_sync,
+            t.gets,
+            t.send_faults + t.recv_faults,
+            t.cow_copies,
+            t.cow_lost,
+            t.fallbacks,
+            t.recoveries,
+            t.cancels_sent
+        );
         let shown = failures.first().map_or(args.first, |f| f.seed);
         print_report(&run_seed(shown, false), false);
     }

@@ -281,7 +281,8 @@ mod tests {
                 tail: 0
             }
         );
-        assert_eq!(whole_pages(100, 100, p), 4096..4096);
+        assert!(whole_pages(100, 100, p).is_empty());
+        assert_eq!(whole_pages(100, 10000, p), 4096..8192);
         assert_eq!(covering_pages(100, 4096, p), 0..8192);
         assert_eq!(page_up(u64::MAX - 3, p), page_down(u64::MAX, p));
     }

@@ -164,7 +164,10 @@ pub struct Connection {
     txq: VecDeque<TxItem>,
     send_calls: VecDeque<SendCall>,
     out_avails: BTreeMap<u32, OutAvail>,
+    /// Local handles of advertisements, and the ids they were posted under.
     next_avail_id: u32,
+    next_wire_id: u32,
+    wire_ids: BTreeMap<u32, u32>,
     /// Generation of each of the peer's lock slots, and whether it is in use.
     slot_gen: Vec<u32>,
     slot_busy: Vec<bool>,
@@ -241,6 +244,8 @@ impl Connection {
             send_calls: VecDeque::new(),
             out_avails: BTreeMap::new(),
             next_avail_id: 0,
+            next_wire_id: 0,
+            wire_ids: BTreeMap::new(),
             slot_gen: Vec::new(),
             slot_busy: Vec::new(),
             send_prot: RangeCounter::new(),

@@ -485,10 +485,10 @@ impl Connection {
         }
         if a.cancel_req && a.taken < a.len {
             a.len = a.taken;
-            self.rx_stream_off = a.stream_off + u64::from(a.taken);
-            if self.rxq.back() == Some(&RxItem::Avail(id)) {
-                self.rxq.pop_back();
-            }
+            // Withdrawals may resolve in any order; the stream ends at the
+            // earliest truncation.
+            self.rx_stream_off = self.rx_stream_off.min(a.stream_off + u64::from(a.taken));
+            self.rxq.retain(|x| *x != RxItem::Avail(id));
         }
         let a = &self.in_avails[&id];
         if a.taken == a.len {
@@ -857,12 +857,22 @@ impl Connection {
         if a.taken == a.len || a.cancel_req {
             return Ok(());
         }
-        if self.rxq.back() != Some(&RxItem::Avail(id)) {
+        // Only the end of the stream may be withdrawn: whatever follows this
+        // advertisement must be withdrawn too (those cancels came first).
+        let pos = self.rxq.iter().position(|x| *x == RxItem::Avail(id));
+        let tail_withdrawn = pos.is_some_and(|p| {
+            self.rxq.iter().skip(p + 1).all(|x| match x {
+                RxItem::Avail(later) => self.in_avails.get(later).is_some_and(|l| l.cancel_req),
+                RxItem::Data(_) => false,
+            })
+        });
+        if !tail_withdrawn {
             return Err(ProtocolError::Invalid {
                 ty,
                 why: "cancels an advertisement that is not the end of the stream",
             });
         }
+        let a = self.in_avails.get_mut(&id).expect("live");
         a.cancel_req = true;
         if a.gets == 0 && !matches!(a.lock, Lock::Taking | Lock::Releasing) {
             self.after_gets(id);

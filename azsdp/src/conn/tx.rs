@@ -73,7 +73,10 @@ pub(super) enum Cow {
 /// A SRC_AVAIL this side advertised (or is about to).
 #[derive(Debug)]
 pub(super) struct OutAvail {
+    /// Local handle (key of `out_avails`); never on the wire.
     pub id: u32,
+    /// Id on the wire, assigned when posted so posted ids stay consecutive.
+    pub wire_id: Option<u32>,
     pub slot: u16,
     pub gen_: u32,
     pub stream_off: u64,
@@ -183,8 +186,9 @@ impl Connection {
             } else {
                 c.plan = Some(VecDeque::new());
             }
-            // Withdraw its synchronous advertisements, newest first, so each
-            // truncation happens at the end of the stream.
+            // Withdraw its synchronous advertisements, newest first, as long
+            // as each is the end of the stream (a truncation elsewhere would
+            // tear a hole in it); the others finish normally.
             let ids: Vec<u32> = self
                 .out_avails
                 .values()
@@ -192,7 +196,16 @@ impl Connection {
                 .map(|a| a.id)
                 .rev()
                 .collect();
+            let mut end = self.tx_stream_off;
             for id in ids {
+                let a = &self.out_avails[&id];
+                if a.state == AvailState::Preparing {
+                    continue; // withdrawn when its preparation answers
+                }
+                if a.stream_off + u64::from(a.len) != end {
+                    break;
+                }
+                end = a.stream_off;
                 self.cancel_out_avail(id);
             }
         }
@@ -209,7 +222,8 @@ impl Connection {
         match a.state {
             AvailState::Posted => {
                 a.cancel_sent = true;
-                self.out.push_back(OutMsg::Cancel(id));
+                let wire_id = a.wire_id.expect("posted");
+                self.out.push_back(OutMsg::Cancel(wire_id));
                 self.counters.cancels_sent += 1;
             }
             AvailState::Queued => {
@@ -220,7 +234,6 @@ impl Connection {
                 self.tx_stream_off -= len;
                 a.acked = 0;
                 self.finish_out_avail(id);
-                self.forget_unposted_id(id);
             }
             AvailState::Preparing => {}
         }
@@ -437,6 +450,7 @@ impl Connection {
             id,
             OutAvail {
                 id,
+                wire_id: None,
                 slot,
                 gen_: self.slot_gen[usize::from(slot)],
                 stream_off: 0,
@@ -486,13 +500,21 @@ impl Connection {
                 self.txq.push_back(TxItem::Avail(id));
                 let len = u64::from(a.len);
                 let sync = a.sync_call.is_some();
+                let mut withdraw = false;
                 if let Some(i) = head {
                     let call = &mut self.send_calls[i];
                     if sync {
                         call.sync_pending += 1;
+                        withdraw = call.cancelled;
                     } else {
                         call.accepted += len;
                     }
+                }
+                if withdraw {
+                    // Its call was interrupted meanwhile; it is the end of
+                    // the stream and unposted: take it back.
+                    self.cancel_out_avail(id);
+                    return;
                 }
                 if !sync {
                     self.counters.bytes_sent_async += len;
@@ -522,7 +544,6 @@ impl Connection {
                 self.counters.fallback_reason = Some(FallbackReason::PrepareFailed);
                 let (addr, len) = (a.addr, u64::from(a.len));
                 self.drop_out_avail(id);
-                self.forget_unposted_id(id);
                 // Send those bytes by copy instead, in the same place in the stream.
                 if let Some(i) = head
                     && !aborted
@@ -572,9 +593,13 @@ impl Connection {
                     }
                     self.txq.pop_front();
                     a.state = AvailState::Posted;
+                    let wire_id = self.next_wire_id;
+                    self.next_wire_id = self.next_wire_id.wrapping_add(1);
+                    a.wire_id = Some(wire_id);
+                    self.wire_ids.insert(wire_id, id);
                     let src = a.source_at(0);
                     let msg = wire::SrcAvail {
-                        id,
+                        id: wire_id,
                         lock_slot: a.slot,
                         lock_gen: a.gen_,
                         len: a.len,
@@ -597,9 +622,10 @@ impl Connection {
     /// GET_COMPLETE from the sink.
     pub(super) fn on_get_complete(&mut self, g: wire::GetComplete) -> Result<(), ProtocolError> {
         let ty = MsgType::GetComplete;
-        let Some(a) = self.out_avails.get_mut(&g.id) else {
+        let Some(&id) = self.wire_ids.get(&g.id) else {
             return Err(ProtocolError::UnknownAvail { ty, id: g.id });
         };
+        let a = self.out_avails.get_mut(&id).expect("mapped");
         if a.state != AvailState::Posted {
             return Err(ProtocolError::Unexpected {
                 ty,
@@ -637,7 +663,7 @@ impl Connection {
         let finished = a.acked == a.len || g.final_;
         self.unprotect(released);
         if finished {
-            self.finish_out_avail(g.id);
+            self.finish_out_avail(id);
         } else {
             // Writers that lost the lock race try again now.
             let retry: Vec<Range<u64>> = self
@@ -680,6 +706,9 @@ impl Connection {
         let Some(a) = self.out_avails.remove(&id) else {
             return;
         };
+        if let Some(w) = a.wire_id {
+            self.wire_ids.remove(&w);
+        }
         if let Some(p) = a.prot.clone() {
             self.unprotect(p);
         }
@@ -699,7 +728,10 @@ impl Connection {
             });
         }
         self.slot_busy[usize::from(a.slot)] = false;
-        self.slot_gen[usize::from(a.slot)] = a.gen_.wrapping_add(1);
+        if a.state == AvailState::Posted {
+            // The sink moves to the next generation when it finishes this one.
+            self.slot_gen[usize::from(a.slot)] = a.gen_.wrapping_add(1);
+        }
         if let Some(owner) = a.sync_call {
             if a.cancel_sent && a.acked < a.len {
                 // The unsent rest leaves the stream; it was its tail.
@@ -718,19 +750,6 @@ impl Connection {
             self.counters.fallbacks += 1;
             self.counters.fallback_reason = Some(FallbackReason::FaultRate);
             self.mode = TxMode::Sync;
-        }
-    }
-
-    /// An advertisement the peer never saw is withdrawn: give its id back so
-    /// the ids on the wire stay consecutive. It is always the newest one.
-    fn forget_unposted_id(&mut self, id: u32) {
-        debug_assert_eq!(
-            id.wrapping_add(1),
-            self.next_avail_id,
-            "withdrawn id is not the newest"
-        );
-        if id.wrapping_add(1) == self.next_avail_id {
-            self.next_avail_id = id;
         }
     }
 
@@ -757,6 +776,9 @@ impl Connection {
             .filter(|_| a.state != AvailState::Preparing);
         let prot = a.prot.take();
         let a = self.out_avails.remove(&id).expect("present");
+        if let Some(w) = a.wire_id {
+            self.wire_ids.remove(&w);
+        }
         if let Some(p) = prot {
             self.unprotect(p);
         }
@@ -871,6 +893,7 @@ impl Connection {
             return;
         };
         let posted = a.state == AvailState::Posted;
+        let wire_id = a.wire_id.unwrap_or(0);
         let base = a.copy_from;
         match r {
             Ok(buf) if !aborted => {
@@ -883,7 +906,7 @@ impl Connection {
                 self.counters.cow_bytes += u64::from(a.len - base);
                 if posted {
                     self.out.push_back(OutMsg::Update(wire::SrcAvailUpdate {
-                        id,
+                        id: wire_id,
                         base,
                         addr: buf.addr,
                         key: buf.key,
@@ -908,7 +931,7 @@ impl Connection {
                 if posted {
                     let src = a.source_at(base);
                     self.out.push_back(OutMsg::Update(wire::SrcAvailUpdate {
-                        id,
+                        id: wire_id,
                         base,
                         addr: src.addr,
                         key: src.key,

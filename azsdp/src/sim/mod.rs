@@ -52,12 +52,96 @@ pub fn run_seed(seed: u64, verbose: bool) -> SimReport {
     world::World::new(Scenario::from_seed(seed), verbose).run()
 }
 
-/// Run seeds `first..first+count` on `threads` threads; failing reports only.
-pub fn run_seeds(first: u64, count: u64, threads: usize) -> (u64, Vec<SimReport>) {
+/// What a batch of seeds did, for coverage checks and the demo's summary.
+#[derive(Debug, Default)]
+pub struct BatchSummary {
+    pub seeds: u64,
+    pub failures: Vec<SimReport>,
+    /// Counters of both sides of every seed, added up.
+    pub totals: Counters,
+    /// Seeds whose scenario injected a failure.
+    pub injected: u64,
+    /// Seeds that ended with at least one side aborted.
+    pub aborted: u64,
+}
+
+fn add(total: &mut Counters, c: &Counters) {
+    let Counters {
+        bytes_sent_bsdp,
+        bytes_sent_async,
+        bytes_sent_sync,
+        sends,
+        data_msgs_sent,
+        avails_sent,
+        updates_sent,
+        cancels_sent,
+        bytes_recv_bsdp,
+        bytes_recv_zcopy,
+        recvs,
+        gets,
+        get_bytes,
+        armed_recvs,
+        armed_bytes,
+        armed_lost_bytes,
+        send_faults,
+        recv_faults,
+        spurious_faults,
+        cow_attempts,
+        cow_copies,
+        cow_bytes,
+        cow_lost,
+        block_escalations,
+        fallbacks,
+        recoveries,
+        prepare_failures,
+        arm_failures,
+        fallback_reason: _,
+        msgs_sent,
+        msgs_received,
+        credits_returned,
+    } = c;
+    total.bytes_sent_bsdp += bytes_sent_bsdp;
+    total.bytes_sent_async += bytes_sent_async;
+    total.bytes_sent_sync += bytes_sent_sync;
+    total.sends += sends;
+    total.data_msgs_sent += data_msgs_sent;
+    total.avails_sent += avails_sent;
+    total.updates_sent += updates_sent;
+    total.cancels_sent += cancels_sent;
+    total.bytes_recv_bsdp += bytes_recv_bsdp;
+    total.bytes_recv_zcopy += bytes_recv_zcopy;
+    total.recvs += recvs;
+    total.gets += gets;
+    total.get_bytes += get_bytes;
+    total.armed_recvs += armed_recvs;
+    total.armed_bytes += armed_bytes;
+    total.armed_lost_bytes += armed_lost_bytes;
+    total.send_faults += send_faults;
+    total.recv_faults += recv_faults;
+    total.spurious_faults += spurious_faults;
+    total.cow_attempts += cow_attempts;
+    total.cow_copies += cow_copies;
+    total.cow_bytes += cow_bytes;
+    total.cow_lost += cow_lost;
+    total.block_escalations += block_escalations;
+    total.fallbacks += fallbacks;
+    total.recoveries += recoveries;
+    total.prepare_failures += prepare_failures;
+    total.arm_failures += arm_failures;
+    total.msgs_sent += msgs_sent;
+    total.msgs_received += msgs_received;
+    total.credits_returned += credits_returned;
+}
+
+/// Run seeds `first..first+count` on `threads` threads.
+pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
     let next = AtomicU64::new(first);
-    let failures = Mutex::new(Vec::new());
+    let summary = Mutex::new(BatchSummary {
+        seeds: count,
+        ..BatchSummary::default()
+    });
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
@@ -67,14 +151,20 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> (u64, Vec<SimReport>
                         break;
                     }
                     let r = run_seed(seed, false);
+                    let mut sum = summary.lock().unwrap_or_else(|e| e.into_inner());
+                    add(&mut sum.totals, &r.counters[0]);
+                    add(&mut sum.totals, &r.counters[1]);
+                    sum.injected += u64::from(r.scenario.injection.is_fatal());
+                    sum.aborted +=
+                        u64::from(r.states.iter().any(|s| matches!(s, State::Aborted(_))));
                     if !r.passed() {
-                        failures.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+                        sum.failures.push(r);
                     }
                 }
             });
         }
     });
-    let mut f = failures.into_inner().unwrap_or_else(|e| e.into_inner());
-    f.sort_by_key(|r| r.seed);
-    (count, f)
+    let mut sum = summary.into_inner().unwrap_or_else(|e| e.into_inner());
+    sum.failures.sort_by_key(|r| r.seed);
+    sum
 }

@@ -58,6 +58,12 @@ pub struct AppSpec {
     pub p_reuse: f64,
     /// Compute time between operations.
     pub max_compute: Duration,
+    /// Probability that a blocking call is interrupted (a signal: EINTR or a
+    /// short count), at a random instant within 200 us.
+    pub p_cancel: f64,
+    /// Probability that the sender frees (or unmaps) its buffer right after
+    /// send() returned: in-flight pages must be finished or copied first.
+    pub p_free: f64,
 }
 
 #[derive(Clone, Debug)]
@@ -202,5 +208,7 @@ fn app_spec(r: &mut Rng) -> AppSpec {
         p_waitall: *r.pick(&[0.0, 0.3]),
         p_reuse: *r.pick(&[0.0, 0.5, 0.9]),
         max_compute: Duration::from_micros(*r.pick(&[0, 10, 200, 2_000])),
+        p_cancel: *r.pick(&[0.0, 0.0, 0.1, 0.3]),
+        p_free: *r.pick(&[0.0, 0.0, 0.1, 0.5]),
     }
 }

@@ -36,6 +36,11 @@ enum WEvent {
     Timer(usize),
     Poll(usize),
     Kill(usize),
+    /// A signal interrupts the call, if it is still blocked.
+    Cancel {
+        side: usize,
+        call: CallId,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +84,10 @@ enum Phase {
         touch: Option<(u64, u64)>,
         pos: u64,
     },
+    /// Sender: free (or unmap) the buffer; in-flight pages must be settled.
+    Free,
+    /// Sender: the allocator reuses the freed memory.
+    Reuse,
     Release,
     Finish,
     Done,
@@ -288,7 +297,8 @@ impl World {
             WEvent::Host { side, .. }
             | WEvent::Timer(side)
             | WEvent::Poll(side)
-            | WEvent::Kill(side) => side,
+            | WEvent::Kill(side)
+            | WEvent::Cancel { side, .. } => side,
         }
     }
 
@@ -406,6 +416,13 @@ impl World {
                     return;
                 }
                 self.poll_fabric(side);
+            }
+            WEvent::Cancel { side, call } => {
+                if !self.hosts[side].dead && self.calls.contains_key(&call) {
+                    self.note(|| format!("side {side}: signal interrupts {call:?}"));
+                    self.conns[side].cancel(self.now, call, &mut self.mems[side]);
+                    self.drive(side);
+                }
             }
             WEvent::Kill(side) => {
                 self.note(|| format!("KILL side {side}"));
@@ -746,6 +763,19 @@ impl World {
         p
     }
 
+    /// Maybe arrange for a signal to interrupt `call` soon.
+    fn maybe_interrupt(&mut self, t: usize, call: CallId, nonblocking: bool) {
+        let side = self.threads[t].side;
+        let p = self.sc.apps[self.threads[t].dir].p_cancel;
+        if !nonblocking && self.threads[t].rng.chance(p) {
+            let d = self.threads[t].rng.below(200_000);
+            self.schedule(
+                self.now + Duration::from_nanos(d),
+                WEvent::Cancel { side, call },
+            );
+        }
+    }
+
     fn sleep(&mut self, t: usize, d: Duration) {
         self.threads[t].waiting = Some(Wait::Sleep);
         self.schedule(self.now + d, WEvent::Wake(t));
@@ -864,6 +894,8 @@ impl World {
                             self.threads[t].phase = Phase::Send;
                             return None;
                         }
+                        // EINTR: the application retries.
+                        Err(CallError::Interrupted) => {}
                         Err(e) => {
                             self.threads[t].error = Some(e);
                             return Some(Phase::Finish);
@@ -884,7 +916,7 @@ impl World {
                             pos: 0,
                         });
                     }
-                    return Some(Phase::Release);
+                    return Some(Phase::Free);
                 }
                 let idx = self.threads[t].buf.expect("buffer");
                 let addr = Self::buf_addr(side, idx) + off + sent;
@@ -908,6 +940,7 @@ impl World {
                     &mut self.mems[side],
                 );
                 self.drive(side);
+                self.maybe_interrupt(t, call, nonblocking);
                 self.threads[t].phase = Phase::Send;
                 None
             }
@@ -937,6 +970,38 @@ impl World {
                         "side {side}: the sender's own write at {addr:#x} (+{len}) did not stick"
                     ));
                 }
+                Some(Phase::Free)
+            }
+            Phase::Free => {
+                if !self.threads[t].rng.chance(self.sc.apps[dir].p_free) {
+                    return Some(Phase::Release);
+                }
+                let idx = self.threads[t].buf.expect("buffer");
+                let addr = Self::buf_addr(side, idx);
+                let cap = self.sc.buffers[side][idx].0;
+                let page = self.sc.page[side];
+                let range = addr..(addr + cap).next_multiple_of(page);
+                let ticket = Ticket(self.fresh_id());
+                self.tickets.insert(ticket, t);
+                self.threads[t].waiting = Some(Wait::Fault(ticket));
+                self.note(|| format!("side {side}: free {range:x?}"));
+                self.conns[side].evacuate(self.now, ticket, range, &mut self.mems[side]);
+                self.drive(side);
+                self.threads[t].phase = Phase::Reuse;
+                None
+            }
+            Phase::Reuse => {
+                // free() returned: the memory is ordinary again and gets reused.
+                let idx = self.threads[t].buf.expect("buffer");
+                let addr = Self::buf_addr(side, idx);
+                let cap = self.sc.buffers[side][idx].0;
+                if let Some(p) = self.mems[side].first_fault(addr, cap, true) {
+                    self.violations.push(format!(
+                        "side {side}: page {p:#x} still protected after free() was allowed to proceed"
+                    ));
+                }
+                let junk = vec![0xeeu8; cap as usize];
+                self.mems[side].write_raw(addr, &junk);
                 Some(Phase::Release)
             }
             Phase::Release => {
@@ -1026,6 +1091,7 @@ impl World {
                             self.threads[t].phase = Phase::Recv;
                             return None;
                         }
+                        Err(CallError::Interrupted) => return Some(Phase::Recv),
                         Err(e) => {
                             self.threads[t].error = Some(e);
                             return Some(Phase::Release);
