@@ -1,0 +1,693 @@
+//! Configuration: a TOML file, `AZSDP_CONFIG=FILE`, and `AZSDP_<KEY>=value`
+//! overrides of single global keys.
+//!
+//! ```toml
+//! zcopy_threshold = "64KiB"     # global tunables at the top level
+//! write_fault = "copy"
+//!
+//! [[rule]]                      # first matching rule wins
+//! program = "redis-*"
+//! role = "server"
+//! address = "10.0.0.0/8"
+//! port = "6379"
+//! use = "azsdp"                 # azsdp | tcp | both
+//! zcopy_threshold = "16KiB"     # per-rule tunables override the globals
+//! ```
+//!
+//! Every error names the file (or variable), the line and the key. The full
+//! reference is `docs/config.md`.
+
+mod values;
+
+use std::fmt;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use toml::Spanned;
+use toml::de::{DeTable, DeValue};
+
+use crate::conn::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect, Role};
+pub use values::{Cidr, Glob, PortRange, parse_duration, parse_size};
+
+/// Default location of the configuration file.
+pub const DEFAULT_PATH: &str = "/etc/azsdp/azsdp.toml";
+
+/// What a matching connection uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Use {
+    /// AZ-SDP only: a connection whose peer is not under azsdp is refused.
+    Azsdp,
+    /// Plain kernel TCP, never upgraded.
+    Tcp,
+    /// Try AZ-SDP; stay on TCP when the peer is not under azsdp.
+    Both,
+}
+
+/// Thresholds and policies. In rules, unset fields inherit the globals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tunables {
+    pub use_: Option<Use>,
+    pub zcopy_threshold: Option<u64>,
+    pub async_: Option<bool>,
+    pub write_fault: Option<FaultPolicy>,
+    pub block_escalate: Option<Duration>,
+    pub recv_protect: Option<RecvProtect>,
+    pub recv_protect_min: Option<u64>,
+    pub max_outstanding: Option<u16>,
+    pub max_avail: Option<u32>,
+    pub fallback_faults: Option<u32>,
+    pub fallback_window: Option<u32>,
+    pub fallback_recover: Option<u32>,
+    pub bsdp_buffer: Option<u64>,
+    pub bsdp_slot: Option<u32>,
+    pub bsdp_credits: Option<u16>,
+    pub poll: Option<Duration>,
+    pub peer_timeout: Option<Duration>,
+    pub keepalive: Option<Duration>,
+    pub linger: Option<Duration>,
+}
+
+/// Tunables with every field decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub use_: Use,
+    pub zcopy_threshold: u64,
+    pub async_: bool,
+    pub write_fault: FaultPolicy,
+    pub block_escalate: Duration,
+    pub recv_protect: RecvProtect,
+    pub recv_protect_min: u64,
+    pub max_outstanding: u16,
+    pub max_avail: u32,
+    pub fallback_faults: u32,
+    pub fallback_window: u32,
+    pub fallback_recover: u32,
+    pub bsdp_buffer: u64,
+    pub bsdp_slot: u32,
+    pub bsdp_credits: u16,
+    /// How long a waiting thread polls before it sleeps (a driver setting).
+    pub poll: Duration,
+    pub peer_timeout: Duration,
+    pub keepalive: Duration,
+    pub linger: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        let e = EngineConfig::new(
+            Role::Client,
+            Capabilities::ALL,
+            LockRegion {
+                addr: 0,
+                key: 0,
+                slots: 0,
+            },
+        );
+        Settings {
+            use_: Use::Both,
+            zcopy_threshold: e.zcopy_threshold,
+            async_: e.async_zcopy,
+            write_fault: e.write_fault,
+            block_escalate: e.block_escalate,
+            recv_protect: e.recv_protect,
+            recv_protect_min: e.recv_protect_min,
+            max_outstanding: e.max_outstanding,
+            max_avail: e.max_avail_len,
+            fallback_faults: e.fallback_faults,
+            fallback_window: e.fallback_window,
+            fallback_recover: e.fallback_recover,
+            bsdp_buffer: e.sndbuf,
+            bsdp_slot: e.slot_size,
+            bsdp_credits: e.rx_credits,
+            poll: Duration::from_micros(20),
+            peer_timeout: e.peer_timeout,
+            keepalive: e.keepalive,
+            linger: e.linger,
+        }
+    }
+}
+
+impl Settings {
+    /// Apply the fields `t` sets.
+    pub fn overlay(&self, t: &Tunables) -> Settings {
+        let mut s = self.clone();
+        macro_rules! take {
+            ($($f:ident),*) => { $( if let Some(v) = t.$f { s.$f = v; } )* };
+        }
+        take!(
+            use_,
+            zcopy_threshold,
+            async_,
+            write_fault,
+            block_escalate,
+            recv_protect,
+            recv_protect_min,
+            max_outstanding,
+            max_avail,
+            fallback_faults,
+            fallback_window,
+            fallback_recover,
+            bsdp_buffer,
+            bsdp_slot,
+            bsdp_credits,
+            poll,
+            peer_timeout,
+            keepalive,
+            linger
+        );
+        s
+    }
+
+    /// The engine configuration for one connection.
+    pub fn engine_config(
+        &self,
+        role: Role,
+        caps: Capabilities,
+        lock_region: LockRegion,
+    ) -> EngineConfig {
+        let mut e = EngineConfig::new(role, caps, lock_region);
+        e.zcopy_threshold = self.zcopy_threshold;
+        e.async_zcopy = self.async_;
+        e.write_fault = self.write_fault;
+        e.block_escalate = self.block_escalate;
+        e.recv_protect = self.recv_protect;
+        e.recv_protect_min = self.recv_protect_min;
+        e.max_outstanding = self.max_outstanding;
+        e.max_avail_len = self.max_avail;
+        e.fallback_faults = self.fallback_faults;
+        e.fallback_window = self.fallback_window;
+        e.fallback_recover = self.fallback_recover;
+        e.sndbuf = self.bsdp_buffer;
+        e.slot_size = self.bsdp_slot;
+        e.rx_credits = self.bsdp_credits;
+        e.peer_timeout = self.peer_timeout;
+        e.keepalive = self.keepalive;
+        e.linger = self.linger;
+        e
+    }
+}
+
+/// One `[[rule]]`: all of its set conditions must hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// 1-based position in the file, for messages.
+    pub index: usize,
+    pub program: Option<Glob>,
+    pub role: Option<Role>,
+    pub address: Option<Cidr>,
+    pub port: Option<PortRange>,
+    pub tunables: Tunables,
+}
+
+/// What a connection is, for rule matching.
+#[derive(Clone, Debug)]
+pub struct Connection<'a> {
+    /// Path or name of the program (matched by its last component, or whole
+    /// if the pattern has a `/`).
+    pub program: &'a str,
+    pub role: Role,
+    /// The peer's address (client: the address connected to).
+    pub addr: IpAddr,
+    /// The listening port (server: its own; client: the one connected to).
+    pub port: u16,
+}
+
+/// A loaded configuration.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Where it came from (for messages and `azsdp stat`).
+    pub source: Option<PathBuf>,
+    pub global: Settings,
+    pub rules: Vec<Rule>,
+}
+
+/// What the rules decided for one connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// 1-based index of the matching rule, if any.
+    pub rule: Option<usize>,
+    pub settings: Settings,
+}
+
+/// A configuration error: where, which key, what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// File path, or `env AZSDP_X` for an environment override.
+    pub origin: String,
+    pub line: Option<usize>,
+    pub key: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.origin)?;
+        if let Some(l) = self.line {
+            write!(f, ":{l}")?;
+        }
+        if let Some(k) = &self.key {
+            write!(f, ": key `{k}`")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Environment variables with the AZSDP_ prefix that are not tunables.
+const RESERVED_ENV: &[&str] = &["CONFIG", "LOG", "SIM_SEEDS"];
+
+/// Every key a tunables table accepts, with its parser.
+const TUNABLE_KEYS: &[&str] = &[
+    "use",
+    "zcopy_threshold",
+    "async",
+    "write_fault",
+    "block_escalate",
+    "recv_protect",
+    "recv_protect_min",
+    "max_outstanding",
+    "max_avail",
+    "fallback_faults",
+    "fallback_window",
+    "fallback_recover",
+    "bsdp_buffer",
+    "bsdp_slot",
+    "bsdp_credits",
+    "poll",
+    "peer_timeout",
+    "keepalive",
+    "linger",
+];
+
+/// A raw value, whether from TOML or from the environment.
+enum Raw<'a> {
+    Str(&'a str),
+    Int(i64),
+    Bool(bool),
+    Other(&'static str),
+}
+
+fn to_u64(
+    raw: &Raw<'_>,
+    what: &str,
+    parse: fn(&str) -> Result<u64, String>,
+) -> Result<u64, String> {
+    match raw {
+        Raw::Int(n) if *n >= 0 => Ok(*n as u64),
+        Raw::Int(_) => Err(format!("{what} must not be negative")),
+        Raw::Str(s) => parse(s),
+        Raw::Bool(_) | Raw::Other(_) => Err(format!("{what} must be a number or a string")),
+    }
+}
+
+fn int(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a whole number"))
+}
+
+fn in_range<T: TryFrom<u64>>(v: u64, lo: u64, hi: u64, what: &str) -> Result<T, String> {
+    if v < lo || v > hi {
+        return Err(format!("{what} must be from {lo} to {hi}, not {v}"));
+    }
+    T::try_from(v).map_err(|_| format!("{what} is out of range"))
+}
+
+fn size_in(raw: &Raw<'_>, lo: u64, hi: u64) -> Result<u64, String> {
+    let v = to_u64(raw, "a size", parse_size)?;
+    in_range(v, lo, hi, "the size")
+}
+
+fn count_in<T: TryFrom<u64>>(raw: &Raw<'_>, lo: u64, hi: u64) -> Result<T, String> {
+    let v = to_u64(raw, "a count", int)?;
+    in_range(v, lo, hi, "the value")
+}
+
+fn duration(raw: &Raw<'_>) -> Result<Duration, String> {
+    match raw {
+        Raw::Str(s) => parse_duration(s),
+        Raw::Int(0) => Ok(Duration::ZERO),
+        _ => Err("a duration must be a string with a unit, such as \"10ms\"".into()),
+    }
+}
+
+fn boolean(raw: &Raw<'_>) -> Result<bool, String> {
+    match raw {
+        Raw::Bool(b) => Ok(*b),
+        Raw::Str(s) => match s.trim() {
+            "true" | "yes" | "on" | "1" => Ok(true),
+            "false" | "no" | "off" | "0" => Ok(false),
+            other => Err(format!("`{other}` is not true or false")),
+        },
+        _ => Err("must be true or false".into()),
+    }
+}
+
+fn choice<T: Copy>(raw: &Raw<'_>, options: &[(&str, T)]) -> Result<T, String> {
+    let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+    let Raw::Str(s) = raw else {
+        return Err(format!("must be one of {}", names.join(", ")));
+    };
+    options
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(s.trim()))
+        .map(|(_, v)| *v)
+        .ok_or_else(|| format!("`{s}` is not one of {}", names.join(", ")))
+}
+
+/// Set one tunable from a raw value.
+fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String> {
+    const GIB: u64 = 1 << 30;
+    match key {
+        "use" => {
+            t.use_ = Some(choice(
+                raw,
+                &[
+                    ("azsdp", Use::Azsdp),
+                    ("tcp", Use::Tcp),
+                    ("both", Use::Both),
+                ],
+            )?)
+        }
+        "zcopy_threshold" => t.zcopy_threshold = Some(size_in(raw, 0, u64::MAX)?),
+        "async" => t.async_ = Some(boolean(raw)?),
+        "write_fault" => {
+            t.write_fault = Some(choice(
+                raw,
+                &[("copy", FaultPolicy::Copy), ("block", FaultPolicy::Block)],
+            )?)
+        }
+        "block_escalate" => t.block_escalate = Some(duration(raw)?),
+        "recv_protect" => {
+            t.recv_protect = Some(choice(
+                raw,
+                &[
+                    ("auto", RecvProtect::Auto),
+                    ("on", RecvProtect::On),
+                    ("off", RecvProtect::Off),
+                ],
+            )?)
+        }
+        "recv_protect_min" => t.recv_protect_min = Some(size_in(raw, 0, u64::MAX)?),
+        "max_outstanding" => t.max_outstanding = Some(count_in(raw, 1, 1024)?),
+        "max_avail" => t.max_avail = Some(size_in(raw, 4096, GIB)? as u32),
+        "fallback_faults" => t.fallback_faults = Some(count_in(raw, 0, 1 << 20)?),
+        "fallback_window" => t.fallback_window = Some(count_in(raw, 1, 1 << 20)?),
+        "fallback_recover" => t.fallback_recover = Some(count_in(raw, 0, 1 << 30)?),
+        "bsdp_buffer" => t.bsdp_buffer = Some(size_in(raw, 4096, GIB)?),
+        "bsdp_slot" => {
+            t.bsdp_slot = Some(size_in(
+                raw,
+                u64::from(crate::wire::MIN_SLOT_SIZE),
+                u64::from(crate::wire::MAX_SLOT_SIZE),
+            )? as u32)
+        }
+        "bsdp_credits" => t.bsdp_credits = Some(count_in(raw, 1, 65535)?),
+        "poll" => t.poll = Some(duration(raw)?),
+        "peer_timeout" => t.peer_timeout = Some(duration(raw)?),
+        "keepalive" => t.keepalive = Some(duration(raw)?),
+        "linger" => t.linger = Some(duration(raw)?),
+        _ => return Err(format!("unknown key (known: {})", TUNABLE_KEYS.join(", "))),
+    }
+    Ok(())
+}
+
+fn raw_of<'a>(v: &'a DeValue<'_>) -> Raw<'a> {
+    match v {
+        DeValue::String(s) => Raw::Str(s),
+        DeValue::Integer(i) => {
+            let digits = i.as_str().replace('_', "");
+            match i64::from_str_radix(&digits, i.radix()) {
+                Ok(n) => Raw::Int(n),
+                Err(_) => Raw::Other("an out-of-range integer"),
+            }
+        }
+        DeValue::Boolean(b) => Raw::Bool(*b),
+        DeValue::Float(_) => Raw::Other("a float"),
+        DeValue::Datetime(_) => Raw::Other("a date"),
+        DeValue::Array(_) => Raw::Other("an array"),
+        DeValue::Table(_) => Raw::Other("a table"),
+    }
+}
+
+/// Line (1-based) of byte offset `pos` in `text`.
+fn line_of(text: &str, pos: usize) -> usize {
+    text.as_bytes()[..pos.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+impl Config {
+    /// Parse a configuration from TOML text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let err = |span: Option<std::ops::Range<usize>>, key: Option<String>, message: String| {
+            ConfigError {
+                origin: origin.to_string(),
+                line: span.map(|s| line_of(text, s.start)),
+                key,
+                message,
+            }
+        };
+        let doc = DeTable::parse(text).map_err(|e| err(e.span(), None, e.message().to_string()))?;
+        let mut global = Tunables::default();
+        let mut rules = Vec::new();
+        for (k, v) in doc.get_ref().iter() {
+            let key: &str = k.get_ref();
+            if key == "rule" {
+                let DeValue::Array(items) = v.get_ref() else {
+                    return Err(err(
+                        Some(v.span()),
+                        Some("rule".into()),
+                        "must be an array of tables: write [[rule]]".into(),
+                    ));
+                };
+                for (i, item) in items.iter().enumerate() {
+                    rules.push(parse_rule(i + 1, item, &err)?);
+                }
+                continue;
+            }
+            set_tunable(&mut global, key, &raw_value(v, key, &err)?)
+                .map_err(|m| err(Some(v.span()), Some(key.to_string()), m))?;
+        }
+        let config = Config {
+            source: None,
+            global: Settings::default().overlay(&global),
+            rules,
+        };
+        config.check(origin)?;
+        Ok(config)
+    }
+
+    /// Cross-field checks.
+    fn check(&self, origin: &str) -> Result<(), ConfigError> {
+        let bad = |key: &str, message: String| ConfigError {
+            origin: origin.to_string(),
+            line: None,
+            key: Some(key.to_string()),
+            message,
+        };
+        let check_one = |s: &Settings, key_prefix: &str| -> Result<(), ConfigError> {
+            if u64::from(s.bsdp_slot) > s.bsdp_buffer {
+                return Err(bad(
+                    &format!("{key_prefix}bsdp_slot"),
+                    format!(
+                        "the slot ({}) is larger than bsdp_buffer ({})",
+                        s.bsdp_slot, s.bsdp_buffer
+                    ),
+                ));
+            }
+            if s.peer_timeout > Duration::ZERO && s.keepalive >= s.peer_timeout {
+                return Err(bad(
+                    &format!("{key_prefix}keepalive"),
+                    "must be shorter than peer_timeout".into(),
+                ));
+            }
+            Ok(())
+        };
+        check_one(&self.global, "")?;
+        for r in &self.rules {
+            check_one(
+                &self.global.overlay(&r.tunables),
+                &format!("rule[{}].", r.index),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Load from `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            origin: origin.clone(),
+            line: None,
+            key: None,
+            message: format!("cannot read: {e}"),
+        })?;
+        let mut c = Config::parse(&text, &origin)?;
+        c.source = Some(path.to_path_buf());
+        Ok(c)
+    }
+
+    /// Load as a preloaded program does: `explicit` (e.g. `azsdp run
+    /// --config`), else `AZSDP_CONFIG`, else [`DEFAULT_PATH`] if it exists,
+    /// else the built-in defaults; then apply `AZSDP_<KEY>` overrides.
+    pub fn from_environment(
+        explicit: Option<&Path>,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let vars: Vec<(String, String)> = vars.into_iter().collect();
+        let from_env = vars
+            .iter()
+            .find(|(k, _)| k == "AZSDP_CONFIG")
+            .map(|(_, v)| PathBuf::from(v));
+        let mut config = match (explicit, from_env) {
+            (Some(p), _) => Config::load(p)?,
+            (None, Some(p)) => Config::load(&p)?,
+            (None, None) if Path::new(DEFAULT_PATH).exists() => {
+                Config::load(Path::new(DEFAULT_PATH))?
+            }
+            (None, None) => Config::default(),
+        };
+        let mut overrides = Tunables::default();
+        for (k, v) in &vars {
+            let Some(name) = k.strip_prefix("AZSDP_") else {
+                continue;
+            };
+            if RESERVED_ENV.contains(&name) {
+                continue;
+            }
+            let key = name.to_ascii_lowercase();
+            set_tunable(&mut overrides, &key, &Raw::Str(v)).map_err(|m| ConfigError {
+                origin: format!("env {k}"),
+                line: None,
+                key: Some(key.clone()),
+                message: m,
+            })?;
+        }
+        config.global = config.global.overlay(&overrides);
+        config.check("environment")?;
+        Ok(config)
+    }
+
+    /// The settings for a connection: the first matching rule over the globals.
+    pub fn decide(&self, c: &Connection<'_>) -> Decision {
+        let base = c.program.rsplit('/').next().unwrap_or(c.program);
+        for r in &self.rules {
+            let program_ok = r.program.as_ref().is_none_or(|g| {
+                if g.as_str().contains('/') {
+                    g.matches(c.program)
+                } else {
+                    g.matches(base)
+                }
+            });
+            let ok = program_ok
+                && r.role.is_none_or(|x| x == c.role)
+                && r.address.is_none_or(|a| a.contains(c.addr))
+                && r.port.is_none_or(|p| p.contains(c.port));
+            if ok {
+                return Decision {
+                    rule: Some(r.index),
+                    settings: self.global.overlay(&r.tunables),
+                };
+            }
+        }
+        Decision {
+            rule: None,
+            settings: self.global.clone(),
+        }
+    }
+}
+
+type ErrFn<'e> = dyn Fn(Option<std::ops::Range<usize>>, Option<String>, String) -> ConfigError + 'e;
+
+fn raw_value<'v>(
+    v: &'v Spanned<DeValue<'_>>,
+    key: &str,
+    err: &ErrFn<'_>,
+) -> Result<Raw<'v>, ConfigError> {
+    match raw_of(v.get_ref()) {
+        Raw::Other(what) if TUNABLE_KEYS.contains(&key) => Err(err(
+            Some(v.span()),
+            Some(key.to_string()),
+            format!("{what} is not a valid value here"),
+        )),
+        r => Ok(r),
+    }
+}
+
+fn parse_rule(
+    index: usize,
+    item: &Spanned<DeValue<'_>>,
+    err: &ErrFn<'_>,
+) -> Result<Rule, ConfigError> {
+    let DeValue::Table(t) = item.get_ref() else {
+        return Err(err(
+            Some(item.span()),
+            Some(format!("rule[{index}]")),
+            "must be a table".into(),
+        ));
+    };
+    let mut rule = Rule {
+        index,
+        program: None,
+        role: None,
+        address: None,
+        port: None,
+        tunables: Tunables::default(),
+    };
+    for (k, v) in t.iter() {
+        let key: &str = k.get_ref();
+        let path = format!("rule[{index}].{key}");
+        let fail = |m: String| err(Some(v.span()), Some(path.clone()), m);
+        let raw = raw_value(v, key, err)?;
+        let text = match &raw {
+            Raw::Str(s) => Some(*s),
+            _ => None,
+        };
+        match key {
+            "program" => {
+                let s = text.ok_or_else(|| fail("must be a string (a glob)".into()))?;
+                rule.program = Some(Glob::new(s).map_err(fail)?);
+            }
+            "role" => {
+                rule.role = Some(
+                    choice(&raw, &[("server", Role::Server), ("client", Role::Client)])
+                        .map_err(fail)?,
+                )
+            }
+            "address" => {
+                let s =
+                    text.ok_or_else(|| fail("must be a string such as \"10.0.0.0/8\"".into()))?;
+                rule.address = Some(Cidr::parse(s).map_err(fail)?);
+            }
+            "port" => {
+                rule.port = Some(match raw {
+                    Raw::Int(n) => u16::try_from(n)
+                        .map(|p| PortRange { lo: p, hi: p })
+                        .map_err(|_| fail(format!("`{n}` is not a port (0 to 65535)")))?,
+                    Raw::Str(s) => PortRange::parse(s).map_err(fail)?,
+                    _ => {
+                        return Err(fail(
+                            "must be a port or a range such as \"1000-2000\"".into(),
+                        ));
+                    }
+                })
+            }
+            _ => set_tunable(&mut rule.tunables, key, &raw).map_err(|m| {
+                fail(if m.starts_with("unknown key") {
+                    format!("{m}, program, role, address, port")
+                } else {
+                    m
+                })
+            })?,
+        }
+    }
+    Ok(rule)
+}
+
+#[cfg(test)]
+mod tests;

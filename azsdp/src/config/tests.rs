@@ -1,0 +1,164 @@
+use super::*;
+
+fn conn<'a>(program: &'a str, role: Role, addr: &str, port: u16) -> Connection<'a> {
+    Connection {
+        program,
+        role,
+        addr: addr.parse().unwrap(),
+        port,
+    }
+}
+
+fn parse_err(text: &str) -> ConfigError {
+    Config::parse(text, "test.toml").unwrap_err()
+}
+
+#[test]
+fn example_file_parses_and_rules_match_first() {
+    let text = include_str!("../../../docs/azsdp.example.toml");
+    let c = Config::parse(text, "azsdp.example.toml").unwrap();
+    assert_eq!(c.rules.len(), 3);
+    assert_eq!(c.global.zcopy_threshold, 64 << 10);
+    let d = c.decide(&conn(
+        "/usr/bin/redis-server",
+        Role::Server,
+        "10.0.0.5",
+        6379,
+    ));
+    assert_eq!(d.rule, Some(1));
+    assert_eq!(d.settings.use_, Use::Azsdp);
+    assert_eq!(d.settings.zcopy_threshold, 16 << 10);
+    // Unset per-rule keys inherit the globals.
+    assert_eq!(d.settings.max_outstanding, 16);
+    // Same program as a client: rule 1 needs role server.
+    let d = c.decide(&conn("redis-server", Role::Client, "192.168.100.7", 6379));
+    assert_eq!(d.rule, Some(2));
+    assert_eq!(d.settings.use_, Use::Tcp);
+    let d = c.decide(&conn("rsync", Role::Client, "10.0.0.1", 873));
+    assert_eq!(d.rule, Some(3));
+    assert_eq!(d.settings.write_fault, FaultPolicy::Block);
+    assert_eq!(d.settings.block_escalate, Duration::from_millis(50));
+    let d = c.decide(&conn("curl", Role::Client, "10.0.0.1", 80));
+    assert_eq!(d.rule, None);
+    assert_eq!(d.settings, c.global);
+}
+
+#[test]
+fn empty_file_is_the_defaults() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.global, Settings::default());
+    let e = c.global.engine_config(
+        Role::Client,
+        Capabilities::ALL,
+        LockRegion {
+            addr: 0,
+            key: 0,
+            slots: 4,
+        },
+    );
+    assert_eq!(e.zcopy_threshold, Settings::default().zcopy_threshold);
+}
+
+#[test]
+fn errors_name_file_line_and_key() {
+    let e = parse_err("zcopy_threshold = \"64KiB\"\nwrite_fault = \"sometimes\"\n");
+    assert_eq!(e.line, Some(2));
+    assert_eq!(e.key.as_deref(), Some("write_fault"));
+    let s = e.to_string();
+    assert!(s.starts_with("test.toml:2: key `write_fault`:"), "{s}");
+    assert!(s.contains("copy, block"), "{s}");
+
+    let e = parse_err("[[rule]]\nprogram = \"x\"\n\n[[rule]]\nport = \"70000\"\n");
+    assert_eq!(e.line, Some(5));
+    assert_eq!(e.key.as_deref(), Some("rule[2].port"));
+
+    let e = parse_err("zcopy_treshold = 5\n");
+    assert_eq!(e.key.as_deref(), Some("zcopy_treshold"));
+    assert!(e.message.contains("unknown key"));
+
+    let e = parse_err("[[rule]]\naddress = \"10.0.0.0/99\"\n");
+    assert_eq!(
+        (e.line, e.key.as_deref()),
+        (Some(2), Some("rule[1].address"))
+    );
+
+    let e = parse_err("linger = 30\n");
+    assert!(e.message.contains("unit"), "{}", e.message);
+
+    let e = parse_err("max_outstanding = 0\n");
+    assert!(e.message.contains("from 1 to 1024"), "{}", e.message);
+
+    let e = parse_err("bsdp_buffer = \"1KiB\"\n");
+    assert_eq!(e.key.as_deref(), Some("bsdp_buffer"));
+
+    let e = parse_err("bsdp_buffer = \"4KiB\"\nbsdp_slot = \"16KiB\"\n");
+    assert_eq!(e.key.as_deref(), Some("bsdp_slot"));
+
+    let e = parse_err("rule = 3\n");
+    assert_eq!(e.key.as_deref(), Some("rule"));
+
+    // Malformed TOML still gets a line.
+    let e = parse_err("a = 1\nb = [\n");
+    assert!(e.line.is_some());
+}
+
+#[test]
+fn env_overrides_single_keys_and_reports_bad_ones() {
+    let vars = |v: &[(&str, &str)]| {
+        v.iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect::<Vec<_>>()
+    };
+    let dir = std::env::temp_dir().join(format!("azsdp-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("a.toml");
+    std::fs::write(&file, "write_fault = \"copy\"\nmax_outstanding = 4\n").unwrap();
+    let c = Config::from_environment(
+        None,
+        vars(&[
+            ("AZSDP_CONFIG", file.to_str().unwrap()),
+            ("AZSDP_WRITE_FAULT", "block"),
+            ("AZSDP_LOG", "stderr"),
+            ("PATH", "/bin"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.global.write_fault, FaultPolicy::Block);
+    assert_eq!(c.global.max_outstanding, 4);
+    assert_eq!(c.source.as_deref(), Some(file.as_path()));
+
+    let e = Config::from_environment(Some(&file), vars(&[("AZSDP_ZCOPY_THRESHOLD", "lots")]))
+        .unwrap_err();
+    assert_eq!(e.origin, "env AZSDP_ZCOPY_THRESHOLD");
+    assert_eq!(e.key.as_deref(), Some("zcopy_threshold"));
+
+    let e =
+        Config::from_environment(Some(&file), vars(&[("AZSDP_ZCOPY_TRESHOLD", "1")])).unwrap_err();
+    assert!(e.message.contains("unknown key"));
+
+    let missing = dir.join("missing.toml");
+    let e = Config::from_environment(None, vars(&[("AZSDP_CONFIG", missing.to_str().unwrap())]))
+        .unwrap_err();
+    assert!(e.message.contains("cannot read"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn program_globs_match_the_name_or_the_path() {
+    let c = Config::parse(
+        "[[rule]]\nprogram = \"/opt/*/bin/server\"\nuse = \"tcp\"\n[[rule]]\nprogram = \"py*\"\nuse = \"azsdp\"\n",
+        "t",
+    )
+    .unwrap();
+    assert_eq!(
+        c.decide(&conn("/opt/x/bin/server", Role::Server, "::1", 1))
+            .rule,
+        Some(1)
+    );
+    assert_eq!(
+        c.decide(&conn("/usr/bin/python3", Role::Server, "::1", 1))
+            .rule,
+        Some(2)
+    );
+    assert_eq!(c.decide(&conn("server", Role::Server, "::1", 1)).rule, None);
+}
