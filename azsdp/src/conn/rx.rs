@@ -160,11 +160,11 @@ impl Connection {
                 Err(err)
             } else if call.failed {
                 Err(CallError::ConnReset)
-            } else if stop == Stop::Full {
-                Ok(filled)
-            } else if filled > 0 && (!f.waitall || f.peek) {
-                Ok(filled)
-            } else if stop == Stop::Empty && (self.rx_eof || self.rx_shut) {
+            } else if stop == Stop::Full
+                || (filled > 0 && (!f.waitall || f.peek))
+                || (stop == Stop::Empty && (self.rx_eof || self.rx_shut))
+            {
+                // Full; or some data and no reason to wait for more; or EOF.
                 Ok(filled)
             } else if call.cancelled {
                 if filled > 0 {

@@ -20,6 +20,9 @@ use crate::fabric::{Fabric, FabricEvent, OpResult};
 use crate::time::Timestamp;
 use crate::wire;
 
+/// Produces the bytes an application write puts at a given offset.
+type Filler = dyn Fn(u64, &mut [u8]);
+
 /// Where each side's buffers and private copies live in simulated memory.
 const BUF_BASE: u64 = 0x1000_0000;
 const BUF_STRIDE: u64 = 0x100_0000;
@@ -730,7 +733,7 @@ impl World {
         addr: u64,
         len: u64,
         pos: u64,
-        write: Option<&dyn Fn(u64, &mut [u8])>,
+        write: Option<&Filler>,
     ) -> u64 {
         let side = self.threads[t].side;
         let page = self.sc.page[side];
@@ -1246,7 +1249,7 @@ impl World {
         let aborted: Vec<bool> = (0..2)
             .map(|s| matches!(self.conns[s].state(), State::Aborted(_)))
             .collect();
-        for s in 0..2 {
+        for (s, &aborted_s) in aborted.iter().enumerate() {
             if self.hosts[s].dead {
                 continue;
             }
@@ -1273,7 +1276,7 @@ impl World {
                     self.fabric.registrations(s)
                 ));
             }
-            if !self.hosts[s].lost.is_empty() && !aborted[s] {
+            if !self.hosts[s].lost.is_empty() && !aborted_s {
                 self.violations
                     .push(format!("side {s}: armed data lost on a healthy connection"));
             }
