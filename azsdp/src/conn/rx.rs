@@ -536,32 +536,14 @@ impl Connection {
             Lock::Unused => {
                 // No lock word in use: just report (and free the slot).
                 if a.taken > a.reported || finished {
-                    a.reported = a.taken;
-                    let g = wire::GetComplete {
-                        id,
-                        consumed: a.taken,
-                        final_: finished,
-                    };
-                    self.out.push_back(OutMsg::GetComplete(g));
-                }
-                if finished {
-                    let (slot, gen_) = (usize::from(a.slot), a.gen_);
-                    self.in_avails.remove(&id);
-                    self.my_slot_user[slot] = None;
-                    self.my_slot_gen[slot] = gen_.wrapping_add(1);
+                    self.report_taken(id, finished);
                 }
                 return;
             }
             Lock::Updated | Lock::Free => {
                 // Nothing to release: just report.
                 if a.taken > a.reported {
-                    a.reported = a.taken;
-                    let g = wire::GetComplete {
-                        id,
-                        consumed: a.taken,
-                        final_: false,
-                    };
-                    self.out.push_back(OutMsg::GetComplete(g));
+                    self.report_taken(id, false);
                 }
                 return;
             }
@@ -653,6 +635,19 @@ impl Connection {
         } else {
             Lock::Free
         };
+        let settle = !finished && a.gets == 0 && (a.cancel_req || a.taken == a.len);
+        self.report_taken(id, finished);
+        if settle {
+            self.after_gets(id);
+        }
+        Ok(())
+    }
+
+    /// GET_COMPLETE for what advertisement `id` has had taken; when
+    /// `finished`, the advertisement ends and its slot moves to the next
+    /// generation.
+    fn report_taken(&mut self, id: u32, finished: bool) {
+        let a = self.in_avails.get_mut(&id).expect("live");
         a.reported = a.taken;
         let msg = wire::GetComplete {
             id,
@@ -661,14 +656,11 @@ impl Connection {
         };
         self.out.push_back(OutMsg::GetComplete(msg));
         if finished {
-            let slot = usize::from(a.slot);
+            let (slot, gen_) = (usize::from(a.slot), a.gen_);
             self.in_avails.remove(&id);
             self.my_slot_user[slot] = None;
-            self.my_slot_gen[slot] = g.wrapping_add(1);
-        } else if a.gets == 0 && (a.cancel_req || a.taken == a.len) {
-            self.after_gets(id);
+            self.my_slot_gen[slot] = gen_.wrapping_add(1);
         }
-        Ok(())
     }
 
     pub(super) fn on_data(&mut self, payload: &[u8]) -> Result<(), ProtocolError> {

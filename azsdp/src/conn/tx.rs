@@ -709,25 +709,7 @@ impl Connection {
         if let Some(w) = a.wire_id {
             self.wire_ids.remove(&w);
         }
-        if let Some(p) = a.prot.clone() {
-            self.unprotect(p);
-        }
-        if let Some(key) = a.key
-            && a.copy.is_none()
-        {
-            self.push(Action::ReleaseSource {
-                addr: a.addr,
-                len: u64::from(a.len),
-                key,
-            });
-        }
-        if let Some((buf, base)) = a.copy {
-            self.push(Action::ReleaseCopy {
-                buf,
-                len: u64::from(a.len - base),
-            });
-        }
-        self.slot_busy[usize::from(a.slot)] = false;
+        self.release_avail(&a);
         if a.state == AvailState::Posted {
             // The sink moves to the next generation when it finishes this one.
             self.slot_gen[usize::from(a.slot)] = a.gen_.wrapping_add(1);
@@ -753,6 +735,28 @@ impl Connection {
         }
     }
 
+    /// Give back what an advertisement holds: its protected pages, its
+    /// registration or private copy, its lock slot.
+    fn release_avail(&mut self, a: &OutAvail) {
+        if let Some(p) = a.prot.clone() {
+            self.unprotect(p);
+        }
+        if let Some(key) = a.key {
+            self.push(Action::ReleaseSource {
+                addr: a.addr,
+                len: u64::from(a.len),
+                key,
+            });
+        }
+        if let Some((buf, base)) = a.copy {
+            self.push(Action::ReleaseCopy {
+                buf,
+                len: u64::from(a.len - base),
+            });
+        }
+        self.slot_busy[usize::from(a.slot)] = false;
+    }
+
     /// Abort path: release an advertisement without waiting for the peer.
     pub(super) fn drop_out_avail(&mut self, id: u32) {
         let Some(a) = self.out_avails.get_mut(&id) else {
@@ -774,28 +778,11 @@ impl Connection {
             .sync_call
             .take()
             .filter(|_| a.state != AvailState::Preparing);
-        let prot = a.prot.take();
         let a = self.out_avails.remove(&id).expect("present");
         if let Some(w) = a.wire_id {
             self.wire_ids.remove(&w);
         }
-        if let Some(p) = prot {
-            self.unprotect(p);
-        }
-        if let Some(key) = a.key {
-            self.push(Action::ReleaseSource {
-                addr: a.addr,
-                len: u64::from(a.len),
-                key,
-            });
-        }
-        if let Some((buf, base)) = a.copy {
-            self.push(Action::ReleaseCopy {
-                buf,
-                len: u64::from(a.len - base),
-            });
-        }
-        self.slot_busy[usize::from(a.slot)] = false;
+        self.release_avail(&a);
         if let Some(owner) = sync_call
             && let Some(call) = self.send_calls.iter_mut().find(|c| c.call == owner)
         {
@@ -900,7 +887,8 @@ impl Connection {
                 a.cow = Cow::Idle;
                 a.copy = Some((buf, base));
                 let prot = a.prot.take();
-                let user_key = a.key;
+                // The pages are no longer advertised: only the copy is.
+                let user_key = a.key.take();
                 let (addr, len) = (a.addr, u64::from(a.len));
                 self.counters.cow_copies += 1;
                 self.counters.cow_bytes += u64::from(a.len - base);

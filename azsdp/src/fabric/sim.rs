@@ -205,6 +205,11 @@ impl SimFabric {
         self.sides[side].lock_words[slot]
     }
 
+    /// Does `side` hold registration `key`?
+    pub fn is_registered(&self, side: usize, key: u32) -> bool {
+        self.sides[side].regions.contains_key(&key)
+    }
+
     /// Registrations `side` still holds (for leak checks).
     pub fn registrations(&self, side: usize) -> usize {
         self.sides[side].regions.len()

@@ -614,7 +614,14 @@ impl World {
                     .expect("sim register");
                 self.host_done(side, op, Completion::Prepared(Ok(key)));
             }
-            Action::ReleaseSource { key, .. } => self.fabric.endpoint(side).deregister(key),
+            Action::ReleaseSource { key, .. } => {
+                if !self.fabric.is_registered(side, key) {
+                    self.violations.push(format!(
+                        "side {side}: release of unregistered source key {key}"
+                    ));
+                }
+                self.fabric.endpoint(side).deregister(key);
+            }
             Action::Unprotect { range } => {
                 let wrong =
                     self.mems[side].set_prot(range.clone(), Prot::WriteProtected, Prot::None);
@@ -696,6 +703,12 @@ impl World {
                 );
             }
             Action::ReleaseCopy { buf, len } => {
+                if !self.fabric.is_registered(side, buf.key) {
+                    self.violations.push(format!(
+                        "side {side}: release of unregistered copy key {}",
+                        buf.key
+                    ));
+                }
                 self.fabric.endpoint(side).deregister(buf.key);
                 self.mems[side].discard(buf.addr..buf.addr + len);
             }
