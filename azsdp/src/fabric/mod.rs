@@ -9,6 +9,7 @@
 //! rings in a memfd, GET = `process_vm_readv`) and `verbs` (rdma-core) come
 //! with the intra-host and verbs issues.
 
+pub mod ring;
 pub mod sim;
 
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};

@@ -1,0 +1,353 @@
+//! A single-producer, single-consumer message ring in shared memory.
+//!
+//! The `shm` fabric puts two of these (one per direction) in a `memfd`
+//! segment mapped by both processes. A message is a record: a `u32` length,
+//! the bytes, padding to 8. A record that does not fit before the end of the
+//! data area is preceded by a wrap marker and starts again at offset 0, so
+//! every message is contiguous and can be handed out as one slice.
+//!
+//! Positions are free-running `u64` byte counters (`tail` written only by the
+//! producer, `head` only by the consumer); `tail - head` is what is in use.
+//! Release stores publish, acquire loads observe, so a record's bytes are
+//! visible before the position that covers them.
+//!
+//! This is one of the crate's `unsafe` modules: it reads and writes a memory
+//! region it does not own. [`Ring::attach`] states the contract.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Bytes of the shared header before the data area.
+pub const HEADER: usize = 256;
+const MAGIC: u64 = 0x617a_7364_7072_6e67; // "azsdprng"
+const WRAP: u32 = u32::MAX;
+const ALIGN: usize = 8;
+
+/// The shared header. Producer and consumer fields sit on separate cache
+/// lines so the two sides do not bounce one line between cores.
+#[repr(C, align(64))]
+struct Header {
+    magic: AtomicU64,
+    capacity: AtomicU64,
+    _pad0: [u8; 48],
+    /// Producer position (bytes ever written).
+    tail: AtomicU64,
+    /// Messages ever written; the consumer's futex word (low 32 bits).
+    published: AtomicU32,
+    _pad1: [u8; 52],
+    /// Consumer position (bytes ever consumed).
+    head: AtomicU64,
+    /// Set by a consumer about to sleep; the producer wakes it.
+    sleeping: AtomicU32,
+    _pad2: [u8; 52],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
+
+/// Why a ring cannot be attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RingError {
+    #[error("ring region too small or capacity not a power of two")]
+    BadSize,
+    #[error("ring header is not initialised (bad magic)")]
+    BadMagic,
+    #[error("message of {0} bytes does not fit in the ring")]
+    TooLarge(usize),
+}
+
+/// One end of a ring (either end: producer and consumer use the same type,
+/// and must each be used by one thread at a time).
+#[derive(Debug)]
+pub struct Ring {
+    hdr: *const Header,
+    data: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: the ring only touches shared memory through atomics (positions)
+// and through disjoint byte ranges owned, by protocol, by one side at a time.
+unsafe impl Send for Ring {}
+
+/// Total bytes a ring with `capacity` data bytes needs.
+pub fn region_len(capacity: usize) -> usize {
+    HEADER + capacity
+}
+
+impl Ring {
+    /// Initialise a ring in `region` (done once, by the segment's creator).
+    ///
+    /// # Safety
+    /// `region` must be valid for reads and writes of `len` bytes, aligned to
+    /// 64, and no one else may use it during initialisation.
+    pub unsafe fn init(region: *mut u8, len: usize) -> Result<(), RingError> {
+        let cap = len.checked_sub(HEADER).ok_or(RingError::BadSize)?;
+        if !cap.is_power_of_two() || cap < 64 {
+            return Err(RingError::BadSize);
+        }
+        // SAFETY: the caller guarantees the region is valid, aligned and ours.
+        unsafe { region.write_bytes(0, HEADER) };
+        let hdr = region.cast::<Header>();
+        // SAFETY: the header is in bounds, aligned, and was just zeroed
+        // (all-zero is a valid value for every field).
+        let h = unsafe { &*hdr };
+        h.capacity.store(cap as u64, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        Ok(())
+    }
+
+    /// Attach to an initialised ring.
+    ///
+    /// # Safety
+    /// `region` must stay valid for reads and writes of `len` bytes, aligned
+    /// to 64, for the life of the returned `Ring`; at most one producer and
+    /// one consumer may use the ring at a time.
+    pub unsafe fn attach(region: *mut u8, len: usize) -> Result<Ring, RingError> {
+        if len < HEADER + 64 || region as usize % 64 != 0 {
+            return Err(RingError::BadSize);
+        }
+        let hdr = region.cast::<Header>();
+        // SAFETY: in bounds and aligned per the caller's contract.
+        let h = unsafe { &*hdr };
+        if h.magic.load(Ordering::Acquire) != MAGIC {
+            return Err(RingError::BadMagic);
+        }
+        let cap = h.capacity.load(Ordering::Relaxed) as usize;
+        if !cap.is_power_of_two() || HEADER + cap > len {
+            return Err(RingError::BadSize);
+        }
+        Ok(Ring {
+            hdr,
+            // SAFETY: HEADER < len, so the data area starts inside the region.
+            data: unsafe { region.add(HEADER) },
+            cap,
+        })
+    }
+
+    fn h(&self) -> &Header {
+        // SAFETY: valid for the life of self (attach's contract).
+        unsafe { &*self.hdr }
+    }
+
+    /// Largest message this ring can ever carry.
+    pub fn max_message(&self) -> usize {
+        self.cap / 2 - 2 * ALIGN
+    }
+
+    fn record_len(n: usize) -> usize {
+        (4 + n).next_multiple_of(ALIGN)
+    }
+
+    /// Producer: copy `msg` in as one record. `Ok(false)` when there is no
+    /// room now (retry after the consumer has made progress).
+    pub fn push(&self, msg: &[u8]) -> Result<bool, RingError> {
+        if msg.len() > self.max_message() {
+            return Err(RingError::TooLarge(msg.len()));
+        }
+        let h = self.h();
+        let tail = h.tail.load(Ordering::Relaxed);
+        let head = h.head.load(Ordering::Acquire);
+        let used = (tail - head) as usize;
+        let off = (tail as usize) & (self.cap - 1);
+        let rec = Self::record_len(msg.len());
+        let to_end = self.cap - off;
+        let (skip, need) = if rec > to_end {
+            (to_end, to_end + rec)
+        } else {
+            (0, rec)
+        };
+        if used + need > self.cap {
+            return Ok(false);
+        }
+        if skip > 0 {
+            // SAFETY: off + 4 <= cap (records are 8-aligned and off < cap),
+            // and these bytes are free (used + need <= cap).
+            unsafe { self.data.add(off).cast::<u32>().write_unaligned(WRAP) };
+        }
+        let start = (off + skip) & (self.cap - 1);
+        // SAFETY: start + rec <= cap by construction, and the range is free.
+        unsafe {
+            self.data
+                .add(start)
+                .cast::<u32>()
+                .write_unaligned(msg.len() as u32);
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), self.data.add(start + 4), msg.len());
+        }
+        h.tail.store(tail + need as u64, Ordering::Release);
+        h.published.fetch_add(1, Ordering::Release);
+        Ok(true)
+    }
+
+    /// Consumer: hand the next message to `f` (valid only during the call),
+    /// then release its space. `None` when the ring is empty.
+    pub fn pop<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+        let h = self.h();
+        let mut head = h.head.load(Ordering::Relaxed);
+        let tail = h.tail.load(Ordering::Acquire);
+        if head == tail {
+            return None;
+        }
+        let mut off = (head as usize) & (self.cap - 1);
+        // SAFETY: off + 4 <= cap; the producer published these bytes.
+        let mut len = unsafe { self.data.add(off).cast::<u32>().read_unaligned() };
+        if len == WRAP {
+            head += (self.cap - off) as u64;
+            off = 0;
+            // SAFETY: as above, at offset 0.
+            len = unsafe { self.data.cast::<u32>().read_unaligned() };
+        }
+        let len = len as usize;
+        if len > self.max_message() || off + 4 + len > self.cap {
+            // Only a corrupted (or hostile) peer writes this: stop reading.
+            return None;
+        }
+        // SAFETY: [off+4, off+4+len) is inside the data area and published.
+        let msg = unsafe { std::slice::from_raw_parts(self.data.add(off + 4), len) };
+        let r = f(msg);
+        h.head
+            .store(head + Self::record_len(len) as u64, Ordering::Release);
+        Some(r)
+    }
+
+    /// Is there a message to pop?
+    pub fn is_empty(&self) -> bool {
+        let h = self.h();
+        h.head.load(Ordering::Relaxed) == h.tail.load(Ordering::Acquire)
+    }
+
+    /// Bytes in use (for tests and stats).
+    pub fn used(&self) -> usize {
+        let h = self.h();
+        (h.tail.load(Ordering::Acquire) - h.head.load(Ordering::Acquire)) as usize
+    }
+
+    /// The consumer's futex word and sleeping flag, for the waiting logic of
+    /// the fabric (poll, then announce `sleeping`, re-check, then futex-wait
+    /// on `published`).
+    pub fn wait_words(&self) -> (&AtomicU32, &AtomicU32) {
+        let h = self.h();
+        (&h.published, &h.sleeping)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::alloc::{Layout, alloc_zeroed, dealloc};
+
+    struct Region {
+        ptr: *mut u8,
+        layout: Layout,
+    }
+
+    impl Region {
+        fn new(cap: usize) -> Region {
+            let layout = Layout::from_size_align(region_len(cap), 64).unwrap();
+            // SAFETY: non-zero size.
+            let ptr = unsafe { alloc_zeroed(layout) };
+            assert!(!ptr.is_null());
+            // SAFETY: fresh allocation of the right size and alignment.
+            unsafe { Ring::init(ptr, layout.size()).unwrap() };
+            Region { ptr, layout }
+        }
+        fn ring(&self) -> Ring {
+            // SAFETY: the region outlives every ring made from it in these tests.
+            unsafe { Ring::attach(self.ptr, self.layout.size()).unwrap() }
+        }
+    }
+
+    impl Drop for Region {
+        fn drop(&mut self) {
+            // SAFETY: allocated with this layout.
+            unsafe { dealloc(self.ptr, self.layout) };
+        }
+    }
+
+    #[test]
+    fn messages_come_out_whole_and_in_order_across_wraps() {
+        let r = Region::new(256);
+        let (p, c) = (r.ring(), r.ring());
+        let mut expect = std::collections::VecDeque::new();
+        let mut n = 0u8;
+        for round in 0..2000usize {
+            let len = 1 + (round * 37) % 100;
+            let msg = vec![n; len];
+            if p.push(&msg).unwrap() {
+                expect.push_back(msg);
+                n = n.wrapping_add(1);
+            }
+            if round % 3 == 0 {
+                while let Some(got) = c.pop(<[u8]>::to_vec) {
+                    assert_eq!(got, expect.pop_front().unwrap());
+                }
+            }
+        }
+        while let Some(got) = c.pop(<[u8]>::to_vec) {
+            assert_eq!(got, expect.pop_front().unwrap());
+        }
+        assert!(expect.is_empty());
+        assert_eq!(c.used(), 0);
+    }
+
+    #[test]
+    fn full_ring_refuses_and_oversize_is_an_error() {
+        let r = Region::new(128);
+        let p = r.ring();
+        assert_eq!(p.push(&[0u8; 200]), Err(RingError::TooLarge(200)));
+        let mut pushed = 0;
+        while p.push(&[1u8; 20]).unwrap() {
+            pushed += 1;
+        }
+        assert!(pushed >= 4);
+        assert!(p.pop(|m| m.len()).is_some());
+        assert!(p.push(&[1u8; 20]).unwrap());
+    }
+
+    #[test]
+    fn attach_checks_the_header() {
+        let layout = Layout::from_size_align(region_len(256), 64).unwrap();
+        // SAFETY: non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        // SAFETY: valid region; zeroed, so not initialised.
+        let attached = unsafe { Ring::attach(ptr, layout.size()) };
+        assert_eq!(attached.unwrap_err(), RingError::BadMagic);
+        // SAFETY: valid region, but 300 is not a power-of-two capacity.
+        let init = unsafe { Ring::init(ptr, HEADER + 300) };
+        assert_eq!(init, Err(RingError::BadSize));
+        // SAFETY: allocated with this layout.
+        unsafe { dealloc(ptr, layout) };
+    }
+
+    #[test]
+    fn two_threads_move_a_million_messages() {
+        let r = Region::new(4096);
+        let (p, c) = (r.ring(), r.ring());
+        let total = 1_000_000u32;
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                for i in 0..total {
+                    let len = 2 + (i as usize % 61);
+                    let mut msg = vec![0u8; len];
+                    msg[0] = i as u8;
+                    msg[len - 1] = (i >> 8) as u8;
+                    while !p.push(&msg).unwrap() {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+            s.spawn(move || {
+                let mut i = 0u32;
+                while i < total {
+                    if let Some(ok) = c.pop(|m| {
+                        m.len() == 2 + (i as usize % 61)
+                            && m[0] == i as u8
+                            && m[m.len() - 1] == (i >> 8) as u8
+                    }) {
+                        assert!(ok, "message {i} corrupted");
+                        i += 1;
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        });
+    }
+}
