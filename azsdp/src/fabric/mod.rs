@@ -5,11 +5,12 @@
 //! channel with transport credits; one-sided GET (RDMA READ); one-sided
 //! 64-bit compare-and-swap on lock words.
 //!
-//! Providers: [`sim`] (deterministic, seeded, for tests), `shm` (intra-host:
-//! rings in a memfd, GET = `process_vm_readv`) and `verbs` (rdma-core) come
-//! with the intra-host and verbs issues.
+//! Providers: [`sim`] (deterministic, seeded, for tests), [`shm`] (intra-host:
+//! rings in a memfd, GET = `process_vm_readv`); `verbs` (rdma-core) comes with
+//! the verbs issue.
 
 pub mod ring;
+pub mod shm;
 pub mod sim;
 
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
@@ -27,6 +28,9 @@ pub enum FabricError {
     /// The connection is broken.
     #[error("fabric connection broken")]
     Broken,
+    /// This provider cannot do that (e.g. a staged GET without a protection layer).
+    #[error("operation not supported by this fabric")]
+    Unsupported,
 }
 
 /// Result of a one-sided operation.

@@ -127,6 +127,11 @@ impl Ring {
         unsafe { &*self.hdr }
     }
 
+    /// Bytes of the data area.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
     /// Largest message this ring can ever carry.
     pub fn max_message(&self) -> usize {
         self.cap / 2 - 2 * ALIGN

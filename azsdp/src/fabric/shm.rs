@@ -1,0 +1,692 @@
+//! The `shm` fabric: two processes on one host.
+//!
+//! A `memfd` segment, mapped by both, holds a [`Ring`] per direction for
+//! messages, each side's lock words (so the peer's compare-and-swap is a real
+//! atomic on shared memory, one-sided as on a NIC), and per-side flags. GET is
+//! one `process_vm_readv` from the peer's pages straight into the destination
+//! (the intra-host RDMA READ: one copy, no peer involvement). A side that
+//! waits polls for a while, then sleeps on a futex in the segment.
+//!
+//! Bootstrap ([`ShmEndpoint::offer`] / [`ShmEndpoint::accept`]) runs over a
+//! connected Unix socket: the creator passes the memfd with SCM_RIGHTS; both
+//! exchange pid, uid and page size, and each probes whether it may read the
+//! other's memory. If it may not (another user, no ptrace permission), the
+//! connection stays on the rings (BSDP) and [`ShmEndpoint::can_get`] says why.
+//!
+//! Keys are not enforced here: `process_vm_readv` can read any of the peer's
+//! memory that the kernel lets it, so this provider is for processes that
+//! trust each other; the `azsdpd` broker will check ranges for those that
+//! do not.
+//!
+//! `unsafe` here: mapping the segment, atomics and futexes on shared memory,
+//! and the raw destination of GETs (application memory named by address).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::uio::{RemoteIoVec, process_vm_readv};
+use nix::unistd::Pid;
+
+use super::ring::{self, Ring};
+use super::{Fabric, FabricError, FabricEvent, OpResult};
+use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+
+const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
+const VERSION: u32 = 1;
+const HEADER_LEN: usize = 4096;
+
+/// Segment header, at offset 0.
+#[repr(C, align(64))]
+struct SegHeader {
+    magic: AtomicU64,
+    version: AtomicU32,
+    ring_cap: AtomicU32,
+    lock_slots: AtomicU32,
+    /// Random identity, used as the lock words' key.
+    key: AtomicU32,
+    /// Per side: set before that side unprotects anything on abort; a GET
+    /// from that side's memory that sees it afterwards is void.
+    revoked: [AtomicU32; 2],
+    /// Per side: the side closed its end cleanly.
+    closed: [AtomicU32; 2],
+}
+
+const _: () = assert!(std::mem::size_of::<SegHeader>() <= HEADER_LEN);
+
+/// Sizes of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmParams {
+    /// Bytes of each direction's ring (a power of two).
+    pub ring_capacity: usize,
+    /// Lock words per side.
+    pub lock_slots: u16,
+    /// Busy-poll before sleeping.
+    pub poll: Duration,
+}
+
+impl Default for ShmParams {
+    fn default() -> Self {
+        ShmParams {
+            ring_capacity: 1 << 20,
+            lock_slots: 64,
+            poll: Duration::from_micros(20),
+        }
+    }
+}
+
+/// Layout of the segment: where each part starts.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    ring: [usize; 2],
+    ring_len: usize,
+    locks: [usize; 2],
+    len: usize,
+}
+
+impl Layout {
+    fn new(ring_cap: usize, slots: u16) -> Layout {
+        let ring_len = ring::region_len(ring_cap).next_multiple_of(64);
+        let r0 = HEADER_LEN;
+        let r1 = r0 + ring_len;
+        let l0 = r1 + ring_len;
+        let locks_len = (usize::from(slots) * 8).next_multiple_of(64);
+        let l1 = l0 + locks_len;
+        Layout {
+            ring: [r0, r1],
+            ring_len,
+            locks: [l0, l1],
+            len: (l1 + locks_len).next_multiple_of(4096),
+        }
+    }
+}
+
+/// A mapped segment.
+#[derive(Debug)]
+struct Segment {
+    map: MmapMut,
+    layout: Layout,
+    slots: u16,
+    key: u32,
+    fd: OwnedFd,
+}
+
+impl Segment {
+    fn hdr(&self) -> &SegHeader {
+        // SAFETY: the mapping is at least HEADER_LEN bytes, page-aligned, and
+        // lives as long as self; SegHeader is all atomics (any bit pattern
+        // that the creator wrote, or zero, is valid).
+        unsafe { &*self.map.as_ptr().cast::<SegHeader>() }
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.map.as_ptr().cast_mut()
+    }
+
+    /// Lock word `slot` of `side`.
+    fn lock_word(&self, side: usize, slot: usize) -> Option<&AtomicU64> {
+        if slot >= usize::from(self.slots) {
+            return None;
+        }
+        let off = self.layout.locks[side] + slot * 8;
+        // SAFETY: in bounds (slot < slots, the lock area holds slots words),
+        // 8-aligned (lock areas are 64-aligned), shared and only ever
+        // accessed atomically.
+        Some(unsafe { &*self.base().add(off).cast::<AtomicU64>() })
+    }
+
+    fn ring(&self, dir: usize) -> Ring {
+        // SAFETY: the ring region lies inside the mapping, is 64-aligned, and
+        // the mapping outlives the Ring (the endpoint holds both; Ring is
+        // dropped first as a field declared earlier). One producer and one
+        // consumer per direction by construction of the endpoints.
+        unsafe { Ring::attach(self.base().add(self.layout.ring[dir]), self.layout.ring_len) }
+            .expect("initialised ring")
+    }
+
+    fn create(p: &ShmParams) -> std::io::Result<Segment> {
+        let layout = Layout::new(p.ring_capacity, p.lock_slots);
+        let fd =
+            nix::sys::memfd::memfd_create(c"azsdp-shm", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+        let file = std::fs::File::from(fd.try_clone()?);
+        file.set_len(layout.len as u64)?;
+        // SAFETY: a fresh memfd of the right length, mapped shared; nobody
+        // else has it yet.
+        let mut map = unsafe { MmapMut::map_mut(&file)? };
+        let base = map.as_mut_ptr();
+        for dir in 0..2 {
+            // SAFETY: in bounds, 64-aligned, not yet shared.
+            unsafe { Ring::init(base.add(layout.ring[dir]), layout.ring_len) }
+                .map_err(std::io::Error::other)?;
+        }
+        let key = {
+            use std::hash::BuildHasher;
+            std::collections::hash_map::RandomState::new().hash_one(std::process::id()) as u32 | 1
+        };
+        let seg = Segment {
+            map,
+            layout,
+            slots: p.lock_slots,
+            key,
+            fd,
+        };
+        let h = seg.hdr();
+        h.version.store(VERSION, Ordering::Relaxed);
+        h.ring_cap.store(p.ring_capacity as u32, Ordering::Relaxed);
+        h.lock_slots
+            .store(u32::from(p.lock_slots), Ordering::Relaxed);
+        h.key.store(key, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    fn open(fd: OwnedFd) -> std::io::Result<Segment> {
+        let bad = |what: &str| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("shm segment: {what}"),
+            )
+        };
+        let file = std::fs::File::from(fd.try_clone()?);
+        let len = file.metadata()?.len() as usize;
+        if len < HEADER_LEN {
+            return Err(bad("too short"));
+        }
+        // SAFETY: mapping a memfd the peer passed us; we only access it
+        // through atomics and rings that validate every length they read.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        // SAFETY: HEADER_LEN bytes are mapped (checked above).
+        let h = unsafe { &*map.as_ptr().cast::<SegHeader>() };
+        if h.magic.load(Ordering::Acquire) != MAGIC || h.version.load(Ordering::Relaxed) != VERSION
+        {
+            return Err(bad("bad magic or version"));
+        }
+        let cap = h.ring_cap.load(Ordering::Relaxed) as usize;
+        let slots =
+            u16::try_from(h.lock_slots.load(Ordering::Relaxed)).map_err(|_| bad("lock slots"))?;
+        if !cap.is_power_of_two() || cap < 64 {
+            return Err(bad("ring capacity"));
+        }
+        let layout = Layout::new(cap, slots);
+        if layout.len > len {
+            return Err(bad("shorter than its layout"));
+        }
+        let key = h.key.load(Ordering::Relaxed);
+        Ok(Segment {
+            map,
+            layout,
+            slots,
+            key,
+            fd,
+        })
+    }
+}
+
+/// What each side tells the other at bootstrap.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Intro {
+    magic: u64,
+    pid: u32,
+    uid: u32,
+    page_size: u32,
+    _pad: u32,
+    /// Address of a word in the sender's memory holding `canary`.
+    probe_addr: u64,
+    canary: u64,
+}
+
+impl Intro {
+    fn bytes(&self) -> [u8; 40] {
+        let mut b = [0u8; 40];
+        b[0..8].copy_from_slice(&self.magic.to_le_bytes());
+        b[8..12].copy_from_slice(&self.pid.to_le_bytes());
+        b[12..16].copy_from_slice(&self.uid.to_le_bytes());
+        b[16..20].copy_from_slice(&self.page_size.to_le_bytes());
+        b[24..32].copy_from_slice(&self.probe_addr.to_le_bytes());
+        b[32..40].copy_from_slice(&self.canary.to_le_bytes());
+        b
+    }
+
+    fn parse(b: &[u8]) -> Option<Intro> {
+        if b.len() != 40 {
+            return None;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let intro = Intro {
+            magic: u64_at(0),
+            pid: u32_at(8),
+            uid: u32_at(12),
+            page_size: u32_at(16),
+            _pad: 0,
+            probe_addr: u64_at(24),
+            canary: u64_at(32),
+        };
+        (intro.magic == MAGIC && intro.pid != 0).then_some(intro)
+    }
+}
+
+/// Why GET is not available to this endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NoGet {
+    /// The peer runs as another user.
+    OtherUser { mine: u32, peer: u32 },
+    /// The kernel refused to let us read the peer's memory.
+    Refused(String),
+}
+
+/// One side of a `shm` connection.
+#[derive(Debug)]
+pub struct ShmEndpoint {
+    // Rings borrow the mapping in `seg`: declared first, dropped first.
+    tx: Ring,
+    rx: Ring,
+    seg: Arc<Segment>,
+    side: usize,
+    peer_pid: Pid,
+    peer_page_size: u32,
+    no_get: Option<NoGet>,
+    params: ShmParams,
+    completions: VecDeque<(OpId, OpResult)>,
+    regions: HashMap<u32, (u64, u64)>,
+    next_key: u32,
+    gone_reported: bool,
+}
+
+fn io_err(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+fn send_intro(sock: &UnixStream, intro: &Intro, fd: Option<&OwnedFd>) -> std::io::Result<()> {
+    let bytes = intro.bytes();
+    let iov = [IoSlice::new(&bytes)];
+    let fds = fd.map(|f| [f.as_raw_fd()]);
+    let cmsgs: Vec<ControlMessage<'_>> = fds
+        .as_ref()
+        .map(|f| ControlMessage::ScmRights(f))
+        .into_iter()
+        .collect();
+    let n = sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+        .map_err(io_err)?;
+    if n != bytes.len() {
+        return Err(io_err("short write of the shm introduction"));
+    }
+    Ok(())
+}
+
+fn recv_intro(sock: &UnixStream) -> std::io::Result<(Intro, Option<OwnedFd>)> {
+    let mut bytes = [0u8; 40];
+    let mut iov = [IoSliceMut::new(&mut bytes)];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let msg = recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(io_err)?;
+    let mut fd = None;
+    for c in msg.cmsgs().map_err(io_err)? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            for raw in fds {
+                // SAFETY: the kernel just installed this descriptor for us.
+                let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+                fd.get_or_insert(owned);
+            }
+        }
+    }
+    let n = msg.bytes;
+    let intro = Intro::parse(&bytes[..n]).ok_or_else(|| io_err("malformed shm introduction"))?;
+    Ok((intro, fd))
+}
+
+/// Both sides say they are done probing; then the canaries may go.
+fn handshake_done(sock: &UnixStream) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    (&*sock).write_all(&[1])?;
+    let mut b = [0u8; 1];
+    (&*sock).read_exact(&mut b)?;
+    if b[0] != 1 {
+        return Err(io_err("malformed shm handshake"));
+    }
+    Ok(())
+}
+
+fn page_size() -> u32 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |v| v as u32)
+}
+
+/// Read `len` bytes at `src` in process `pid` into `dst`, all or nothing.
+fn read_remote(pid: Pid, src: u64, dst: *mut u8, len: usize) -> Result<(), nix::Error> {
+    let mut done = 0usize;
+    while done < len {
+        // SAFETY: the caller guarantees `dst` is valid for `len` bytes of
+        // writes (it is the engine's GET destination, which the engine does
+        // not touch until the GET completes).
+        let local = unsafe { std::slice::from_raw_parts_mut(dst.add(done), len - done) };
+        let remote = [RemoteIoVec {
+            base: (src as usize).wrapping_add(done),
+            len: len - done,
+        }];
+        let n = process_vm_readv(pid, &mut [IoSliceMut::new(local)], &remote)?;
+        if n == 0 {
+            return Err(nix::Error::EFAULT);
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+impl ShmEndpoint {
+    /// Bootstrap as the creator of the segment (side 0).
+    pub fn offer(sock: &UnixStream, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        let seg = Segment::create(&params)?;
+        let canary = Box::new(seg.key as u64 ^ 0x5a5a_5a5a_0000_0000);
+        let mine = Self::intro(&canary);
+        send_intro(sock, &mine, Some(&seg.fd))?;
+        let (peer, _) = recv_intro(sock)?;
+        Self::finish(sock, seg, 0, &mine, &peer, params)
+    }
+
+    /// Bootstrap as the side that maps the peer's segment (side 1).
+    pub fn accept(sock: &UnixStream, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        let (peer, fd) = recv_intro(sock)?;
+        let fd = fd.ok_or_else(|| io_err("the peer sent no shm segment"))?;
+        let seg = Segment::open(fd)?;
+        let canary = Box::new(seg.key as u64 ^ 0xa5a5_a5a5_0000_0000);
+        let mine = Self::intro(&canary);
+        send_intro(sock, &mine, None)?;
+        let params = ShmParams {
+            ring_capacity: seg.layout.ring_len - ring::HEADER,
+            lock_slots: seg.slots,
+            ..params
+        };
+        Self::finish(sock, seg, 1, &mine, &peer, params)
+    }
+
+    fn intro(canary: &u64) -> Intro {
+        Intro {
+            magic: MAGIC,
+            pid: std::process::id(),
+            uid: nix::unistd::getuid().as_raw(),
+            page_size: page_size(),
+            _pad: 0,
+            probe_addr: std::ptr::from_ref(canary) as u64,
+            canary: *canary,
+        }
+    }
+
+    fn finish(
+        sock: &UnixStream,
+        seg: Segment,
+        side: usize,
+        mine: &Intro,
+        peer: &Intro,
+        params: ShmParams,
+    ) -> std::io::Result<ShmEndpoint> {
+        let peer_pid = Pid::from_raw(peer.pid as i32);
+        // May we read the peer's memory? Try it on the word it told us about.
+        // (Its canary lives until it has read ours and answered, which
+        // happens after this probe in both bootstrap orders.)
+        let no_get = if mine.uid != peer.uid {
+            Some(NoGet::OtherUser {
+                mine: mine.uid,
+                peer: peer.uid,
+            })
+        } else {
+            let mut got = 0u64;
+            match read_remote(
+                peer_pid,
+                peer.probe_addr,
+                std::ptr::from_mut(&mut got).cast(),
+                8,
+            ) {
+                Ok(()) if got == peer.canary => None,
+                Ok(()) => Some(NoGet::Refused("probe read the wrong value".into())),
+                Err(e) => Some(NoGet::Refused(e.desc().to_string())),
+            }
+        };
+        // Keep our canary alive until the peer has probed it too.
+        handshake_done(sock)?;
+        let seg = Arc::new(seg);
+        Ok(ShmEndpoint {
+            tx: seg.ring(side),
+            rx: seg.ring(1 - side),
+            side,
+            peer_pid,
+            peer_page_size: peer.page_size,
+            no_get,
+            params,
+            completions: VecDeque::new(),
+            regions: HashMap::new(),
+            next_key: 0x1000 * (side as u32 + 1),
+            gone_reported: false,
+            seg,
+        })
+    }
+
+    /// `None` if this side may GET from the peer; otherwise why not.
+    pub fn can_get(&self) -> Option<&NoGet> {
+        self.no_get.as_ref()
+    }
+
+    pub fn peer_pid(&self) -> i32 {
+        self.peer_pid.as_raw()
+    }
+
+    pub fn peer_page_size(&self) -> u32 {
+        self.peer_page_size
+    }
+
+    /// Mark this end closed cleanly (the peer then sees PeerGone without
+    /// waiting for the process to exit).
+    pub fn close(&self) {
+        self.seg.hdr().closed[self.side].store(1, Ordering::Release);
+        self.wake_peer(true);
+    }
+
+    fn wake_peer(&self, force: bool) {
+        let (published, sleeping) = self.tx.wait_words();
+        if force || sleeping.load(Ordering::Acquire) != 0 {
+            futex_wake(published);
+        }
+    }
+
+    /// Wait until a message may be ready or `timeout` passes: busy-poll for
+    /// `params.poll`, then sleep on the futex. Completions of this side's own
+    /// operations are synchronous, so they never need a wait.
+    pub fn wait(&self, timeout: Duration) {
+        if !self.completions.is_empty() || !self.rx.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        while start.elapsed() < self.params.poll.min(timeout) {
+            if !self.rx.is_empty() {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        let (published, sleeping) = self.rx.wait_words();
+        let seen = published.load(Ordering::Acquire);
+        sleeping.store(1, Ordering::SeqCst);
+        if self.rx.is_empty() && !self.peer_closed() {
+            futex_wait(published, seen, timeout.saturating_sub(start.elapsed()));
+        }
+        sleeping.store(0, Ordering::Relaxed);
+    }
+
+    fn peer_closed(&self) -> bool {
+        self.seg.hdr().closed[1 - self.side].load(Ordering::Acquire) != 0
+    }
+
+    fn peer_alive(&self) -> bool {
+        !self.peer_closed() && nix::sys::signal::kill(self.peer_pid, None).is_ok()
+    }
+
+    fn cas(&self, target: CasTarget, expect: u64, new: u64) -> Result<u64, OpError> {
+        let word = match target {
+            CasTarget::Local { slot } => self.seg.lock_word(self.side, usize::from(slot)),
+            CasTarget::Remote { addr, key } => {
+                let peer = 1 - self.side;
+                if self.seg.hdr().revoked[peer].load(Ordering::Acquire) != 0 {
+                    return Err(OpError::Unreachable);
+                }
+                let base = self.seg.layout.locks[peer] as u64;
+                match addr.checked_sub(base) {
+                    Some(off) if key == self.seg.key && off % 8 == 0 => {
+                        self.seg.lock_word(peer, (off / 8) as usize)
+                    }
+                    _ => None,
+                }
+            }
+        };
+        let word = word.ok_or(OpError::RemoteAccess)?;
+        Ok(
+            match word.compare_exchange(expect, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(v) | Err(v) => v,
+            },
+        )
+    }
+}
+
+impl Fabric for ShmEndpoint {
+    fn lock_region(&self) -> LockRegion {
+        LockRegion {
+            addr: self.seg.layout.locks[self.side] as u64,
+            key: self.seg.key,
+            slots: self.seg.slots,
+        }
+    }
+
+    fn register(&mut self, addr: u64, len: u64) -> Result<u32, OpError> {
+        self.next_key = self.next_key.wrapping_add(1);
+        self.regions.insert(self.next_key, (addr, len));
+        Ok(self.next_key)
+    }
+
+    fn deregister(&mut self, key: u32) {
+        self.regions.remove(&key);
+    }
+
+    fn send_credits(&self) -> usize {
+        // Messages of the largest size that surely fit now.
+        (self.tx.capacity() - self.tx.used()) / (self.tx.max_message() + 16)
+    }
+
+    fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
+        if self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0 {
+            return Err(FabricError::Broken);
+        }
+        match self.tx.push(msg) {
+            Ok(true) => {
+                self.wake_peer(false);
+                Ok(())
+            }
+            Ok(false) => Err(FabricError::NoCredits),
+            Err(_) => Err(FabricError::TooLarge),
+        }
+    }
+
+    fn post_get(
+        &mut self,
+        op: OpId,
+        src: RemoteBuf,
+        dst: u64,
+        len: u64,
+        staged: bool,
+    ) -> Result<(), FabricError> {
+        if staged {
+            // Armed destinations need the protection layer's staging and
+            // UFFDIO_MOVE; without it, receive-side protection is off.
+            return Err(FabricError::Unsupported);
+        }
+        let peer = 1 - self.side;
+        let result = if self.no_get.is_some() {
+            Err(OpError::RemoteAccess)
+        } else {
+            match read_remote(self.peer_pid, src.addr, dst as *mut u8, len as usize) {
+                // A GET that overlapped the peer's abort read pages it may
+                // have rewritten after unprotecting: void.
+                Ok(()) if self.seg.hdr().revoked[peer].load(Ordering::Acquire) != 0 => {
+                    Err(OpError::Unreachable)
+                }
+                Ok(()) => Ok(()),
+                Err(nix::Error::ESRCH) => Err(OpError::Unreachable),
+                Err(_) => Err(OpError::RemoteAccess),
+            }
+        };
+        self.completions.push_back((op, OpResult::Get(result)));
+        Ok(())
+    }
+
+    fn post_cas(
+        &mut self,
+        op: OpId,
+        target: CasTarget,
+        expect: u64,
+        new: u64,
+    ) -> Result<(), FabricError> {
+        let r = self.cas(target, expect, new);
+        self.completions.push_back((op, OpResult::Cas(r)));
+        Ok(())
+    }
+
+    fn revoke_access(&mut self) {
+        self.seg.hdr().revoked[self.side].store(1, Ordering::Release);
+    }
+
+    fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        let mut n = 0;
+        while let Some((op, result)) = self.completions.pop_front() {
+            on_event(FabricEvent::Done { op, result });
+            n += 1;
+        }
+        while self.rx.pop(|m| on_event(FabricEvent::Message(m))).is_some() {
+            n += 1;
+        }
+        if n == 0 && !self.gone_reported && !self.peer_alive() && self.rx.is_empty() {
+            self.gone_reported = true;
+            on_event(FabricEvent::PeerGone);
+            n += 1;
+        }
+        n
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: FUTEX_WAIT on a 4-byte aligned word in shared memory that
+    // stays mapped for the duration of the call; the timespec is valid.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a 4-byte aligned word in shared memory.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests;

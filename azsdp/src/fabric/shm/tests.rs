@@ -1,0 +1,291 @@
+use super::*;
+use crate::fabric::{Fabric, FabricEvent, OpResult};
+
+fn params() -> ShmParams {
+    ShmParams {
+        ring_capacity: 1 << 16,
+        lock_slots: 8,
+        poll: Duration::from_micros(5),
+    }
+}
+
+/// Both ends in one process (process_vm_readv on one's own pid works).
+fn pair() -> (ShmEndpoint, ShmEndpoint) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let t = std::thread::spawn(move || ShmEndpoint::accept(&b, params()).unwrap());
+    let e0 = ShmEndpoint::offer(&a, params()).unwrap();
+    (e0, t.join().unwrap())
+}
+
+enum Got {
+    Msg(Vec<u8>),
+    Done(OpId, OpResult),
+    Gone,
+}
+
+fn drain(e: &mut ShmEndpoint) -> Vec<Got> {
+    let mut v = Vec::new();
+    e.poll(&mut |ev| {
+        v.push(match ev {
+            FabricEvent::Message(m) => Got::Msg(m.to_vec()),
+            FabricEvent::Done { op, result } => Got::Done(op, result),
+            FabricEvent::PeerGone => Got::Gone,
+        })
+    });
+    v
+}
+
+#[test]
+fn messages_gets_and_cas_within_one_process() {
+    let (mut a, mut b) = pair();
+    assert_eq!(a.can_get(), None);
+    assert_eq!(b.can_get(), None);
+    a.post_message(b"hello").unwrap();
+    b.wait(Duration::from_secs(1));
+    assert!(matches!(&drain(&mut b)[..], [Got::Msg(m)] if m == b"hello"));
+
+    // GET: b reads a's buffer straight into its own.
+    let src: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let mut dst = vec![0u8; src.len()];
+    let key = a.register(src.as_ptr() as u64, src.len() as u64).unwrap();
+    b.post_get(
+        OpId(1),
+        RemoteBuf {
+            addr: src.as_ptr() as u64,
+            key,
+        },
+        dst.as_mut_ptr() as u64,
+        src.len() as u64,
+        false,
+    )
+    .unwrap();
+    assert!(matches!(
+        drain(&mut b)[..],
+        [Got::Done(OpId(1), OpResult::Get(Ok(())))]
+    ));
+    assert_eq!(dst, src);
+
+    // CAS on the peer's lock word 3, then the owner sees the result locally.
+    let region = a.lock_region();
+    let target = CasTarget::Remote {
+        addr: region.addr + 24,
+        key: region.key,
+    };
+    b.post_cas(OpId(2), target, 0, 7).unwrap();
+    b.post_cas(OpId(3), target, 0, 9).unwrap();
+    let r = drain(&mut b);
+    assert!(matches!(r[0], Got::Done(OpId(2), OpResult::Cas(Ok(0)))));
+    assert!(
+        matches!(r[1], Got::Done(OpId(3), OpResult::Cas(Ok(7)))),
+        "second CAS loses"
+    );
+    a.post_cas(OpId(4), CasTarget::Local { slot: 3 }, 7, 8)
+        .unwrap();
+    assert!(matches!(
+        drain(&mut a)[..],
+        [Got::Done(OpId(4), OpResult::Cas(Ok(7)))]
+    ));
+
+    // A wrong key, a misaligned or out-of-range word: refused.
+    for t in [
+        CasTarget::Remote {
+            addr: region.addr,
+            key: region.key ^ 1,
+        },
+        CasTarget::Remote {
+            addr: region.addr + 3,
+            key: region.key,
+        },
+        CasTarget::Remote {
+            addr: region.addr + 8 * 8,
+            key: region.key,
+        },
+        CasTarget::Local { slot: 8 },
+    ] {
+        b.post_cas(OpId(5), t, 0, 1).unwrap();
+        assert!(matches!(
+            drain(&mut b)[..],
+            [Got::Done(_, OpResult::Cas(Err(OpError::RemoteAccess)))]
+        ));
+    }
+
+    // After a revokes access, b's GETs and CASes on a fail.
+    a.revoke_access();
+    b.post_get(
+        OpId(6),
+        RemoteBuf {
+            addr: src.as_ptr() as u64,
+            key,
+        },
+        dst.as_mut_ptr() as u64,
+        8,
+        false,
+    )
+    .unwrap();
+    assert!(matches!(
+        drain(&mut b)[..],
+        [Got::Done(_, OpResult::Get(Err(OpError::Unreachable)))]
+    ));
+    b.post_cas(OpId(7), target, 8, 1).unwrap();
+    assert!(matches!(
+        drain(&mut b)[..],
+        [Got::Done(_, OpResult::Cas(Err(OpError::Unreachable)))]
+    ));
+
+    // Staged GETs need the protection layer.
+    assert_eq!(
+        b.post_get(OpId(8), RemoteBuf { addr: 0, key }, 0, 8, true),
+        Err(FabricError::Unsupported)
+    );
+
+    // A clean close is seen as the peer going away.
+    a.close();
+    b.wait(Duration::from_secs(1));
+    assert!(matches!(drain(&mut b)[..], [Got::Gone]));
+}
+
+#[test]
+fn full_ring_and_oversize_messages() {
+    let (mut a, mut b) = pair();
+    let big = vec![0u8; 1 << 16];
+    assert_eq!(a.post_message(&big), Err(FabricError::TooLarge));
+    let msg = vec![1u8; 4000];
+    let mut sent = 0;
+    while a.post_message(&msg).is_ok() {
+        sent += 1;
+    }
+    assert!(sent >= 8, "sent {sent}");
+    assert_eq!(a.post_message(&msg), Err(FabricError::NoCredits));
+    assert_eq!(drain(&mut b).len(), sent);
+    assert!(a.post_message(&msg).is_ok());
+}
+
+#[test]
+fn bootstrap_rejects_garbage() {
+    let (a, b) = UnixStream::pair().unwrap();
+    use std::io::Write;
+    (&a).write_all(&[0u8; 40]).unwrap();
+    assert!(ShmEndpoint::accept(&b, params()).is_err());
+}
+
+/// Two real processes: the child GETs from the parent and CASes its lock word.
+#[test]
+fn two_processes_get_and_cas() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let src: Vec<u8> = (0..(3 << 20) as u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    let sum: u64 = src.iter().map(|&x| u64::from(x)).sum();
+    // SAFETY: the child only uses async-signal-safe-enough operations on
+    // memory it owns (the test harness's other threads are not touched) and
+    // leaves with _exit, never returning into the harness.
+    match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => {
+            drop(a);
+            let code = std::panic::catch_unwind(|| {
+                let mut e = ShmEndpoint::accept(&b, params()).unwrap();
+                // Wait for the parent's advertisement: addr, len, key.
+                let mut adv = Vec::new();
+                while adv.is_empty() {
+                    e.wait(Duration::from_secs(5));
+                    e.poll(&mut |ev| {
+                        if let FabricEvent::Message(m) = ev {
+                            adv = m.to_vec();
+                        }
+                    });
+                }
+                let addr = u64::from_le_bytes(adv[0..8].try_into().unwrap());
+                let len = u64::from_le_bytes(adv[8..16].try_into().unwrap());
+                let key = u32::from_le_bytes(adv[16..20].try_into().unwrap());
+                let mut dst = vec![0u8; len as usize];
+                e.post_get(
+                    OpId(1),
+                    RemoteBuf { addr, key },
+                    dst.as_mut_ptr() as u64,
+                    len,
+                    false,
+                )
+                .unwrap();
+                let mut ok = false;
+                e.poll(&mut |ev| {
+                    ok = matches!(
+                        ev,
+                        FabricEvent::Done {
+                            result: OpResult::Get(Ok(())),
+                            ..
+                        }
+                    )
+                });
+                assert!(ok);
+                let got: u64 = dst.iter().map(|&x| u64::from(x)).sum();
+                // Take the parent's lock word 0, as a source does on a write fault.
+                let target = CasTarget::Remote {
+                    addr: e.seg.layout.locks[0] as u64,
+                    key: e.seg.key,
+                };
+                e.post_cas(OpId(2), target, 0, 42).unwrap();
+                let mut won = false;
+                e.poll(&mut |ev| {
+                    won = matches!(
+                        ev,
+                        FabricEvent::Done {
+                            result: OpResult::Cas(Ok(0)),
+                            ..
+                        }
+                    )
+                });
+                assert!(won);
+                e.post_message(&got.to_le_bytes()).unwrap();
+                std::thread::sleep(Duration::from_millis(50));
+            });
+            // SAFETY: leave the child without running the harness's atexit.
+            unsafe { libc::_exit(i32::from(code.is_err())) };
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            drop(b);
+            let mut e = ShmEndpoint::offer(&a, params()).unwrap();
+            assert_eq!(e.peer_pid(), child.as_raw());
+            assert_eq!(e.can_get(), None);
+            let key = e.register(src.as_ptr() as u64, src.len() as u64).unwrap();
+            let mut adv = Vec::new();
+            adv.extend_from_slice(&(src.as_ptr() as u64).to_le_bytes());
+            adv.extend_from_slice(&(src.len() as u64).to_le_bytes());
+            adv.extend_from_slice(&key.to_le_bytes());
+            e.post_message(&adv).unwrap();
+            let mut reply = None;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while reply.is_none() && Instant::now() < deadline {
+                e.wait(Duration::from_millis(100));
+                e.poll(&mut |ev| {
+                    if let FabricEvent::Message(m) = ev {
+                        reply = Some(u64::from_le_bytes(m.try_into().unwrap()));
+                    }
+                });
+            }
+            assert_eq!(reply, Some(sum), "the child read the parent's bytes");
+            e.post_cas(OpId(9), CasTarget::Local { slot: 0 }, 42, 43)
+                .unwrap();
+            let mut seen = None;
+            e.poll(&mut |ev| {
+                if let FabricEvent::Done {
+                    result: OpResult::Cas(r),
+                    ..
+                } = ev
+                {
+                    seen = Some(r);
+                }
+            });
+            assert_eq!(
+                seen,
+                Some(Ok(42)),
+                "the child's compare-and-swap landed in shared memory"
+            );
+            let status = nix::sys::wait::waitpid(child, None).unwrap();
+            assert_eq!(status, nix::sys::wait::WaitStatus::Exited(child, 0));
+            // The child is gone: the next poll says so.
+            let mut gone = false;
+            e.poll(&mut |ev| gone |= matches!(ev, FabricEvent::PeerGone));
+            assert!(gone);
+        }
+    }
+}
