@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod driver;
 pub mod fabric;
 pub mod pages;
 pub mod sim;

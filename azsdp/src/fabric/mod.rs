@@ -86,4 +86,6 @@ pub trait Fabric {
     fn revoke_access(&mut self);
     /// Deliver what is ready; returns how many events were delivered.
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
+    /// Block until something may be ready to poll, or `timeout` passes.
+    fn wait(&self, timeout: std::time::Duration);
 }

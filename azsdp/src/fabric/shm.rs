@@ -502,29 +502,6 @@ impl ShmEndpoint {
         }
     }
 
-    /// Wait until a message may be ready or `timeout` passes: busy-poll for
-    /// `params.poll`, then sleep on the futex. Completions of this side's own
-    /// operations are synchronous, so they never need a wait.
-    pub fn wait(&self, timeout: Duration) {
-        if !self.completions.is_empty() || !self.rx.is_empty() {
-            return;
-        }
-        let start = Instant::now();
-        while start.elapsed() < self.params.poll.min(timeout) {
-            if !self.rx.is_empty() {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-        let (published, sleeping) = self.rx.wait_words();
-        let seen = published.load(Ordering::Acquire);
-        sleeping.store(1, Ordering::SeqCst);
-        if self.rx.is_empty() && !self.peer_closed() {
-            futex_wait(published, seen, timeout.saturating_sub(start.elapsed()));
-        }
-        sleeping.store(0, Ordering::Relaxed);
-    }
-
     fn peer_closed(&self) -> bool {
         self.seg.hdr().closed[1 - self.side].load(Ordering::Acquire) != 0
     }
@@ -643,6 +620,29 @@ impl Fabric for ShmEndpoint {
 
     fn revoke_access(&mut self) {
         self.seg.hdr().revoked[self.side].store(1, Ordering::Release);
+    }
+
+    /// Wait until a message may be ready or `timeout` passes: busy-poll for
+    /// `params.poll`, then sleep on the futex. Completions of this side's own
+    /// operations are synchronous, so they never need a wait.
+    fn wait(&self, timeout: Duration) {
+        if !self.completions.is_empty() || !self.rx.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        while start.elapsed() < self.params.poll.min(timeout) {
+            if !self.rx.is_empty() {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        let (published, sleeping) = self.rx.wait_words();
+        let seen = published.load(Ordering::Acquire);
+        sleeping.store(1, Ordering::SeqCst);
+        if self.rx.is_empty() && !self.peer_closed() {
+            futex_wait(published, seen, timeout.saturating_sub(start.elapsed()));
+        }
+        sleeping.store(0, Ordering::Relaxed);
     }
 
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {

@@ -539,6 +539,9 @@ impl Fabric for SimEndpoint<'_> {
         self.fab.sides[self.side].revoked = true;
     }
 
+    /// Simulated time only moves in `SimFabric::advance`: nothing to wait for.
+    fn wait(&self, _timeout: Duration) {}
+
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
         let mut n = 0;
         while let Some(r) = self.fab.sides[self.side].ready.pop_front() {

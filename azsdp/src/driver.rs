@@ -1,0 +1,379 @@
+//! A blocking driver: one [`Connection`] run over one [`Fabric`] inside a
+//! real process, for programs that own their sockets (examples, benchmarks,
+//! tests). It executes the engine's actions, pumps messages, and waits on the
+//! fabric between events. The preload shim will use the same pieces from its
+//! progress thread.
+//!
+//! Page protection comes from a [`Protector`]. Without one
+//! ([`NoProtection`]) the engine is told it cannot protect or arm pages, so
+//! zero-copy sends are synchronous (ZSDP) and receives wait for their data.
+//!
+//! `unsafe` here: [`ProcessMemory`] reads and writes application buffers by
+//! address, as the engine asks.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use crate::conn::{
+    Access, Action, CallError, CallId, Capabilities, Completion, Connection, DisarmOutcome,
+    EngineConfig, OpError, OpId, RecvFlags, RemoteBuf, SendFlags, State, Ticket, UserBuf,
+    UserMemory,
+};
+use crate::fabric::{Fabric, FabricError, FabricEvent, OpResult};
+use crate::time::Timestamp;
+
+/// The application's own memory, by address.
+///
+/// The engine calls it only for ranges of calls that are blocked in this
+/// driver (their buffers are borrowed for the duration of the call), and
+/// never for ranges it has protected or armed.
+#[derive(Debug, Default)]
+pub struct ProcessMemory;
+
+impl UserMemory for ProcessMemory {
+    fn read(&mut self, addr: u64, out: &mut [u8]) {
+        // SAFETY: `addr..addr+out.len()` is part of a buffer passed to a
+        // blocked send/recv call of this driver (see the type's contract).
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+    }
+
+    fn write(&mut self, addr: u64, data: &[u8]) {
+        // SAFETY: as for `read`; the destination is a receive buffer borrowed
+        // mutably by the blocked call.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+    }
+}
+
+/// Page protection for the driver: write-protect, arm, copy aside.
+pub trait Protector {
+    /// What this protector can do (merged into the engine's capabilities).
+    fn can_protect(&self) -> bool;
+    fn protect(&mut self, ranges: &[Range<u64>]) -> Result<(), OpError>;
+    fn unprotect(&mut self, range: Range<u64>);
+    fn arm(&mut self, range: Range<u64>) -> Result<(), OpError>;
+    fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome);
+}
+
+/// No page protection: sends are ZSDP, receives are synchronous.
+#[derive(Debug, Default)]
+pub struct NoProtection;
+
+impl Protector for NoProtection {
+    fn can_protect(&self) -> bool {
+        false
+    }
+    fn protect(&mut self, _: &[Range<u64>]) -> Result<(), OpError> {
+        Err(OpError::Local)
+    }
+    fn unprotect(&mut self, _: Range<u64>) {}
+    fn arm(&mut self, _: Range<u64>) -> Result<(), OpError> {
+        Err(OpError::Local)
+    }
+    fn disarm(&mut self, _: Range<u64>, _: DisarmOutcome) {}
+}
+
+/// Capabilities a fabric and protector give an engine.
+pub fn capabilities(can_get: bool, protector: &dyn Protector) -> Capabilities {
+    Capabilities {
+        zcopy_source: true,
+        zcopy_sink: can_get,
+        protect_send: protector.can_protect(),
+        arm_recv: false,
+        cas: true,
+    }
+}
+
+/// A connection, its fabric and its protector, driven synchronously.
+#[derive(Debug)]
+pub struct Driver<F: Fabric, P: Protector> {
+    conn: Connection,
+    fabric: F,
+    protector: P,
+    mem: ProcessMemory,
+    epoch: Instant,
+    next_call: u64,
+    done: HashMap<CallId, Result<u64, CallError>>,
+    resumed: Vec<Ticket>,
+    /// Messages the engine produced that the fabric had no room for yet.
+    backlog: VecDeque<Vec<u8>>,
+    /// Private copies made for copy-on-write, by address.
+    copies: HashMap<u64, Vec<u8>>,
+    buf: Vec<u8>,
+    /// Longest single sleep while waiting.
+    pub max_wait: Duration,
+}
+
+impl<F: Fabric, P: Protector> Driver<F, P> {
+    /// Start a connection (the client side posts HELLO at once).
+    pub fn new(mut cfg: EngineConfig, fabric: F, protector: P) -> Self {
+        cfg.lock_region = fabric.lock_region();
+        let epoch = Instant::now();
+        Driver {
+            conn: Connection::new(cfg, Timestamp::ZERO),
+            fabric,
+            protector,
+            mem: ProcessMemory,
+            epoch,
+            next_call: 1,
+            done: HashMap::new(),
+            resumed: Vec::new(),
+            backlog: VecDeque::new(),
+            copies: HashMap::new(),
+            buf: Vec::new(),
+            max_wait: Duration::from_millis(50),
+        }
+    }
+
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    pub fn fabric(&self) -> &F {
+        &self.fabric
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp::from_nanos(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// Execute actions and post messages until the engine has nothing to say.
+    fn drive(&mut self) {
+        loop {
+            let mut any = false;
+            while let Some(a) = self.conn.poll_action() {
+                any = true;
+                self.exec(a);
+            }
+            let need = self.conn.max_message_len();
+            if self.buf.len() < need {
+                self.buf.resize(need, 0);
+            }
+            while let Some(n) = self.conn.poll_transmit(&mut self.buf) {
+                any = true;
+                self.backlog.push_back(self.buf[..n].to_vec());
+            }
+            while let Some(m) = self.backlog.front() {
+                match self.fabric.post_message(m) {
+                    Ok(()) => {
+                        self.backlog.pop_front();
+                    }
+                    Err(FabricError::NoCredits) => break,
+                    Err(_) => {
+                        self.backlog.clear();
+                        break;
+                    }
+                }
+            }
+            if !any {
+                return;
+            }
+        }
+    }
+
+    fn complete(&mut self, op: OpId, c: Completion) {
+        let now = self.now();
+        self.conn.handle_completion(now, op, c, &mut self.mem);
+    }
+
+    fn exec(&mut self, a: Action) {
+        match a {
+            Action::PrepareSource {
+                op,
+                addr,
+                len,
+                protect,
+            } => {
+                let r = if protect.is_empty() {
+                    Ok(())
+                } else {
+                    self.protector.protect(&protect)
+                };
+                let r = r.and_then(|()| self.fabric.register(addr, len));
+                self.complete(op, Completion::Prepared(r));
+            }
+            Action::ReleaseSource { key, .. } => self.fabric.deregister(key),
+            Action::Unprotect { range } => self.protector.unprotect(range),
+            Action::Arm { op, range } => {
+                let r = self.protector.arm(range);
+                self.complete(op, Completion::Armed(r));
+            }
+            Action::Disarm { range, outcome } => self.protector.disarm(range, outcome),
+            Action::Get {
+                op,
+                src,
+                dst,
+                len,
+                armed,
+            } => {
+                if self.fabric.post_get(op, src, dst, len, armed).is_err() {
+                    self.complete(op, Completion::Get(Err(OpError::Local)));
+                }
+            }
+            Action::Cas {
+                op,
+                target,
+                expect,
+                new,
+            } => {
+                if self.fabric.post_cas(op, target, expect, new).is_err() {
+                    self.complete(op, Completion::Cas(Err(OpError::Unreachable)));
+                }
+            }
+            Action::CopyAside { op, addr, len } => {
+                let mut copy = vec![0u8; len as usize];
+                self.mem.read(addr, &mut copy);
+                let at = copy.as_ptr() as u64;
+                let r = self
+                    .fabric
+                    .register(at, len)
+                    .map(|key| RemoteBuf { addr: at, key });
+                if r.is_ok() {
+                    self.copies.insert(at, copy);
+                }
+                self.complete(op, Completion::Copied(r));
+            }
+            Action::ReleaseCopy { buf, .. } => {
+                self.fabric.deregister(buf.key);
+                self.copies.remove(&buf.addr);
+            }
+            Action::RevokeAccess => self.fabric.revoke_access(),
+            Action::CallDone { call, result } => {
+                self.done.insert(call, result);
+            }
+            Action::Resume { ticket } => self.resumed.push(ticket),
+        }
+    }
+
+    /// Deliver what the fabric has, and run timers.
+    fn turn(&mut self) {
+        let mut events: Vec<Ev> = Vec::new();
+        self.fabric.poll(&mut |e| {
+            events.push(match e {
+                FabricEvent::Message(m) => Ev::Msg(m.to_vec()),
+                FabricEvent::Done { op, result } => Ev::Done(op, result),
+                FabricEvent::PeerGone => Ev::Gone,
+            })
+        });
+        for e in events {
+            let now = self.now();
+            match e {
+                Ev::Msg(m) => self.conn.handle_message(now, &m, &mut self.mem),
+                Ev::Done(op, OpResult::Get(r)) => self.complete(op, Completion::Get(r)),
+                Ev::Done(op, OpResult::Cas(r)) => self.complete(op, Completion::Cas(r)),
+                Ev::Gone => self.conn.handle_peer_gone(now),
+            }
+            self.drive();
+        }
+        let now = self.now();
+        if self.conn.poll_timeout().is_some_and(|t| t <= now) {
+            self.conn.handle_timeout(now, &mut self.mem);
+        }
+        self.drive();
+    }
+
+    /// Run until `call` is done; returns its result.
+    fn wait_call(&mut self, call: CallId) -> Result<u64, CallError> {
+        loop {
+            self.drive();
+            if let Some(r) = self.done.remove(&call) {
+                return r;
+            }
+            self.turn();
+            if let Some(r) = self.done.remove(&call) {
+                return r;
+            }
+            let now = self.now();
+            let until = self.conn.poll_timeout().map_or(self.max_wait, |t| {
+                t.saturating_since(now).min(self.max_wait)
+            });
+            self.fabric.wait(until);
+        }
+    }
+
+    fn call_id(&mut self) -> CallId {
+        self.next_call += 1;
+        CallId(self.next_call)
+    }
+
+    /// Blocking `send()` of `buf`; `wait` sleeps on the fabric.
+    pub fn send(&mut self, buf: &[u8], flags: SendFlags) -> Result<u64, CallError> {
+        let call = self.call_id();
+        let now = self.now();
+        let ub = UserBuf {
+            addr: buf.as_ptr() as u64,
+            len: buf.len() as u64,
+        };
+        self.conn.send(now, call, ub, flags, &mut self.mem);
+        self.wait_call(call)
+    }
+
+    /// Blocking `recv()` into `buf`.
+    pub fn recv(&mut self, buf: &mut [u8], flags: RecvFlags) -> Result<u64, CallError> {
+        let call = self.call_id();
+        let now = self.now();
+        let ub = UserBuf {
+            addr: buf.as_mut_ptr() as u64,
+            len: buf.len() as u64,
+        };
+        self.conn.recv(now, call, ub, flags, &mut self.mem);
+        self.wait_call(call)
+    }
+
+    /// Wait until the handshake is over (or failed).
+    pub fn establish(&mut self, timeout: Duration) -> Result<(), CallError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.turn();
+            match self.conn.state() {
+                State::Established => return Ok(()),
+                State::Aborted(r) => return Err(r.call_error()),
+                State::Handshake if Instant::now() >= deadline => return Err(CallError::TimedOut),
+                State::Handshake => self
+                    .fabric
+                    .wait(self.max_wait.min(deadline - Instant::now())),
+            }
+        }
+    }
+
+    /// A fault the protector caught on `addr`: returns when it may proceed.
+    pub fn fault(&mut self, ticket: Ticket, addr: u64, access: Access) {
+        let now = self.now();
+        self.conn.handle_fault(now, ticket, addr, access);
+        loop {
+            self.drive();
+            if let Some(i) = self.resumed.iter().position(|t| *t == ticket) {
+                self.resumed.swap_remove(i);
+                return;
+            }
+            self.turn();
+            self.fabric.wait(self.max_wait);
+        }
+    }
+
+    /// `shutdown(SHUT_WR)` then `close()`, and drive until the connection is
+    /// finished or `timeout` passes. Returns whether it finished cleanly.
+    pub fn close(&mut self, timeout: Duration) -> bool {
+        let now = self.now();
+        self.conn
+            .close(now, crate::conn::Linger::Background, &mut self.mem);
+        let deadline = Instant::now() + timeout;
+        while !self.conn.is_finished() && Instant::now() < deadline {
+            self.drive();
+            self.turn();
+            if !self.conn.is_finished() {
+                self.fabric.wait(
+                    self.max_wait
+                        .min(deadline.saturating_duration_since(Instant::now())),
+                );
+            }
+        }
+        self.conn.is_finished() && !matches!(self.conn.state(), State::Aborted(_))
+    }
+}
+
+enum Ev {
+    Msg(Vec<u8>),
+    Done(OpId, OpResult),
+    Gone,
+}
