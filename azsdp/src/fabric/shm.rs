@@ -298,6 +298,8 @@ pub struct ShmEndpoint {
     regions: HashMap<u32, (u64, u64)>,
     next_key: u32,
     gone_reported: bool,
+    /// Readable once the peer process has exited (zombie or reaped).
+    peer_fd: Option<OwnedFd>,
 }
 
 fn io_err(e: impl std::fmt::Display) -> std::io::Error {
@@ -471,6 +473,7 @@ impl ShmEndpoint {
             regions: HashMap::new(),
             next_key: 0x1000 * (side as u32 + 1),
             gone_reported: false,
+            peer_fd: pidfd_open(peer_pid),
             seg,
         })
     }
@@ -507,7 +510,15 @@ impl ShmEndpoint {
     }
 
     fn peer_alive(&self) -> bool {
-        !self.peer_closed() && nix::sys::signal::kill(self.peer_pid, None).is_ok()
+        if self.peer_closed() {
+            return false;
+        }
+        match &self.peer_fd {
+            Some(fd) => !pidfd_exited(fd),
+            // Without pidfd: a zombie still answers kill(0); the peer
+            // timeout catches that case.
+            None => nix::sys::signal::kill(self.peer_pid, None).is_ok(),
+        }
     }
 
     fn cas(&self, target: CasTarget, expect: u64, new: u64) -> Result<u64, OpError> {
@@ -661,6 +672,26 @@ impl Fabric for ShmEndpoint {
         }
         n
     }
+}
+
+/// A pidfd for `pid`, if the kernel has them (Linux 5.3+).
+fn pidfd_open(pid: Pid) -> Option<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+    // SAFETY: on success the kernel returned a new descriptor that we own.
+    (fd >= 0).then(|| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
+/// Has the process behind `fd` exited? (A pidfd polls readable then.)
+fn pidfd_exited(fd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & libc::POLLIN != 0
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {

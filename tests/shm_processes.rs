@@ -1,0 +1,228 @@
+//! Two real processes over the `shm` fabric and the blocking driver.
+//!
+//! The child is forked; it reports over its end of the socket pair and leaves
+//! with `_exit`. Every wait is bounded: a child that does not finish is killed
+//! and the test fails instead of hanging.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use azsdp::conn::{CallError, Capabilities, EngineConfig, LockRegion, RecvFlags, Role, SendFlags};
+use azsdp::driver::{Driver, NoProtection, capabilities};
+use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Pid, fork};
+
+fn word(w: u64) -> u64 {
+    let mut z = w.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 31)
+}
+
+fn pattern(off: u64) -> u8 {
+    word(off / 8).to_le_bytes()[(off % 8) as usize]
+}
+
+fn cfg(role: Role, caps: Capabilities, zsdp: bool, threshold: u64) -> EngineConfig {
+    let mut e = EngineConfig::new(
+        role,
+        caps,
+        LockRegion {
+            addr: 0,
+            key: 0,
+            slots: 0,
+        },
+    );
+    e.async_zcopy = !zsdp;
+    e.zcopy_threshold = threshold;
+    e.peer_timeout = Duration::from_secs(5);
+    e.keepalive = Duration::from_millis(500);
+    e
+}
+
+/// Run `child` in a forked process; returns its pid.
+fn spawn(child: impl FnOnce() -> i32) -> Pid {
+    // SAFETY: glibc makes malloc usable in the child of a multi-threaded
+    // parent; the child touches only its own objects and leaves with _exit,
+    // never returning into the test harness.
+    match unsafe { fork() }.expect("fork") {
+        ForkResult::Child => {
+            let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).unwrap_or(101);
+            // SAFETY: end the child without unwinding into the harness.
+            unsafe { libc::_exit(code) };
+        }
+        ForkResult::Parent { child } => child,
+    }
+}
+
+/// Wait for `pid` at most `limit`; kill it if it overstays.
+fn reap(pid: Pid, limit: Duration) -> WaitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        match waitpid(pid, Some(WaitPidFlag::WNOHANG)).expect("waitpid") {
+            WaitStatus::StillAlive if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            WaitStatus::StillAlive => {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                let _ = waitpid(pid, None);
+                panic!("child {pid} did not finish within {limit:?}");
+            }
+            s => return s,
+        }
+    }
+}
+
+fn stream(zsdp: bool, threshold: u64, total: u64, seed: u64) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| {
+        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
+        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
+        let mut d = Driver::new(cfg(Role::Server, caps, zsdp, threshold), ep, NoProtection);
+        d.establish(Duration::from_secs(5)).unwrap();
+        let mut buf = vec![0u8; 3 << 20];
+        let (mut off, mut bad, mut i) = (0u64, 0u64, seed);
+        loop {
+            // Random receive sizes and alignments.
+            i = word(i);
+            let start = (i % 4096) as usize;
+            let len = 1 + (word(i) % (2 << 20)) as usize;
+            let n = d
+                .recv(&mut buf[start..start + len], RecvFlags::default())
+                .unwrap() as usize;
+            if n == 0 {
+                break;
+            }
+            bad += buf[start..start + n]
+                .iter()
+                .enumerate()
+                .filter(|(k, x)| **x != pattern(off + *k as u64))
+                .count() as u64;
+            off += n as u64;
+        }
+        d.close(Duration::from_secs(5));
+        let gets = d.connection().counters().gets;
+        (&b).write_all(format!("{off} {bad} {gets}").as_bytes())
+            .unwrap();
+        0
+    });
+    drop(b);
+    let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
+    assert_eq!(ep.can_get(), None, "same user: GET allowed");
+    let caps = capabilities(true, &NoProtection);
+    let mut d = Driver::new(cfg(Role::Client, caps, zsdp, threshold), ep, NoProtection);
+    d.establish(Duration::from_secs(5)).unwrap();
+    let mut buf = vec![0u8; 3 << 20];
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: false,
+    };
+    let (mut off, mut i) = (0u64, seed ^ 0xabc);
+    while off < total {
+        i = word(i);
+        let start = (i % 4096) as usize;
+        let len = (1 + (word(i) % (2 << 20))).min(total - off) as usize;
+        for (k, x) in buf[start..start + len].iter_mut().enumerate() {
+            *x = pattern(off + k as u64);
+        }
+        let n = d.send(&buf[start..start + len], flags).unwrap();
+        assert_eq!(n, len as u64);
+        // The call returned: the buffer is ours again, scribble on it.
+        buf[start] ^= 0xff;
+        off += n;
+    }
+    assert!(d.close(Duration::from_secs(10)), "clean close");
+    let mut report = String::new();
+    (&a).read_to_string(&mut report).unwrap();
+    assert_eq!(
+        reap(child, Duration::from_secs(10)),
+        WaitStatus::Exited(child, 0)
+    );
+    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
+    assert_eq!(
+        (f[0], f[1]),
+        (total, 0),
+        "the receiver got the stream exactly"
+    );
+    let c = d.connection().counters();
+    assert_eq!(c.bytes_sent(), total);
+    if threshold == u64::MAX {
+        assert_eq!((c.bytes_sent_bsdp, f[2]), (total, 0), "all by copy");
+    } else {
+        assert!(
+            c.bytes_sent_sync > total / 2 && f[2] > 0,
+            "mostly by GET: {c:?}"
+        );
+    }
+}
+
+#[test]
+fn bsdp_between_two_processes() {
+    stream(false, u64::MAX, 48 << 20, 1);
+}
+
+#[test]
+fn zsdp_between_two_processes() {
+    stream(true, 16 << 10, 96 << 20, 2);
+}
+
+#[test]
+fn azsdp_without_protection_runs_as_zsdp_between_two_processes() {
+    stream(false, 16 << 10, 48 << 20, 3);
+}
+
+/// The receiver dies mid-stream: the sender's calls fail (no hang), fast.
+#[test]
+fn peer_killed_mid_transfer_fails_the_survivor() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| {
+        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
+        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
+        let mut d = Driver::new(cfg(Role::Server, caps, true, 4096), ep, NoProtection);
+        d.establish(Duration::from_secs(5)).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        let _ = d.recv(&mut buf, RecvFlags::default());
+        // Die without closing anything, as under SIGKILL.
+        // SAFETY: leaving the process at once is the point.
+        unsafe { libc::_exit(0) }
+    });
+    drop(b);
+    let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
+    let mut d = Driver::new(
+        cfg(Role::Client, capabilities(true, &NoProtection), true, 4096),
+        ep,
+        NoProtection,
+    );
+    d.establish(Duration::from_secs(5)).unwrap();
+    let buf = vec![7u8; 1 << 20];
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: false,
+    };
+    let start = Instant::now();
+    let mut failed = None;
+    for _ in 0..1000 {
+        match d.send(&buf, flags) {
+            Ok(_) => continue,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    assert!(
+        matches!(failed, Some(CallError::ConnReset | CallError::BrokenPipe)),
+        "{failed:?}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "failed within {:?}",
+        start.elapsed()
+    );
+    assert!(d.connection().protected_ranges().is_empty());
+    assert_eq!(
+        reap(child, Duration::from_secs(5)),
+        WaitStatus::Exited(child, 0)
+    );
+}
