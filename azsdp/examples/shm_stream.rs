@@ -62,38 +62,52 @@ struct Args {
     recv_protect: OnOff,
 }
 
-/// The stream's 8-byte word number `w` (byte `o` is byte `o % 8` of word `o / 8`).
+/// The stream's 8-byte word number `w` (byte `o` is byte `o % 8` of word
+/// `o / 8`). Cheap enough to fill and check at memory speed, and different
+/// for every word, so shifted, stale or rewritten bytes are caught.
 fn word(w: u64) -> u64 {
-    let mut z = w.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^ (z >> 31)
+    (w ^ 0x5bd1_e995).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
-/// Visit `buf` as the stream bytes starting at offset `off`, a word at a time
-/// where aligned: `f(chunk, expected bytes of that chunk)`.
-fn each_word(buf_len: usize, off: u64, mut f: impl FnMut(usize, usize, [u8; 8], usize)) {
-    let mut i = 0usize;
-    while i < buf_len {
-        let o = off + i as u64;
-        let skip = (o % 8) as usize;
-        let k = (8 - skip).min(buf_len - i);
-        f(i, k, word(o / 8).to_le_bytes(), skip);
-        i += k;
-    }
+/// Split `buf` (stream offset `off`) into an unaligned head, whole words, a tail.
+fn word_range(len: usize, off: u64) -> (usize, usize) {
+    let head = ((8 - off % 8) % 8) as usize;
+    let head = head.min(len);
+    let words = (len - head) / 8;
+    (head, head + words * 8)
 }
 
 fn fill(buf: &mut [u8], off: u64) {
-    each_word(buf.len(), off, |i, k, w, skip| {
-        buf[i..i + k].copy_from_slice(&w[skip..skip + k])
-    });
+    let (h, w_end) = word_range(buf.len(), off);
+    for (i, b) in buf[..h].iter_mut().enumerate() {
+        let o = off + i as u64;
+        *b = word(o / 8).to_le_bytes()[(o % 8) as usize];
+    }
+    let first = (off + h as u64) / 8;
+    for (k, chunk) in buf[h..w_end].chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&word(first + k as u64).to_le_bytes());
+    }
+    for (i, b) in buf[w_end..].iter_mut().enumerate() {
+        let o = off + (w_end + i) as u64;
+        *b = word(o / 8).to_le_bytes()[(o % 8) as usize];
+    }
 }
 
 fn check(buf: &[u8], off: u64) -> bool {
-    let mut ok = true;
-    each_word(buf.len(), off, |i, k, w, skip| {
-        ok &= buf[i..i + k] == w[skip..skip + k]
-    });
-    ok
+    let (h, w_end) = word_range(buf.len(), off);
+    let byte = |i: usize| {
+        let o = off + i as u64;
+        word(o / 8).to_le_bytes()[(o % 8) as usize]
+    };
+    let first = (off + h as u64) / 8;
+    (0..h).all(|i| buf[i] == byte(i))
+        && buf[h..w_end]
+            .chunks_exact(8)
+            .enumerate()
+            .fold(true, |ok, (k, c)| {
+                ok & (c == word(first + k as u64).to_le_bytes())
+            })
+        && (w_end..buf.len()).all(|i| buf[i] == byte(i))
 }
 
 fn engine_config(args: &Args, role: Role, caps: Capabilities) -> EngineConfig {
