@@ -1,0 +1,202 @@
+use super::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Anonymous private pages, unmapped on drop.
+struct Pages {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Pages {
+    fn new(pages: usize, touch: bool) -> Pages {
+        let len = pages * 4096;
+        // SAFETY: anonymous private mapping, checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        let ptr = ptr.cast::<u8>();
+        if touch {
+            // SAFETY: the mapping is `len` bytes.
+            unsafe { ptr.write_bytes(7, len) };
+        }
+        Pages { ptr, len }
+    }
+    fn range(&self) -> Range<u64> {
+        self.ptr as u64..self.ptr as u64 + self.len as u64
+    }
+    fn addr(&self, off: usize) -> usize {
+        self.ptr as usize + off
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A full userfaultfd, or None when this process may not have one (then
+/// the caller skips: only root or CAP_SYS_PTRACE get one, and CI is root).
+fn uffd() -> Option<UffdProtect> {
+    match UffdProtect::new() {
+        Ok(u) => Some(u),
+        Err(e) if !nix::unistd::geteuid().is_root() => {
+            eprintln!("skipped: {e}");
+            None
+        }
+        Err(e) => panic!("root must get a full userfaultfd: {e}"),
+    }
+}
+
+/// Run `f` on a thread; true if it finished within `wait`.
+fn finishes_within(
+    wait: Duration,
+    f: impl FnOnce() + Send + 'static,
+) -> (std::thread::JoinHandle<()>, Arc<AtomicBool>) {
+    let done = Arc::new(AtomicBool::new(false));
+    let d = Arc::clone(&done);
+    let h = std::thread::spawn(move || {
+        f();
+        d.store(true, Ordering::SeqCst);
+    });
+    std::thread::sleep(wait);
+    (h, done)
+}
+
+fn write_blocks_until_unprotected(touch: bool) {
+    let Some(mut u) = uffd() else { return };
+    let p = Pages::new(4, touch);
+    u.protect(p.range()).unwrap();
+    let target = p.addr(2 * 4096 + 10);
+    let (h, done) = finishes_within(Duration::from_millis(100), move || {
+        // SAFETY: inside the mapping, which outlives the thread (joined below).
+        unsafe { std::ptr::write_volatile(target as *mut u8, 42) };
+    });
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "a write to a protected page must wait"
+    );
+    let f = u.faults().next().expect("a fault event");
+    assert_eq!(f.addr & !4095, target as u64 & !4095);
+    assert!(f.write && f.wp);
+    u.unprotect(p.range()).unwrap();
+    h.join().unwrap();
+    assert!(done.load(Ordering::SeqCst));
+    // SAFETY: inside the mapping.
+    assert_eq!(unsafe { *(target as *const u8) }, 42);
+}
+
+#[test]
+fn writes_to_protected_pages_wait() {
+    write_blocks_until_unprotected(true);
+}
+
+#[test]
+fn never_touched_pages_are_protected_too() {
+    write_blocks_until_unprotected(false);
+}
+
+#[test]
+fn a_syscall_writing_a_protected_page_waits_instead_of_failing() {
+    let Some(mut u) = uffd() else { return };
+    let p = Pages::new(2, true);
+    u.protect(p.range()).unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: plain pipe creation into a 2-int array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: writing 5 bytes from a static buffer to our pipe.
+    let wrote = unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) };
+    assert_eq!(wrote, 5);
+    let (dst, rd) = (p.addr(4096), fds[0]);
+    let n = Arc::new(std::sync::atomic::AtomicIsize::new(-2));
+    let n2 = Arc::clone(&n);
+    let (h, done) = finishes_within(Duration::from_millis(100), move || {
+        // SAFETY: reading into our mapping, which outlives the thread.
+        let r = unsafe { libc::read(rd, dst as *mut libc::c_void, 5) };
+        n2.store(r, Ordering::SeqCst);
+    });
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "read() into a protected page waits"
+    );
+    u.unprotect(p.range()).unwrap();
+    h.join().unwrap();
+    assert_eq!(n.load(Ordering::SeqCst), 5, "and then succeeds (no EFAULT)");
+    // SAFETY: inside the mapping.
+    let landed = unsafe { std::slice::from_raw_parts(dst as *const u8, 5) };
+    assert_eq!(landed, b"hello");
+    // SAFETY: closing our pipe.
+    unsafe {
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+}
+
+#[test]
+fn reprotecting_reuses_the_registration_and_reads_never_fault() {
+    let Some(mut u) = uffd() else { return };
+    let p = Pages::new(8, true);
+    for _ in 0..3 {
+        u.protect(p.range()).unwrap();
+        // Reads are fine while protected.
+        // SAFETY: inside the mapping.
+        let byte = unsafe { std::ptr::read_volatile(p.addr(5 * 4096) as *const u8) };
+        assert_eq!(byte, 7);
+        u.unprotect(p.range()).unwrap();
+    }
+    // A sub-range inside a registered range: no new registration needed.
+    let r = p.range();
+    u.protect(r.start + 4096..r.start + 3 * 4096).unwrap();
+    u.unprotect(r.start + 4096..r.start + 3 * 4096).unwrap();
+    u.forget(p.range());
+}
+
+#[test]
+fn file_backed_memory_cannot_be_registered() {
+    let Some(mut u) = uffd() else { return };
+    let f = tempfile_in_tmp();
+    f.set_len(8192).unwrap();
+    // SAFETY: mapping our own temporary file.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED);
+    let r = ptr as u64..ptr as u64 + 8192;
+    assert!(matches!(u.protect(r), Err(ProtectError::Register { .. })));
+    // SAFETY: unmapping what we mapped.
+    unsafe { libc::munmap(ptr, 8192) };
+}
+
+fn tempfile_in_tmp() -> std::fs::File {
+    let path = std::env::temp_dir().join(format!(
+        "azsdp-uffd-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    f
+}
