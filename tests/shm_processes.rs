@@ -8,9 +8,12 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use azsdp::conn::FaultPolicy;
 use azsdp::conn::{CallError, Capabilities, EngineConfig, LockRegion, RecvFlags, Role, SendFlags};
+use azsdp::driver::threaded::ThreadedDriver;
 use azsdp::driver::{Driver, NoProtection, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
+use azsdp::protect::uffd::UffdProtect;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, fork};
 
@@ -225,4 +228,113 @@ fn peer_killed_mid_transfer_fails_the_survivor() {
         reap(child, Duration::from_secs(5)),
         WaitStatus::Exited(child, 0)
     );
+}
+
+/// AZ-SDP with real page protection: the sender rewrites each buffer right
+/// after send() returned (while the peer may still be reading it); the
+/// receiver must still get exactly the bytes sent. Needs a full userfaultfd
+/// (root, as in CI); skipped elsewhere.
+fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
+    let Ok(uffd) = UffdProtect::new() else {
+        assert!(
+            !nix::unistd::geteuid().is_root(),
+            "root must get a full userfaultfd"
+        );
+        eprintln!("skipped: no full userfaultfd");
+        return;
+    };
+    let total: u64 = 64 << 20;
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| {
+        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
+        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
+        let mut d = Driver::new(cfg(Role::Server, caps, false, 16 << 10), ep, NoProtection);
+        d.establish(Duration::from_secs(5)).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut off, mut bad) = (0u64, 0u64);
+        loop {
+            let n = d.recv(&mut buf, RecvFlags::default()).unwrap() as usize;
+            if n == 0 {
+                break;
+            }
+            bad += buf[..n]
+                .iter()
+                .enumerate()
+                .filter(|(k, x)| **x != pattern(off + *k as u64))
+                .count() as u64;
+            off += n as u64;
+        }
+        d.close(Duration::from_secs(5));
+        (&b).write_all(format!("{off} {bad}").as_bytes()).unwrap();
+        0
+    });
+    drop(b);
+    let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
+    let faults = uffd.faults();
+    let caps = capabilities(true, &uffd);
+    let mut c = cfg(Role::Client, caps, false, 16 << 10);
+    c.write_fault = policy;
+    c.fallback_faults = 0; // keep AZ-SDP on, however often we rewrite
+    let waiter = ep.waiter();
+    let mut d = Driver::new(c, ep, uffd);
+    d.establish(Duration::from_secs(5)).unwrap();
+    let d = ThreadedDriver::start(d, move |t| waiter.wait(t), Some(faults));
+    // Page-aligned buffers (a Vec<u64> of whole pages, offset inside).
+    let mut store = vec![0u64; (3 << 20) / 8];
+    let base = store.as_mut_ptr() as usize;
+    let pad = base.next_multiple_of(4096) - base;
+    // SAFETY: a byte view of our own Vec, which outlives every use below.
+    let bytes = unsafe { std::slice::from_raw_parts_mut((base + pad) as *mut u8, (3 << 20) - pad) };
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    let (mut off, mut i) = (0u64, seed);
+    while off < total {
+        i = word(i);
+        let start = (i % 8192) as usize;
+        let len = (64 * 1024 + word(i) % (1 << 20)).min(total - off) as usize;
+        for (k, x) in bytes[start..start + len].iter_mut().enumerate() {
+            *x = pattern(off + k as u64);
+        }
+        let n = d.send(&bytes[start..start + len], flags).unwrap();
+        assert_eq!(n, len as u64);
+        // Rewrite part of what was just sent: must not reach the receiver.
+        for x in &mut bytes[start + len / 3..start + len / 2] {
+            *x = !*x;
+        }
+        off += n;
+    }
+    let (clean, counters) = d.close(Duration::from_secs(20));
+    assert!(clean, "clean close: {counters:?}");
+    let mut report = String::new();
+    (&a).read_to_string(&mut report).unwrap();
+    assert_eq!(
+        reap(child, Duration::from_secs(10)),
+        WaitStatus::Exited(child, 0)
+    );
+    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
+    assert_eq!((f[0], f[1]), (total, 0), "no rewrite reached the receiver");
+    assert!(
+        counters.bytes_sent_async > total / 2,
+        "mostly AZ-SDP: {counters:?}"
+    );
+    assert!(
+        counters.send_faults > 0,
+        "the rewrites faulted: {counters:?}"
+    );
+    if policy == FaultPolicy::Copy {
+        assert!(counters.cow_copies > 0, "{counters:?}");
+    }
+    drop(store);
+}
+
+#[test]
+fn azsdp_copy_on_write_between_two_processes() {
+    azsdp_with_rewrites(FaultPolicy::Copy, 11);
+}
+
+#[test]
+fn azsdp_block_on_write_between_two_processes() {
+    azsdp_with_rewrites(FaultPolicy::Block, 12);
 }

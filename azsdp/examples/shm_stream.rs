@@ -23,8 +23,10 @@ use azsdp::config::parse_size;
 use azsdp::conn::{
     Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvFlags, RecvProtect, Role, SendFlags,
 };
-use azsdp::driver::{Driver, NoProtection, capabilities};
+use azsdp::driver::threaded::ThreadedDriver;
+use azsdp::driver::{Driver, NoProtection, Protector, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
+use azsdp::protect::uffd::UffdProtect;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -60,6 +62,9 @@ struct Args {
     touch: f64,
     #[arg(long, value_enum, default_value = "off")]
     recv_protect: OnOff,
+    /// Send buffers used in turn (1: one buffer reused, as ttcp does).
+    #[arg(long, default_value_t = 1)]
+    buffers: usize,
 }
 
 /// The stream's 8-byte word number `w` (byte `o` is byte `o % 8` of word
@@ -239,7 +244,9 @@ fn main() {
         nix::unistd::ForkResult::Parent { child } => child,
     };
     drop(theirs);
-    let mut buf = SendBuf::new(args.size, args.align);
+    let mut bufs: Vec<SendBuf> = (0..args.buffers.max(1))
+        .map(|_| SendBuf::new(args.size, args.align))
+        .collect();
     let mut rng = 0x1234_5678u64;
     let touch = |rng: &mut u64| {
         *rng ^= *rng << 13;
@@ -247,17 +254,20 @@ fn main() {
         *rng ^= *rng << 17;
         (*rng % 1_000_000) as f64 / 1_000_000.0 < args.touch
     };
-    let (mut faults, mut cows, mut fallback) = (0, 0, None);
+    let (mut faults_seen, mut cows, mut fallback) = (0, 0, None);
     match &tcp {
         Some(l) => {
             let mut s = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
-            let mut off = 0u64;
+            let (mut off, mut k) = (0u64, 0usize);
             while off < args.bytes {
+                let nb = bufs.len();
+                let b = &mut bufs[k % nb];
+                k += 1;
                 let n = args.size.min(args.bytes - off) as usize;
-                fill(&mut buf.get()[..n], off);
-                s.write_all(&buf.get()[..n]).expect("write");
+                fill(&mut b.get()[..n], off);
+                s.write_all(&b.get()[..n]).expect("write");
                 if touch(&mut rng) {
-                    buf.get()[0] ^= 0xff;
+                    b.get()[0] ^= 0xff;
                 }
                 off += n as u64;
             }
@@ -265,28 +275,44 @@ fn main() {
         }
         None => {
             let ep = ShmEndpoint::offer(&mine, ShmParams::default()).expect("shm bootstrap");
-            let caps = capabilities(ep.can_get().is_none(), &NoProtection);
-            let mut d = Driver::new(engine_config(&args, Role::Client, caps), ep, NoProtection);
+            // Page protection (AZ-SDP) needs a full userfaultfd.
+            let uffd = match args.mode {
+                Mode::AzsdpBow | Mode::AzsdpCow => UffdProtect::new().ok(),
+                _ => None,
+            };
+            let faults = uffd.as_ref().map(UffdProtect::faults);
+            let protector: Box<dyn Protector + Send> = match uffd {
+                Some(u) => Box::new(u),
+                None => Box::new(NoProtection),
+            };
+            let caps = capabilities(ep.can_get().is_none(), protector.as_ref());
+            let waiter = ep.waiter();
+            let mut d = Driver::new(engine_config(&args, Role::Client, caps), ep, protector);
             d.establish(Duration::from_secs(10)).expect("handshake");
+            let d = ThreadedDriver::start(d, move |t| waiter.wait(t), faults);
             let flags = SendFlags {
                 nonblocking: false,
                 protectable: true,
             };
             let mut off = 0u64;
+            let mut k = 0usize;
             while off < args.bytes {
+                let nb = bufs.len();
+                let b = &mut bufs[k % nb];
+                k += 1;
                 let n = args.size.min(args.bytes - off) as usize;
-                fill(&mut buf.get()[..n], off);
-                let sent = d.send(&buf.get()[..n], flags).expect("send");
+                fill(&mut b.get()[..n], off);
+                let sent = d.send(&b.get()[..n], flags).expect("send");
                 assert_eq!(sent, n as u64);
                 if touch(&mut rng) {
                     // The send has returned: the buffer is the program's again.
-                    buf.get()[0] ^= 0xff;
+                    b.get()[0] ^= 0xff;
                 }
                 off += n as u64;
             }
-            assert!(d.close(Duration::from_secs(30)), "clean close");
-            let c = d.connection().counters();
-            faults = c.send_faults;
+            let (clean, c) = d.close(Duration::from_secs(30));
+            assert!(clean, "clean close");
+            faults_seen = c.send_faults;
             cows = c.cow_copies;
             fallback = c.fallback_reason;
         }
@@ -313,7 +339,7 @@ fn main() {
         if verified { "verified" } else { "CORRUPTED" },
         bytes,
         gets,
-        faults,
+        faults_seen,
         cows,
         fallback.map_or(String::new(), |r| format!(" (fallback {r:?})"))
     );

@@ -23,6 +23,8 @@ use crate::conn::{
 use crate::fabric::{Fabric, FabricError, FabricEvent, OpResult};
 use crate::time::Timestamp;
 
+pub mod threaded;
+
 /// The application's own memory, by address.
 ///
 /// The engine calls it only for ranges of calls that are blocked in this
@@ -53,6 +55,8 @@ pub trait Protector {
     fn unprotect(&mut self, range: Range<u64>);
     fn arm(&mut self, range: Range<u64>) -> Result<(), OpError>;
     fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome);
+    /// Let threads faulting on `range` retry (their pages need nothing more).
+    fn wake(&mut self, range: Range<u64>);
 }
 
 /// No page protection: sends are ZSDP, receives are synchronous.
@@ -71,6 +75,28 @@ impl Protector for NoProtection {
         Err(OpError::Local)
     }
     fn disarm(&mut self, _: Range<u64>, _: DisarmOutcome) {}
+    fn wake(&mut self, _: Range<u64>) {}
+}
+
+impl Protector for Box<dyn Protector + Send> {
+    fn can_protect(&self) -> bool {
+        (**self).can_protect()
+    }
+    fn protect(&mut self, ranges: &[Range<u64>]) -> Result<(), OpError> {
+        (**self).protect(ranges)
+    }
+    fn unprotect(&mut self, range: Range<u64>) {
+        (**self).unprotect(range)
+    }
+    fn arm(&mut self, range: Range<u64>) -> Result<(), OpError> {
+        (**self).arm(range)
+    }
+    fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome) {
+        (**self).disarm(range, outcome)
+    }
+    fn wake(&mut self, range: Range<u64>) {
+        (**self).wake(range)
+    }
 }
 
 /// Capabilities a fabric and protector give an engine.
@@ -95,6 +121,9 @@ pub struct Driver<F: Fabric, P: Protector> {
     next_call: u64,
     done: HashMap<CallId, Result<u64, CallError>>,
     resumed: Vec<Ticket>,
+    /// Page each pending fault is on, to wake its thread on `Resume`.
+    fault_pages: HashMap<Ticket, u64>,
+    next_ticket: u64,
     /// Messages the engine produced that the fabric had no room for yet.
     backlog: VecDeque<Vec<u8>>,
     /// Private copies made for copy-on-write, by address.
@@ -118,6 +147,8 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             next_call: 1,
             done: HashMap::new(),
             resumed: Vec::new(),
+            fault_pages: HashMap::new(),
+            next_ticket: 1,
             backlog: VecDeque::new(),
             copies: HashMap::new(),
             buf: Vec::new(),
@@ -138,7 +169,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
     }
 
     /// Execute actions and post messages until the engine has nothing to say.
-    fn drive(&mut self) {
+    pub(crate) fn drive(&mut self) {
         loop {
             let mut any = false;
             while let Some(a) = self.conn.poll_action() {
@@ -241,12 +272,18 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             Action::CallDone { call, result } => {
                 self.done.insert(call, result);
             }
-            Action::Resume { ticket } => self.resumed.push(ticket),
+            Action::Resume { ticket } => {
+                if let Some(page) = self.fault_pages.remove(&ticket) {
+                    let size = u64::from(self.conn.config().page_size);
+                    self.protector.wake(page..page + size);
+                }
+                self.resumed.push(ticket);
+            }
         }
     }
 
     /// Deliver what the fabric has, and run timers.
-    fn turn(&mut self) {
+    pub(crate) fn turn(&mut self) {
         let mut events: Vec<Ev> = Vec::new();
         self.fabric.poll(&mut |e| {
             events.push(match e {
@@ -296,27 +333,62 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         CallId(self.next_call)
     }
 
-    /// Blocking `send()` of `buf`; `wait` sleeps on the fabric.
-    pub fn send(&mut self, buf: &[u8], flags: SendFlags) -> Result<u64, CallError> {
+    /// Start a `send()` of `len` bytes at `addr`; its result comes from
+    /// [`Driver::take_result`]. The bytes must stay valid and unchanged by
+    /// the caller until the result is in.
+    pub fn submit_send(&mut self, addr: u64, len: u64, flags: SendFlags) -> CallId {
         let call = self.call_id();
         let now = self.now();
-        let ub = UserBuf {
-            addr: buf.as_ptr() as u64,
-            len: buf.len() as u64,
-        };
-        self.conn.send(now, call, ub, flags, &mut self.mem);
+        self.conn
+            .send(now, call, UserBuf { addr, len }, flags, &mut self.mem);
+        self.drive();
+        call
+    }
+
+    /// Start a `recv()` into `len` bytes at `addr` (which must stay valid
+    /// and untouched by the caller until the result is in).
+    pub fn submit_recv(&mut self, addr: u64, len: u64, flags: RecvFlags) -> CallId {
+        let call = self.call_id();
+        let now = self.now();
+        self.conn
+            .recv(now, call, UserBuf { addr, len }, flags, &mut self.mem);
+        self.drive();
+        call
+    }
+
+    /// The result of a submitted call, once it is done.
+    pub fn take_result(&mut self, call: CallId) -> Option<Result<u64, CallError>> {
+        self.done.remove(&call)
+    }
+
+    /// Report a fault the protector caught; the faulting thread is woken
+    /// when the engine resumes it (or when its pages are unprotected).
+    pub fn submit_fault(&mut self, addr: u64, access: Access) -> Ticket {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        let size = u64::from(self.conn.config().page_size);
+        self.fault_pages.insert(ticket, addr & !(size - 1));
+        let now = self.now();
+        self.conn.handle_fault(now, ticket, addr, access);
+        self.drive();
+        ticket
+    }
+
+    /// When the engine wants attention next (timers), from now.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        let now = self.now();
+        self.conn.poll_timeout().map(|t| t.saturating_since(now))
+    }
+
+    /// Blocking `send()` of `buf`.
+    pub fn send(&mut self, buf: &[u8], flags: SendFlags) -> Result<u64, CallError> {
+        let call = self.submit_send(buf.as_ptr() as u64, buf.len() as u64, flags);
         self.wait_call(call)
     }
 
     /// Blocking `recv()` into `buf`.
     pub fn recv(&mut self, buf: &mut [u8], flags: RecvFlags) -> Result<u64, CallError> {
-        let call = self.call_id();
-        let now = self.now();
-        let ub = UserBuf {
-            addr: buf.as_mut_ptr() as u64,
-            len: buf.len() as u64,
-        };
-        self.conn.recv(now, call, ub, flags, &mut self.mem);
+        let call = self.submit_recv(buf.as_mut_ptr() as u64, buf.len() as u64, flags);
         self.wait_call(call)
     }
 
@@ -336,27 +408,18 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         }
     }
 
-    /// A fault the protector caught on `addr`: returns when it may proceed.
-    pub fn fault(&mut self, ticket: Ticket, addr: u64, access: Access) {
-        let now = self.now();
-        self.conn.handle_fault(now, ticket, addr, access);
-        loop {
-            self.drive();
-            if let Some(i) = self.resumed.iter().position(|t| *t == ticket) {
-                self.resumed.swap_remove(i);
-                return;
-            }
-            self.turn();
-            self.fabric.wait(self.max_wait);
-        }
-    }
-
-    /// `shutdown(SHUT_WR)` then `close()`, and drive until the connection is
-    /// finished or `timeout` passes. Returns whether it finished cleanly.
-    pub fn close(&mut self, timeout: Duration) -> bool {
+    /// Start `close()` (SO_LINGER off): the connection finishes in the background.
+    pub fn submit_close(&mut self) {
         let now = self.now();
         self.conn
             .close(now, crate::conn::Linger::Background, &mut self.mem);
+        self.drive();
+    }
+
+    /// `close()`, then drive until the connection is finished or `timeout`
+    /// passes. Returns whether it finished cleanly.
+    pub fn close(&mut self, timeout: Duration) -> bool {
+        self.submit_close();
         let deadline = Instant::now() + timeout;
         while !self.conn.is_finished() && Instant::now() < deadline {
             self.drive();

@@ -478,6 +478,16 @@ impl ShmEndpoint {
         })
     }
 
+    /// A waiter for this endpoint's incoming messages (it only looks).
+    pub fn waiter(&self) -> ShmWaiter {
+        ShmWaiter {
+            rx: self.seg.ring(1 - self.side),
+            seg: Arc::clone(&self.seg),
+            peer: 1 - self.side,
+            poll: self.params.poll,
+        }
+    }
+
     /// `None` if this side may GET from the peer; otherwise why not.
     pub fn can_get(&self) -> Option<&NoGet> {
         self.no_get.as_ref()
@@ -637,23 +647,16 @@ impl Fabric for ShmEndpoint {
     /// `params.poll`, then sleep on the futex. Completions of this side's own
     /// operations are synchronous, so they never need a wait.
     fn wait(&self, timeout: Duration) {
-        if !self.completions.is_empty() || !self.rx.is_empty() {
+        if !self.completions.is_empty() {
             return;
         }
-        let start = Instant::now();
-        while start.elapsed() < self.params.poll.min(timeout) {
-            if !self.rx.is_empty() {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-        let (published, sleeping) = self.rx.wait_words();
-        let seen = published.load(Ordering::Acquire);
-        sleeping.store(1, Ordering::SeqCst);
-        if self.rx.is_empty() && !self.peer_closed() {
-            futex_wait(published, seen, timeout.saturating_sub(start.elapsed()));
-        }
-        sleeping.store(0, Ordering::Relaxed);
+        wait_ring(
+            &self.rx,
+            &self.seg,
+            1 - self.side,
+            self.params.poll,
+            timeout,
+        );
     }
 
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
@@ -692,6 +695,44 @@ fn pidfd_exited(fd: &OwnedFd) -> bool {
     // SAFETY: one valid pollfd, zero timeout.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n > 0 && p.revents & libc::POLLIN != 0
+}
+
+/// Busy-poll `rx` for `poll`, then sleep on its futex until a message is
+/// published, the peer closes, or `timeout` passes.
+fn wait_ring(rx: &Ring, seg: &Segment, peer: usize, poll: Duration, timeout: Duration) {
+    if !rx.is_empty() {
+        return;
+    }
+    let start = Instant::now();
+    while start.elapsed() < poll.min(timeout) {
+        if !rx.is_empty() {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+    let (published, sleeping) = rx.wait_words();
+    let seen = published.load(Ordering::Acquire);
+    sleeping.store(1, Ordering::SeqCst);
+    if rx.is_empty() && seg.hdr().closed[peer].load(Ordering::Acquire) == 0 {
+        futex_wait(published, seen, timeout.saturating_sub(start.elapsed()));
+    }
+    sleeping.store(0, Ordering::Relaxed);
+}
+
+/// Waits for messages to one endpoint without borrowing it, for a progress
+/// thread while other threads use the endpoint.
+#[derive(Debug)]
+pub struct ShmWaiter {
+    rx: Ring,
+    seg: Arc<Segment>,
+    peer: usize,
+    poll: Duration,
+}
+
+impl ShmWaiter {
+    pub fn wait(&self, timeout: Duration) {
+        wait_ring(&self.rx, &self.seg, self.peer, self.poll, timeout);
+    }
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {

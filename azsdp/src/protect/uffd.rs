@@ -67,7 +67,9 @@ pub struct FaultReader {
 fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
     UffdBuilder::new()
         .close_on_exec(true)
-        .non_blocking(false)
+        // Non-blocking reads: a fault seen by poll() may be resolved (woken
+        // by an unprotect) before the read, which must then not block.
+        .non_blocking(true)
         .user_mode_only(false)
         .require_features(features)
         .create()
@@ -185,9 +187,36 @@ impl UffdProtect {
 }
 
 impl FaultReader {
-    /// Block until the next fault. `None` when the descriptor is closed or
-    /// an event other than a page fault arrives.
+    /// The next fault, waiting at most `timeout`; `None` if none came (or an
+    /// event other than a page fault did).
+    pub fn next_timeout(&self, timeout: std::time::Duration) -> Option<Fault> {
+        use std::os::fd::AsRawFd;
+        let mut p = libc::pollfd {
+            fd: self.uffd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n <= 0 {
+            return None;
+        }
+        self.read_one()
+    }
+
+    /// Wait for the next page fault, however long it takes (events other
+    /// than page faults are skipped).
     pub fn next(&self) -> Option<Fault> {
+        loop {
+            if let Some(f) = self.next_timeout(std::time::Duration::from_secs(3600)) {
+                return Some(f);
+            }
+        }
+    }
+
+    /// Read one pending fault without waiting.
+    fn read_one(&self) -> Option<Fault> {
         match self.uffd.read_event() {
             Ok(Some(Event::Pagefault { kind, rw, addr, .. })) => Some(Fault {
                 addr: addr as u64,
@@ -228,6 +257,10 @@ impl crate::driver::Protector for UffdProtect {
     }
 
     fn disarm(&mut self, _: Range<u64>, _: crate::conn::DisarmOutcome) {}
+
+    fn wake(&mut self, range: Range<u64>) {
+        UffdProtect::wake(self, range);
+    }
 }
 
 #[cfg(test)]
