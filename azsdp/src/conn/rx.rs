@@ -59,6 +59,21 @@ pub(super) struct InAvail {
 }
 
 impl InAvail {
+    /// No GET in flight, and a cancel or the end of the data is waiting to
+    /// be settled (truncate, release, report).
+    fn needs_settling(&self) -> bool {
+        self.gets == 0 && (self.cancel_req || self.taken == self.len)
+    }
+
+    /// The lock state once the source is known to have copied the data away.
+    fn copied_state(&self) -> Lock {
+        if self.update_seen {
+            Lock::Updated
+        } else {
+            Lock::Copied
+        }
+    }
+
     fn src_at(&self, off: u32) -> RemoteBuf {
         RemoteBuf {
             addr: self.src.addr + u64::from(off - self.src_base),
@@ -582,11 +597,7 @@ impl Connection {
         if old == lockword::open(g) {
             a.lock = Lock::Held;
         } else if old == lockword::copied(g) {
-            a.lock = if a.update_seen {
-                Lock::Updated
-            } else {
-                Lock::Copied
-            };
+            a.lock = a.copied_state();
         } else {
             return Err(AbortReason::Protocol(ProtocolError::LockWord {
                 slot: a.slot,
@@ -594,7 +605,7 @@ impl Connection {
             }));
         }
         // A cancel or discard may have been waiting for the lock to settle.
-        if a.gets == 0 && (a.cancel_req || a.taken == a.len) {
+        if a.needs_settling() {
             self.after_gets(id);
         }
         Ok(())
@@ -615,11 +626,7 @@ impl Connection {
         if old != expect {
             if old == lockword::copied(g) && expect == lockword::open(g) {
                 // The source copied the data away meanwhile.
-                a.lock = if a.update_seen {
-                    Lock::Updated
-                } else {
-                    Lock::Copied
-                };
+                a.lock = a.copied_state();
                 if finished {
                     self.release_lock(id, true);
                 }
@@ -635,7 +642,7 @@ impl Connection {
         } else {
             Lock::Free
         };
-        let settle = !finished && a.gets == 0 && (a.cancel_req || a.taken == a.len);
+        let settle = !finished && a.needs_settling();
         self.report_taken(id, finished);
         if settle {
             self.after_gets(id);
@@ -832,7 +839,7 @@ impl Connection {
         if matches!(a.lock, Lock::Free | Lock::Copied) {
             a.lock = Lock::Updated;
         }
-        if a.gets == 0 && (a.cancel_req || a.taken == a.len) {
+        if a.needs_settling() {
             self.after_gets(u.id);
         }
         Ok(())
