@@ -299,10 +299,18 @@ fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
         }
         let n = d.send(&bytes[start..start + len], flags).unwrap();
         assert_eq!(n, len as u64);
-        // Rewrite part of what was just sent: must not reach the receiver.
-        for x in &mut bytes[start + len / 3..start + len / 2] {
-            *x = !*x;
+        // Rewrite part of what was just sent: must not reach the receiver,
+        // and the writer must read back its own bytes. About half the time the
+        // kernel does the writing (read() from a pipe), which must wait for
+        // the protection instead of failing with EFAULT.
+        let (r0, r1) = (start + len / 3, start + len / 2);
+        let junk: Vec<u8> = bytes[r0..r1].iter().map(|x| !*x).collect();
+        if i % 2 == 0 {
+            bytes[r0..r1].copy_from_slice(&junk);
+        } else {
+            kernel_write(&mut bytes[r0..r1], &junk);
         }
+        assert_eq!(&bytes[r0..r1], &junk[..], "the writer sees its own bytes");
         off += n;
     }
     let (clean, counters) = d.close(Duration::from_secs(20));
@@ -327,6 +335,130 @@ fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
         assert!(counters.cow_copies > 0, "{counters:?}");
     }
     drop(store);
+}
+
+/// Fill `dst` from a pipe: the kernel writes the (maybe protected) pages.
+fn kernel_write(dst: &mut [u8], data: &[u8]) {
+    let mut fds = [0; 2];
+    // SAFETY: creating a pipe into a 2-int array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let (rd, wr) = (fds[0], fds[1]);
+    let feeder = {
+        let data = data.to_vec();
+        std::thread::spawn(move || {
+            let mut sent = 0;
+            while sent < data.len() {
+                // SAFETY: writing from our own buffer to our pipe.
+                let n = unsafe { libc::write(wr, data[sent..].as_ptr().cast(), data.len() - sent) };
+                assert!(n > 0);
+                sent += n as usize;
+            }
+            // SAFETY: closing our end.
+            unsafe { libc::close(wr) };
+        })
+    };
+    let mut got = 0;
+    while got < dst.len() {
+        // SAFETY: reading into the caller's buffer, in bounds.
+        let n = unsafe { libc::read(rd, dst[got..].as_mut_ptr().cast(), dst.len() - got) };
+        assert!(
+            n > 0,
+            "read() into a just-sent buffer failed: {}",
+            std::io::Error::last_os_error()
+        );
+        got += n as usize;
+    }
+    feeder.join().unwrap();
+    // SAFETY: closing our end.
+    unsafe { libc::close(rd) };
+}
+
+/// free() of an in-flight 1 MiB heap buffer: the engine settles the pages
+/// (copies them aside, the receiver being slow) before the memory goes back
+/// to the allocator, which then reuses it; the receiver still gets the bytes
+/// that were sent.
+#[test]
+fn free_of_an_in_flight_heap_buffer() {
+    let Ok(uffd) = UffdProtect::new() else {
+        assert!(
+            !nix::unistd::geteuid().is_root(),
+            "root must get a full userfaultfd"
+        );
+        return;
+    };
+    let len = 1usize << 20;
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| {
+        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
+        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
+        let mut d = Driver::new(cfg(Role::Server, caps, false, 16 << 10), ep, NoProtection);
+        d.establish(Duration::from_secs(5)).unwrap();
+        // Be slow, so the send is still in flight when the sender frees it.
+        std::thread::sleep(Duration::from_millis(200));
+        let mut buf = vec![0u8; len + 4096];
+        let (mut off, mut bad) = (0u64, 0u64);
+        loop {
+            let n = d.recv(&mut buf, RecvFlags::default()).unwrap() as usize;
+            if n == 0 {
+                break;
+            }
+            bad += buf[..n]
+                .iter()
+                .enumerate()
+                .filter(|(k, x)| **x != pattern(off + *k as u64))
+                .count() as u64;
+            off += n as u64;
+        }
+        d.close(Duration::from_secs(5));
+        (&b).write_all(format!("{off} {bad}").as_bytes()).unwrap();
+        0
+    });
+    drop(b);
+    let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
+    let faults = uffd.faults();
+    let caps = capabilities(true, &uffd);
+    let waiter = ep.waiter();
+    let mut d = Driver::new(cfg(Role::Client, caps, false, 16 << 10), ep, uffd);
+    d.establish(Duration::from_secs(5)).unwrap();
+    let d = ThreadedDriver::start(d, move |t| waiter.wait(t), Some(faults));
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    let mut heap: Vec<u8> = (0..len as u64).map(pattern).collect();
+    assert_eq!(d.send(&heap, flags).unwrap(), len as u64);
+    assert!(
+        d.counters().bytes_sent_async > 0,
+        "sent by AZ-SDP: {:?}",
+        d.counters()
+    );
+    // What a free() hook does: settle the range, then let the memory go.
+    let range = heap.as_ptr() as u64..heap.as_ptr() as u64 + len as u64;
+    d.evacuate(range.clone());
+    heap.fill(0xee);
+    drop(heap);
+    d.unmapped(range);
+    // The allocator hands the memory out again; it gets scribbled on.
+    let reused = vec![0x55u8; len];
+    let (clean, c) = d.close(Duration::from_secs(20));
+    drop(reused);
+    assert!(clean, "{c:?}");
+    assert!(
+        c.cow_copies >= 1,
+        "the in-flight pages were copied aside: {c:?}"
+    );
+    let mut report = String::new();
+    (&a).read_to_string(&mut report).unwrap();
+    assert_eq!(
+        reap(child, Duration::from_secs(10)),
+        WaitStatus::Exited(child, 0)
+    );
+    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
+    assert_eq!(
+        (f[0], f[1]),
+        (len as u64, 0),
+        "the receiver got the bytes that were sent"
+    );
 }
 
 #[test]

@@ -57,6 +57,8 @@ pub trait Protector {
     fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome);
     /// Let threads faulting on `range` retry (their pages need nothing more).
     fn wake(&mut self, range: Range<u64>);
+    /// `range` is being unmapped: forget any state kept for it.
+    fn forget(&mut self, _range: Range<u64>) {}
 }
 
 /// No page protection: sends are ZSDP, receives are synchronous.
@@ -96,6 +98,9 @@ impl Protector for Box<dyn Protector + Send> {
     }
     fn wake(&mut self, range: Range<u64>) {
         (**self).wake(range)
+    }
+    fn forget(&mut self, range: Range<u64>) {
+        (**self).forget(range)
     }
 }
 
@@ -272,13 +277,15 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             Action::CallDone { call, result } => {
                 self.done.insert(call, result);
             }
-            Action::Resume { ticket } => {
-                if let Some(page) = self.fault_pages.remove(&ticket) {
+            Action::Resume { ticket } => match self.fault_pages.remove(&ticket) {
+                // A fault: wake the thread stopped on that page.
+                Some(page) => {
                     let size = u64::from(self.conn.config().page_size);
                     self.protector.wake(page..page + size);
                 }
-                self.resumed.push(ticket);
-            }
+                // An evacuation: its caller polls `resumed`.
+                None => self.resumed.push(ticket),
+            },
         }
     }
 
@@ -372,6 +379,34 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         self.conn.handle_fault(now, ticket, addr, access);
         self.drive();
         ticket
+    }
+
+    /// Ask the engine to settle everything in flight on `range` (memory about
+    /// to be freed, unmapped or discarded); [`Driver::resumed`] says when.
+    pub fn submit_evacuate(&mut self, range: Range<u64>) -> Ticket {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        let now = self.now();
+        self.conn.evacuate(now, ticket, range, &mut self.mem);
+        self.drive();
+        ticket
+    }
+
+    /// `range` was unmapped (after [`Driver::submit_evacuate`] settled it).
+    pub fn forget_memory(&mut self, range: Range<u64>) {
+        self.protector.forget(range);
+    }
+
+    /// Has the engine let evacuation `ticket` proceed?
+    /// Forgets it once seen.
+    pub fn resumed(&mut self, ticket: Ticket) -> bool {
+        match self.resumed.iter().position(|t| *t == ticket) {
+            Some(i) => {
+                self.resumed.swap_remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     /// When the engine wants attention next (timers), from now.

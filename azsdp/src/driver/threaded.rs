@@ -140,6 +140,33 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.wait_for(call)
     }
 
+    /// Before memory is freed, unmapped or discarded: wait until no
+    /// transfer uses `range` any more (copied aside, or finished).
+    pub fn evacuate(&self, range: std::ops::Range<u64>) {
+        let ticket = self.shared.lock().submit_evacuate(range);
+        let mut d = self.shared.lock();
+        loop {
+            if d.resumed(ticket) {
+                return;
+            }
+            d.turn();
+            if d.resumed(ticket) {
+                return;
+            }
+            d = self
+                .shared
+                .changed
+                .wait_timeout(d, Duration::from_millis(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// `range` was unmapped: drop the protector's state for it.
+    pub fn unmapped(&self, range: std::ops::Range<u64>) {
+        self.shared.lock().forget_memory(range);
+    }
+
     pub fn counters(&self) -> Counters {
         self.shared.lock().connection().counters().clone()
     }

@@ -261,6 +261,10 @@ impl crate::driver::Protector for UffdProtect {
     fn wake(&mut self, range: Range<u64>) {
         UffdProtect::wake(self, range);
     }
+
+    fn forget(&mut self, range: Range<u64>) {
+        UffdProtect::forget(self, range);
+    }
 }
 
 #[cfg(test)]
