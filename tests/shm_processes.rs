@@ -230,55 +230,97 @@ fn peer_killed_mid_transfer_fails_the_survivor() {
     );
 }
 
-/// AZ-SDP with real page protection: the sender rewrites each buffer right
-/// after send() returned (while the peer may still be reading it); the
-/// receiver must still get exactly the bytes sent. Needs a full userfaultfd
-/// (root, as in CI); skipped elsewhere.
-fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
+/// The receiving child: accept, wait `delay`, receive everything into
+/// `buf_len`-byte reads checking every byte against the pattern, close, and
+/// report "bytes bad-bytes" over the socket.
+fn verifying_receiver(sock: &UnixStream, delay: Duration, buf_len: usize) -> i32 {
+    let ep = ShmEndpoint::accept(sock, ShmParams::default()).unwrap();
+    let caps = capabilities(ep.can_get().is_none(), &NoProtection);
+    let mut d = Driver::new(cfg(Role::Server, caps, false, 16 << 10), ep, NoProtection);
+    d.establish(Duration::from_secs(5)).unwrap();
+    std::thread::sleep(delay);
+    let mut buf = vec![0u8; buf_len];
+    let (mut off, mut bad) = (0u64, 0u64);
+    loop {
+        let n = d.recv(&mut buf, RecvFlags::default()).unwrap() as usize;
+        if n == 0 {
+            break;
+        }
+        bad += buf[..n]
+            .iter()
+            .enumerate()
+            .filter(|(k, x)| **x != pattern(off + *k as u64))
+            .count() as u64;
+        off += n as u64;
+    }
+    d.close(Duration::from_secs(5));
+    (&*sock)
+        .write_all(format!("{off} {bad}").as_bytes())
+        .unwrap();
+    0
+}
+
+/// Read the child's "bytes bad-bytes" report and reap it.
+fn child_report(sock: &UnixStream, child: Pid) -> (u64, u64) {
+    let mut report = String::new();
+    (&*sock).read_to_string(&mut report).unwrap();
+    assert_eq!(
+        reap(child, Duration::from_secs(10)),
+        WaitStatus::Exited(child, 0)
+    );
+    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
+    (f[0], f[1])
+}
+
+/// The sending side with real page protection, or None without a full
+/// userfaultfd (then the caller skips; root always has one).
+fn protected_sender(
+    sock: &UnixStream,
+    policy: FaultPolicy,
+    fallback_faults: u32,
+) -> Option<ThreadedDriver<ShmEndpoint, UffdProtect>> {
     let Ok(uffd) = UffdProtect::new() else {
         assert!(
             !nix::unistd::geteuid().is_root(),
             "root must get a full userfaultfd"
         );
         eprintln!("skipped: no full userfaultfd");
-        return;
+        return None;
     };
-    let total: u64 = 64 << 20;
-    let (a, b) = UnixStream::pair().unwrap();
-    let child = spawn(|| {
-        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
-        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
-        let mut d = Driver::new(cfg(Role::Server, caps, false, 16 << 10), ep, NoProtection);
-        d.establish(Duration::from_secs(5)).unwrap();
-        let mut buf = vec![0u8; 1 << 20];
-        let (mut off, mut bad) = (0u64, 0u64);
-        loop {
-            let n = d.recv(&mut buf, RecvFlags::default()).unwrap() as usize;
-            if n == 0 {
-                break;
-            }
-            bad += buf[..n]
-                .iter()
-                .enumerate()
-                .filter(|(k, x)| **x != pattern(off + *k as u64))
-                .count() as u64;
-            off += n as u64;
-        }
-        d.close(Duration::from_secs(5));
-        (&b).write_all(format!("{off} {bad}").as_bytes()).unwrap();
-        0
-    });
-    drop(b);
-    let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
+    let ep = ShmEndpoint::offer(sock, ShmParams::default()).unwrap();
     let faults = uffd.faults();
     let caps = capabilities(true, &uffd);
     let mut c = cfg(Role::Client, caps, false, 16 << 10);
     c.write_fault = policy;
-    c.fallback_faults = 0; // keep AZ-SDP on, however often we rewrite
+    c.fallback_faults = fallback_faults;
     let waiter = ep.waiter();
     let mut d = Driver::new(c, ep, uffd);
     d.establish(Duration::from_secs(5)).unwrap();
-    let d = ThreadedDriver::start(d, move |t| waiter.wait(t), Some(faults));
+    Some(ThreadedDriver::start(
+        d,
+        move |t| waiter.wait(t),
+        Some(faults),
+    ))
+}
+
+/// AZ-SDP with real page protection: the sender rewrites each buffer right
+/// after send() returned (while the peer may still be reading it); the
+/// receiver must still get exactly the bytes sent. Needs a full userfaultfd
+/// (root, as in CI); skipped elsewhere.
+fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
+    let total: u64 = 64 << 20;
+    let (a, b) = UnixStream::pair().unwrap();
+    if UffdProtect::new().is_err() {
+        assert!(
+            !nix::unistd::geteuid().is_root(),
+            "root must get a full userfaultfd"
+        );
+        return;
+    }
+    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
+    drop(b);
+    // Keep AZ-SDP on, however often we rewrite.
+    let d = protected_sender(&a, policy, 0).expect("full userfaultfd");
     // Page-aligned buffers (a Vec<u64> of whole pages, offset inside).
     let mut store = vec![0u64; (3 << 20) / 8];
     let base = store.as_mut_ptr() as usize;
@@ -315,14 +357,11 @@ fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
     }
     let (clean, counters) = d.close(Duration::from_secs(20));
     assert!(clean, "clean close: {counters:?}");
-    let mut report = String::new();
-    (&a).read_to_string(&mut report).unwrap();
     assert_eq!(
-        reap(child, Duration::from_secs(10)),
-        WaitStatus::Exited(child, 0)
+        child_report(&a, child),
+        (total, 0),
+        "no rewrite reached the receiver"
     );
-    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
-    assert_eq!((f[0], f[1]), (total, 0), "no rewrite reached the receiver");
     assert!(
         counters.bytes_sent_async > total / 2,
         "mostly AZ-SDP: {counters:?}"
@@ -379,48 +418,19 @@ fn kernel_write(dst: &mut [u8], data: &[u8]) {
 /// that were sent.
 #[test]
 fn free_of_an_in_flight_heap_buffer() {
-    let Ok(uffd) = UffdProtect::new() else {
+    let len = 1usize << 20;
+    let (a, b) = UnixStream::pair().unwrap();
+    if UffdProtect::new().is_err() {
         assert!(
             !nix::unistd::geteuid().is_root(),
             "root must get a full userfaultfd"
         );
         return;
-    };
-    let len = 1usize << 20;
-    let (a, b) = UnixStream::pair().unwrap();
-    let child = spawn(|| {
-        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
-        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
-        let mut d = Driver::new(cfg(Role::Server, caps, false, 16 << 10), ep, NoProtection);
-        d.establish(Duration::from_secs(5)).unwrap();
-        // Be slow, so the send is still in flight when the sender frees it.
-        std::thread::sleep(Duration::from_millis(200));
-        let mut buf = vec![0u8; len + 4096];
-        let (mut off, mut bad) = (0u64, 0u64);
-        loop {
-            let n = d.recv(&mut buf, RecvFlags::default()).unwrap() as usize;
-            if n == 0 {
-                break;
-            }
-            bad += buf[..n]
-                .iter()
-                .enumerate()
-                .filter(|(k, x)| **x != pattern(off + *k as u64))
-                .count() as u64;
-            off += n as u64;
-        }
-        d.close(Duration::from_secs(5));
-        (&b).write_all(format!("{off} {bad}").as_bytes()).unwrap();
-        0
-    });
+    }
+    // A slow receiver, so the send is still in flight when the sender frees it.
+    let child = spawn(|| verifying_receiver(&b, Duration::from_millis(200), len + 4096));
     drop(b);
-    let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
-    let faults = uffd.faults();
-    let caps = capabilities(true, &uffd);
-    let waiter = ep.waiter();
-    let mut d = Driver::new(cfg(Role::Client, caps, false, 16 << 10), ep, uffd);
-    d.establish(Duration::from_secs(5)).unwrap();
-    let d = ThreadedDriver::start(d, move |t| waiter.wait(t), Some(faults));
+    let d = protected_sender(&a, FaultPolicy::Copy, 8).expect("full userfaultfd");
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
@@ -447,15 +457,8 @@ fn free_of_an_in_flight_heap_buffer() {
         c.cow_copies >= 1,
         "the in-flight pages were copied aside: {c:?}"
     );
-    let mut report = String::new();
-    (&a).read_to_string(&mut report).unwrap();
     assert_eq!(
-        reap(child, Duration::from_secs(10)),
-        WaitStatus::Exited(child, 0)
-    );
-    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
-    assert_eq!(
-        (f[0], f[1]),
+        child_report(&a, child),
         (len as u64, 0),
         "the receiver got the bytes that were sent"
     );

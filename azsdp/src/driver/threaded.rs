@@ -100,16 +100,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         ThreadedDriver { shared, threads }
     }
 
-    fn wait_for(&self, call: CallId) -> Result<u64, CallError> {
+    /// Wait until `ready` finds what it looks for, turning the engine while
+    /// waiting (synchronous fabric completions, e.g. a GET this very thread
+    /// just did, are delivered by the next turn).
+    fn wait_until<T>(&self, mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>) -> T {
         let mut d = self.shared.lock();
         loop {
-            if let Some(r) = d.take_result(call) {
+            if let Some(r) = ready(&mut d) {
                 return r;
             }
-            // Synchronous fabric completions (a GET just done by this very
-            // thread) are delivered by the next turn: take it now.
             d.turn();
-            if let Some(r) = d.take_result(call) {
+            if let Some(r) = ready(&mut d) {
                 return r;
             }
             d = self
@@ -119,6 +120,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    fn wait_for(&self, call: CallId) -> Result<u64, CallError> {
+        self.wait_until(|d| d.take_result(call))
     }
 
     /// Blocking `send()`; returns when the engine says the buffer is
@@ -144,22 +149,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// transfer uses `range` any more (copied aside, or finished).
     pub fn evacuate(&self, range: std::ops::Range<u64>) {
         let ticket = self.shared.lock().submit_evacuate(range);
-        let mut d = self.shared.lock();
-        loop {
-            if d.resumed(ticket) {
-                return;
-            }
-            d.turn();
-            if d.resumed(ticket) {
-                return;
-            }
-            d = self
-                .shared
-                .changed
-                .wait_timeout(d, Duration::from_millis(1))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.wait_until(|d| d.resumed(ticket).then_some(()));
     }
 
     /// `range` was unmapped: drop the protector's state for it.
