@@ -223,6 +223,30 @@ impl SendBuf {
     }
 }
 
+/// The sending application: `--bytes` in `--size` pieces from the send
+/// buffers in turn, each filled with the stream pattern and handed to `send`;
+/// with probability `--touch` the buffer is rewritten right after (the send
+/// has returned, so it is the program's again).
+fn produce(args: &Args, bufs: &mut [SendBuf], mut send: impl FnMut(&[u8])) {
+    let mut rng = 0x1234_5678u64;
+    let (mut off, mut k) = (0u64, 0usize);
+    while off < args.bytes {
+        let nb = bufs.len();
+        let b = &mut bufs[k % nb];
+        k += 1;
+        let n = args.size.min(args.bytes - off) as usize;
+        fill(&mut b.get()[..n], off);
+        send(&b.get()[..n]);
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        if (rng % 1_000_000) as f64 / 1_000_000.0 < args.touch {
+            b.get()[0] ^= 0xff;
+        }
+        off += n as u64;
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let tcp = (args.mode == Mode::Tcp).then(|| TcpListener::bind("127.0.0.1:0").expect("bind"));
@@ -247,30 +271,11 @@ fn main() {
     let mut bufs: Vec<SendBuf> = (0..args.buffers.max(1))
         .map(|_| SendBuf::new(args.size, args.align))
         .collect();
-    let mut rng = 0x1234_5678u64;
-    let touch = |rng: &mut u64| {
-        *rng ^= *rng << 13;
-        *rng ^= *rng >> 7;
-        *rng ^= *rng << 17;
-        (*rng % 1_000_000) as f64 / 1_000_000.0 < args.touch
-    };
     let (mut faults_seen, mut cows, mut fallback) = (0, 0, None);
     match &tcp {
         Some(l) => {
             let mut s = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
-            let (mut off, mut k) = (0u64, 0usize);
-            while off < args.bytes {
-                let nb = bufs.len();
-                let b = &mut bufs[k % nb];
-                k += 1;
-                let n = args.size.min(args.bytes - off) as usize;
-                fill(&mut b.get()[..n], off);
-                s.write_all(&b.get()[..n]).expect("write");
-                if touch(&mut rng) {
-                    b.get()[0] ^= 0xff;
-                }
-                off += n as u64;
-            }
+            produce(&args, &mut bufs, |chunk| s.write_all(chunk).expect("write"));
             drop(s);
         }
         None => {
@@ -294,22 +299,10 @@ fn main() {
                 nonblocking: false,
                 protectable: true,
             };
-            let mut off = 0u64;
-            let mut k = 0usize;
-            while off < args.bytes {
-                let nb = bufs.len();
-                let b = &mut bufs[k % nb];
-                k += 1;
-                let n = args.size.min(args.bytes - off) as usize;
-                fill(&mut b.get()[..n], off);
-                let sent = d.send(&b.get()[..n], flags).expect("send");
-                assert_eq!(sent, n as u64);
-                if touch(&mut rng) {
-                    // The send has returned: the buffer is the program's again.
-                    b.get()[0] ^= 0xff;
-                }
-                off += n as u64;
-            }
+            produce(&args, &mut bufs, |chunk| {
+                let sent = d.send(chunk, flags).expect("send");
+                assert_eq!(sent, chunk.len() as u64);
+            });
             let (clean, c) = d.close(Duration::from_secs(30));
             assert!(clean, "clean close");
             faults_seen = c.send_faults;

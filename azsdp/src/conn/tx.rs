@@ -950,39 +950,18 @@ fn subtract(r: Range<u64>, holes: &[Range<u64>]) -> Vec<Range<u64>> {
     out
 }
 
-/// Append `n` bytes of application memory at `addr` to `buf`.
+/// Append `n` bytes of application memory at `addr` to `buf`, reading
+/// straight into the ring's new tail (which may wrap around).
 fn copy_in(mem: &mut dyn UserMemory, addr: u64, n: u64, buf: &mut VecDeque<u8>) {
-    const CHUNK: usize = 64 << 10;
-    let mut tmp = [0u8; 4096];
-    let mut done = 0u64;
-    if n as usize > tmp.len() {
-        let old = buf.len();
-        buf.resize(old + n as usize, 0);
-        let (a, b) = buf.as_mut_slices();
-        // Fill the newly added tail, which may wrap around the ring.
-        let mut fill = |slice: &mut [u8], start: usize| {
-            let mut pos = 0;
-            while pos < slice.len() {
-                let k = (slice.len() - pos).min(CHUNK);
-                mem.read(addr + (start + pos) as u64, &mut slice[pos..pos + k]);
-                pos += k;
-            }
-        };
-        if old >= a.len() {
-            let skip = old - a.len();
-            fill(&mut b[skip..], 0);
-        } else {
-            let first = a.len() - old;
-            fill(&mut a[old..], 0);
-            fill(&mut b[..n as usize - first], first);
-        }
-        return;
-    }
-    while done < n {
-        let k = ((n - done) as usize).min(tmp.len());
-        mem.read(addr + done, &mut tmp[..k]);
-        buf.extend(&tmp[..k]);
-        done += k as u64;
+    let old = buf.len();
+    buf.resize(old + n as usize, 0);
+    let (a, b) = buf.as_mut_slices();
+    if old >= a.len() {
+        mem.read(addr, &mut b[old - a.len()..]);
+    } else {
+        let first = a.len() - old;
+        mem.read(addr, &mut a[old..]);
+        mem.read(addr + first as u64, b);
     }
 }
 

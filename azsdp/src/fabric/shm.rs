@@ -21,7 +21,7 @@
 //! `unsafe` here: mapping the segment, atomics and futexes on shared memory,
 //! and the raw destination of GETs (application memory named by address).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -295,7 +295,6 @@ pub struct ShmEndpoint {
     no_get: Option<NoGet>,
     params: ShmParams,
     completions: VecDeque<(OpId, OpResult)>,
-    regions: HashMap<u32, (u64, u64)>,
     next_key: u32,
     gone_reported: bool,
     /// Readable once the peer process has exited (zombie or reaped).
@@ -470,7 +469,6 @@ impl ShmEndpoint {
             no_get,
             params,
             completions: VecDeque::new(),
-            regions: HashMap::new(),
             next_key: 0x1000 * (side as u32 + 1),
             gone_reported: false,
             peer_fd: pidfd_open(peer_pid),
@@ -566,15 +564,13 @@ impl Fabric for ShmEndpoint {
         }
     }
 
-    fn register(&mut self, addr: u64, len: u64) -> Result<u32, OpError> {
+    /// Keys are handed out but not enforced (see the module docs).
+    fn register(&mut self, _addr: u64, _len: u64) -> Result<u32, OpError> {
         self.next_key = self.next_key.wrapping_add(1);
-        self.regions.insert(self.next_key, (addr, len));
         Ok(self.next_key)
     }
 
-    fn deregister(&mut self, key: u32) {
-        self.regions.remove(&key);
-    }
+    fn deregister(&mut self, _key: u32) {}
 
     fn send_credits(&self) -> usize {
         // Messages of the largest size that surely fit now.

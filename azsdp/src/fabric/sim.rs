@@ -109,7 +109,6 @@ enum Event {
     },
     CasExec {
         side: usize,
-        op: OpId,
         target: CasTarget,
         expect: u64,
         new: u64,
@@ -327,7 +326,6 @@ impl SimFabric {
             }
             Event::CasExec {
                 side,
-                op,
                 target,
                 expect,
                 new,
@@ -337,7 +335,6 @@ impl SimFabric {
                 if let Some(Event::CasDone { result: r, .. }) = self.events.get_mut(&done) {
                     *r = result;
                 }
-                let _ = op;
             }
             Event::CasDone { side, op, result } => {
                 if self.sides[side].alive {
@@ -525,7 +522,6 @@ impl Fabric for SimEndpoint<'_> {
             at,
             Event::CasExec {
                 side,
-                op,
                 target,
                 expect,
                 new,

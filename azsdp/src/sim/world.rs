@@ -111,6 +111,8 @@ struct Thread {
     cur: (u64, u64),
     /// Bytes of the current message already accepted by send().
     sent: u64,
+    /// Receiver: the call in flight was a MSG_PEEK.
+    last_peek: bool,
     waiting: Option<Wait>,
     result: Option<Result<u64, CallError>>,
     error: Option<CallError>,
@@ -196,8 +198,7 @@ fn fill_poison(dir: usize, seed: u64, off: u64, out: &mut [u8]) {
 impl World {
     pub fn new(sc: Scenario, verbose: bool) -> World {
         let mut rng = Rng::new(sc.seed ^ 0x51_u64);
-        let fabric = SimFabric::new(sc.seed, sc.fabric.clone());
-        let mut fabric = fabric;
+        let mut fabric = SimFabric::new(sc.seed, sc.fabric.clone());
         let mut cfg0 = sc.engine[0].clone();
         let mut cfg1 = sc.engine[1].clone();
         cfg0.lock_region = fabric.endpoint(0).lock_region();
@@ -221,6 +222,7 @@ impl World {
                     buf: None,
                     cur: (0, 0),
                     sent: 0,
+                    last_peek: false,
                     waiting: None,
                     result: None,
                     error: None,
@@ -1074,7 +1076,7 @@ impl World {
                     .is_some()
                     .then(|| self.take_result(t))
                 {
-                    let peek = self.threads[t].sent == 1; // flags of the last call
+                    let peek = self.threads[t].last_peek;
                     match r {
                         Ok(0) => {
                             self.threads[t].eof = true;
@@ -1125,7 +1127,7 @@ impl World {
                     waitall: th.rng.chance(app.p_waitall),
                     armable: self.sc.buffers[side][idx].1,
                 };
-                th.sent = u64::from(flags.peek);
+                th.last_peek = flags.peek;
                 let call = CallId(self.fresh_id());
                 self.calls.insert(call, t);
                 self.threads[t].waiting = Some(Wait::Call(call));
