@@ -53,7 +53,19 @@ pub trait Protector {
     fn can_protect(&self) -> bool;
     fn protect(&mut self, ranges: &[Range<u64>]) -> Result<(), OpError>;
     fn unprotect(&mut self, range: Range<u64>);
+    /// Can receives be armed (receive-side protection)?
+    fn can_arm(&self) -> bool {
+        false
+    }
     fn arm(&mut self, range: Range<u64>) -> Result<(), OpError>;
+    /// Where a GET into armed `range` must write (staging), if elsewhere.
+    fn staging(&self, _range: &Range<u64>) -> Option<u64> {
+        None
+    }
+    /// The GET into armed `range` finished: put its data in place.
+    fn land(&mut self, _range: &Range<u64>) -> Result<(), OpError> {
+        Ok(())
+    }
     fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome);
     /// Let threads faulting on `range` retry (their pages need nothing more).
     fn wake(&mut self, range: Range<u64>);
@@ -90,8 +102,17 @@ impl Protector for Box<dyn Protector + Send> {
     fn unprotect(&mut self, range: Range<u64>) {
         (**self).unprotect(range)
     }
+    fn can_arm(&self) -> bool {
+        (**self).can_arm()
+    }
     fn arm(&mut self, range: Range<u64>) -> Result<(), OpError> {
         (**self).arm(range)
+    }
+    fn staging(&self, range: &Range<u64>) -> Option<u64> {
+        (**self).staging(range)
+    }
+    fn land(&mut self, range: &Range<u64>) -> Result<(), OpError> {
+        (**self).land(range)
     }
     fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome) {
         (**self).disarm(range, outcome)
@@ -110,7 +131,7 @@ pub fn capabilities(can_get: bool, protector: &dyn Protector) -> Capabilities {
         zcopy_source: true,
         zcopy_sink: can_get,
         protect_send: protector.can_protect(),
-        arm_recv: false,
+        arm_recv: can_get && protector.can_arm(),
         cas: true,
     }
 }
@@ -133,6 +154,8 @@ pub struct Driver<F: Fabric, P: Protector> {
     backlog: VecDeque<Vec<u8>>,
     /// Private copies made for copy-on-write, by address.
     copies: HashMap<u64, Vec<u8>>,
+    /// GETs into armed ranges that land in staging first.
+    staged: HashMap<OpId, Range<u64>>,
     buf: Vec<u8>,
     /// Longest single sleep while waiting.
     pub max_wait: Duration,
@@ -156,6 +179,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             next_ticket: 1,
             backlog: VecDeque::new(),
             copies: HashMap::new(),
+            staged: HashMap::new(),
             buf: Vec::new(),
             max_wait: Duration::from_millis(50),
         }
@@ -242,7 +266,23 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                 len,
                 armed,
             } => {
-                if self.fabric.post_get(op, src, dst, len, armed).is_err() {
+                // An armed destination is written through its staging pages,
+                // which `land` moves into place when the GET is done.
+                let range = dst..dst + len;
+                let stage = if armed {
+                    self.protector.staging(&range)
+                } else {
+                    None
+                };
+                let posted = match stage {
+                    Some(at) => {
+                        self.staged.insert(op, range);
+                        self.fabric.post_get(op, src, at, len, false)
+                    }
+                    None => self.fabric.post_get(op, src, dst, len, armed),
+                };
+                if posted.is_err() {
+                    self.staged.remove(&op);
                     self.complete(op, Completion::Get(Err(OpError::Local)));
                 }
             }
@@ -303,7 +343,13 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             let now = self.now();
             match e {
                 Ev::Msg(m) => self.conn.handle_message(now, &m, &mut self.mem),
-                Ev::Done(op, OpResult::Get(r)) => self.complete(op, Completion::Get(r)),
+                Ev::Done(op, OpResult::Get(r)) => {
+                    let r = match self.staged.remove(&op) {
+                        Some(range) => r.and_then(|()| self.protector.land(&range)),
+                        None => r,
+                    };
+                    self.complete(op, Completion::Get(r))
+                }
                 Ev::Done(op, OpResult::Cas(r)) => self.complete(op, Completion::Cas(r)),
                 Ev::Gone => self.conn.handle_peer_gone(now),
             }

@@ -200,3 +200,152 @@ fn tempfile_in_tmp() -> std::fs::File {
     std::fs::remove_file(&path).unwrap();
     f
 }
+
+/// Arm `p`, check that a reader of page 1 waits, write `fill` into staging
+/// (as a GET would), land, and check the reader sees it.
+fn arm_land(touch: bool) {
+    let Some(mut u) = uffd() else { return };
+    if !u.can_arm() {
+        eprintln!("skipped: no UFFDIO_MOVE");
+        return;
+    }
+    let p = Pages::new(4, touch);
+    u.arm(p.range()).unwrap();
+    let target = p.addr(4096 + 100);
+    let seen = Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let s2 = Arc::clone(&seen);
+    let (h, done) = finishes_within(Duration::from_millis(100), move || {
+        // SAFETY: inside the mapping, which outlives the thread (joined below).
+        let b = unsafe { std::ptr::read_volatile(target as *const u8) };
+        s2.store(b, Ordering::SeqCst);
+    });
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "a read of an armed page waits"
+    );
+    let f = u.faults().next().expect("a fault event");
+    assert_eq!(f.addr & !4095, target as u64 & !4095);
+    assert!(!f.wp, "a missing-page fault");
+    let stage = u.staging(&p.range()).expect("staging for the armed range");
+    // SAFETY: staging is a private mapping of the range's length.
+    unsafe { std::ptr::write_bytes(stage as *mut u8, 0x5c, p.len) };
+    u.land(&p.range()).unwrap();
+    h.join().unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 0x5c);
+    u.disarm(p.range(), crate::conn::DisarmOutcome::Landed);
+    // Ordinary memory again: writes and reads do not fault.
+    // SAFETY: inside the mapping.
+    unsafe { std::ptr::write_bytes(p.ptr, 1, p.len) };
+    // SAFETY: inside the mapping.
+    assert_eq!(unsafe { *p.ptr.add(p.len - 1) }, 1);
+}
+
+#[test]
+fn armed_pages_wait_for_their_data() {
+    arm_land(true);
+}
+
+#[test]
+fn never_touched_pages_can_be_armed() {
+    arm_land(false);
+}
+
+#[test]
+fn a_syscall_writing_an_armed_page_waits_for_the_data() {
+    let Some(mut u) = uffd() else { return };
+    if !u.can_arm() {
+        return;
+    }
+    let p = Pages::new(2, true);
+    u.arm(p.range()).unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: plain pipe creation into a 2-int array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: writing 5 bytes from a static buffer to our pipe.
+    assert_eq!(
+        unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) },
+        5
+    );
+    let (dst, rd) = (p.addr(4096), fds[0]);
+    let n = Arc::new(std::sync::atomic::AtomicIsize::new(-2));
+    let n2 = Arc::clone(&n);
+    let (h, done) = finishes_within(Duration::from_millis(100), move || {
+        // SAFETY: reading into our mapping, which outlives the thread.
+        let r = unsafe { libc::read(rd, dst as *mut libc::c_void, 5) };
+        n2.store(r, Ordering::SeqCst);
+    });
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "read() into an armed page waits"
+    );
+    let stage = u.staging(&p.range()).unwrap();
+    // SAFETY: staging is a private mapping of the range's length.
+    unsafe { std::ptr::write_bytes(stage as *mut u8, b'x', p.len) };
+    u.land(&p.range()).unwrap();
+    h.join().unwrap();
+    assert_eq!(n.load(Ordering::SeqCst), 5, "and then succeeds (no EFAULT)");
+    u.disarm(p.range(), crate::conn::DisarmOutcome::Landed);
+    // SAFETY: inside the mapping.
+    let page = unsafe { std::slice::from_raw_parts(p.addr(4096) as *const u8, 8) };
+    assert_eq!(
+        page, b"helloxxx",
+        "the syscall's bytes over the landed data"
+    );
+    // SAFETY: closing our pipe.
+    unsafe {
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+}
+
+#[test]
+fn an_abandoned_arm_gives_the_old_bytes_back() {
+    let Some(mut u) = uffd() else { return };
+    if !u.can_arm() {
+        return;
+    }
+    let p = Pages::new(3, true);
+    u.arm(p.range()).unwrap();
+    u.disarm(p.range(), crate::conn::DisarmOutcome::Abandoned);
+    // SAFETY: inside the mapping.
+    let all = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+    assert!(all.iter().all(|&b| b == 7));
+    // The staging mapping is reused by the next arm of the same size.
+    u.arm(p.range()).unwrap();
+    u.disarm(p.range(), crate::conn::DisarmOutcome::Abandoned);
+    // SAFETY: inside the mapping.
+    let all = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+    assert!(all.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn lost_data_is_poisoned_not_silently_wrong() {
+    let Some(mut u) = uffd() else { return };
+    if !u.can_arm() || !u.can_poison {
+        return;
+    }
+    let p = Pages::new(2, true);
+    u.arm(p.range()).unwrap();
+    u.disarm(p.range(), crate::conn::DisarmOutcome::Lost);
+    let target = p.addr(4096);
+    // SAFETY: the child only touches the poisoned page and exits.
+    match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => {
+            // SAFETY: inside the mapping (poisoned: this raises SIGBUS).
+            let b = unsafe { std::ptr::read_volatile(target as *const u8) };
+            // SAFETY: leave without running the harness's code.
+            unsafe { libc::_exit(i32::from(b)) };
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            let status = nix::sys::wait::waitpid(child, None).unwrap();
+            assert_eq!(
+                status,
+                nix::sys::wait::WaitStatus::Signaled(
+                    child,
+                    nix::sys::signal::Signal::SIGBUS,
+                    false
+                )
+            );
+        }
+    }
+}
