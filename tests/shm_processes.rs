@@ -296,11 +296,7 @@ fn protected_sender(
     let waiter = ep.waiter();
     let mut d = Driver::new(c, ep, uffd);
     d.establish(Duration::from_secs(5)).unwrap();
-    Some(ThreadedDriver::start(
-        d,
-        move |t| waiter.wait(t),
-        Some(faults),
-    ))
+    Some(ThreadedDriver::start(d, waiter, Some(faults)))
 }
 
 /// AZ-SDP with real page protection: the sender rewrites each buffer right

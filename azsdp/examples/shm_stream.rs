@@ -1,16 +1,22 @@
 //! Stream bytes between two real processes over the `shm` fabric.
 //!
 //! ```text
-//! cargo run --release -p azsdp --example shm_stream -- --mode zsdp --bytes 1G --size 1M
+//! cargo run --release -p azsdp --example shm_stream -- --mode azsdp-cow --bytes 1G --size 1M
 //! ```
 //!
 //! Forks a receiver, streams `--bytes` in `--size` sends from a buffer at
-//! `--align` bytes past a page boundary, optionally rewrites the buffer right
-//! after a send with probability `--touch`, verifies every byte at the
-//! receiver, and prints one line: mode, GB/s, verified, GETs, faults, COWs.
-//! Modes: bsdp, zsdp, azsdp-bow, azsdp-cow, and tcp (kernel TCP loopback).
-//! Until the userfaultfd protector lands, the azsdp modes run as ZSDP and say
-//! so (`fallback NoProtection`).
+//! `--align` bytes past a page boundary, and verifies every byte at the
+//! receiver. As in ttcp, the send buffer is reused (`--buffers` of them in
+//! turn). With probability `--touch`, the program rewrites a buffer right
+//! after handing it to `send()` (a write into an in-flight buffer): the new
+//! contents are a new *generation*, and both sides replay the same random
+//! sequence, so the receiver knows exactly which generation each byte must
+//! come from — the bytes sent, never the bytes written after.
+//!
+//! Prints one line: mode, GB/s, `verified`, GETs, faults (send+receive),
+//! COWs. Modes: bsdp, zsdp, azsdp-bow, azsdp-cow, and tcp (kernel TCP
+//! loopback, for comparison). AZ-SDP needs a full userfaultfd; without one
+//! the line says `fallback NoProtection` and the figures are ZSDP's.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -21,12 +27,13 @@ use clap::{Parser, ValueEnum};
 
 use azsdp::config::parse_size;
 use azsdp::conn::{
-    Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvFlags, RecvProtect, Role, SendFlags,
+    Capabilities, Counters, EngineConfig, FaultPolicy, LockRegion, RecvFlags, RecvProtect, Role,
+    SendFlags,
 };
 use azsdp::driver::threaded::ThreadedDriver;
 use azsdp::driver::{Driver, NoProtection, Protector, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
-use azsdp::protect::uffd::UffdProtect;
+use azsdp::protect::uffd::{FaultReader, UffdProtect};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -51,7 +58,7 @@ struct Args {
     /// Total bytes (e.g. 1G, 256MiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     bytes: u64,
-    /// Bytes per send.
+    /// Bytes per send (and per receive).
     #[arg(long, value_parser = parse_size, default_value = "1MiB")]
     size: u64,
     /// Offset of the send buffer from a page boundary.
@@ -60,59 +67,134 @@ struct Args {
     /// Probability of rewriting the buffer right after each send.
     #[arg(long, default_value_t = 0.0)]
     touch: f64,
+    /// Receive-side protection (recv returns before the data lands).
     #[arg(long, value_enum, default_value = "off")]
     recv_protect: OnOff,
     /// Send buffers used in turn (1: one buffer reused, as ttcp does).
     #[arg(long, default_value_t = 1)]
     buffers: usize,
+    /// Seed of the touch sequence.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
-/// The stream's 8-byte word number `w` (byte `o` is byte `o % 8` of word
-/// `o / 8`). Cheap enough to fill and check at memory speed, and different
-/// for every word, so shifted, stale or rewritten bytes are caught.
-fn word(w: u64) -> u64 {
-    (w ^ 0x5bd1_e995).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-}
-
-/// Split `buf` (stream offset `off`) into an unaligned head, whole words, a tail.
-fn word_range(len: usize, off: u64) -> (usize, usize) {
-    let head = ((8 - off % 8) % 8) as usize;
-    let head = head.min(len);
-    let words = (len - head) / 8;
-    (head, head + words * 8)
-}
-
-fn fill(buf: &mut [u8], off: u64) {
-    let (h, w_end) = word_range(buf.len(), off);
-    for (i, b) in buf[..h].iter_mut().enumerate() {
-        let o = off + i as u64;
-        *b = word(o / 8).to_le_bytes()[(o % 8) as usize];
+/// Byte `i` of a buffer of generation `generation`: different for every word and
+/// generation, so shifted, stale or rewritten bytes are caught.
+fn fill(buf: &mut [u8], generation: u64) {
+    let mut chunks = buf.chunks_exact_mut(8);
+    let mut w = 0u64;
+    for c in &mut chunks {
+        c.copy_from_slice(&word(generation, w).to_le_bytes());
+        w += 1;
     }
-    let first = (off + h as u64) / 8;
-    for (k, chunk) in buf[h..w_end].chunks_exact_mut(8).enumerate() {
-        chunk.copy_from_slice(&word(first + k as u64).to_le_bytes());
+    let rest = chunks.into_remainder();
+    let last = word(generation, w).to_le_bytes();
+    rest.copy_from_slice(&last[..rest.len()]);
+}
+
+fn word(generation: u64, w: u64) -> u64 {
+    ((generation << 40) ^ w ^ 0x5bd1_e995).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The sequence of sends both sides replay: which buffer and generation each
+/// send carries, and when the sender rewrites a buffer.
+struct Plan {
+    rng: u64,
+    touch: f64,
+    gens: Vec<u64>,
+    next_gen: u64,
+    k: usize,
+}
+
+impl Plan {
+    fn new(args: &Args) -> Plan {
+        let n = args.buffers.max(1);
+        Plan {
+            rng: args.seed | 1,
+            touch: args.touch,
+            gens: (0..n as u64).collect(),
+            next_gen: n as u64,
+            k: 0,
+        }
     }
-    for (i, b) in buf[w_end..].iter_mut().enumerate() {
-        let o = off + (w_end + i) as u64;
-        *b = word(o / 8).to_le_bytes()[(o % 8) as usize];
+
+    /// The next send: (buffer index, its generation, rewritten right after?).
+    /// A rewrite gives the buffer the returned new generation.
+    fn next(&mut self) -> (usize, u64, Option<u64>) {
+        let b = self.k % self.gens.len();
+        self.k += 1;
+        let generation = self.gens[b];
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let touch = (self.rng % 1_000_000) as f64 / 1_000_000.0 < self.touch;
+        let new = touch.then(|| {
+            self.gens[b] = self.next_gen;
+            self.next_gen += 1;
+            self.next_gen - 1
+        });
+        (b, generation, new)
     }
 }
 
-fn check(buf: &[u8], off: u64) -> bool {
-    let (h, w_end) = word_range(buf.len(), off);
-    let byte = |i: usize| {
-        let o = off + i as u64;
-        word(o / 8).to_le_bytes()[(o % 8) as usize]
-    };
-    let first = (off + h as u64) / 8;
-    (0..h).all(|i| buf[i] == byte(i))
-        && buf[h..w_end]
-            .chunks_exact(8)
-            .enumerate()
-            .fold(true, |ok, (k, c)| {
-                ok & (c == word(first + k as u64).to_le_bytes())
-            })
-        && (w_end..buf.len()).all(|i| buf[i] == byte(i))
+/// The receiver's view: expected bytes of each send, regenerated only when
+/// the generation changes (so verifying is a memory compare).
+struct Verifier {
+    plan: Plan,
+    size: usize,
+    total: u64,
+    /// Stream offset where the current send starts, its length, generation.
+    at: u64,
+    cur_len: usize,
+    cur_gen: u64,
+    expect: Vec<u8>,
+    expect_gen: Option<u64>,
+    ok: bool,
+}
+
+impl Verifier {
+    fn new(args: &Args) -> Verifier {
+        let mut v = Verifier {
+            plan: Plan::new(args),
+            size: args.size as usize,
+            total: args.bytes,
+            at: 0,
+            cur_len: 0,
+            cur_gen: 0,
+            expect: vec![0; args.size as usize],
+            expect_gen: None,
+            ok: true,
+        };
+        v.advance();
+        v
+    }
+
+    fn advance(&mut self) {
+        let (_, generation, _) = self.plan.next();
+        self.cur_gen = generation;
+        self.cur_len = (self.size as u64).min(self.total.saturating_sub(self.at)) as usize;
+        if self.expect_gen != Some(generation) {
+            fill(&mut self.expect, generation);
+            self.expect_gen = Some(generation);
+        }
+    }
+
+    /// Check `data`, the next bytes of the stream.
+    fn check(&mut self, mut data: &[u8], off: &mut u64) {
+        while !data.is_empty() {
+            let i = (*off - self.at) as usize;
+            let k = (self.cur_len - i).min(data.len());
+            self.ok &= data[..k] == self.expect[i..i + k];
+            data = &data[k..];
+            *off += k as u64;
+            if *off - self.at == self.cur_len as u64 {
+                self.at = *off;
+                if self.at < self.total {
+                    self.advance();
+                }
+            }
+        }
+    }
 }
 
 fn engine_config(args: &Args, role: Role, caps: Capabilities) -> EngineConfig {
@@ -143,79 +225,64 @@ fn engine_config(args: &Args, role: Role, caps: Capabilities) -> EngineConfig {
     e
 }
 
-/// Result line fields the receiver reports back.
+/// What the receiver reports back.
 struct Report {
     verified: bool,
     bytes: u64,
     secs: f64,
     gets: u64,
+    faults: u64,
 }
 
-fn receiver_shm(args: &Args, sock: &UnixStream) -> Report {
-    let ep = ShmEndpoint::accept(sock, ShmParams::default()).expect("shm bootstrap");
-    let caps = capabilities(ep.can_get().is_none(), &NoProtection);
-    let mut d = Driver::new(engine_config(args, Role::Server, caps), ep, NoProtection);
+/// Page protection for one side: a full userfaultfd when the mode (and, at
+/// the receiver, `--recv-protect`) asks for it and the host has one.
+fn protection(wanted: bool) -> (Box<dyn Protector + Send>, Option<FaultReader>) {
+    match wanted.then(UffdProtect::new) {
+        Some(Ok(u)) => {
+            let faults = u.faults();
+            (Box::new(u), Some(faults))
+        }
+        _ => (Box::new(NoProtection), None),
+    }
+}
+
+fn azsdp_mode(m: Mode) -> bool {
+    matches!(m, Mode::AzsdpBow | Mode::AzsdpCow)
+}
+
+type ShmDriver = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
+
+/// One side's engine over `sock`'s shm segment, running on its threads.
+fn start(args: &Args, sock: &UnixStream, role: Role, protect: bool) -> ShmDriver {
+    let ep = match role {
+        Role::Client => ShmEndpoint::offer(sock, ShmParams::default()),
+        Role::Server => ShmEndpoint::accept(sock, ShmParams::default()),
+    }
+    .expect("shm bootstrap");
+    let (protector, faults) = protection(protect);
+    let caps = capabilities(ep.can_get().is_none(), protector.as_ref());
+    let waiter = ep.waiter();
+    let mut d = Driver::new(engine_config(args, role, caps), ep, protector);
     d.establish(Duration::from_secs(10)).expect("handshake");
-    let mut buf = vec![0u8; args.size as usize];
-    let (mut off, mut ok) = (0u64, true);
-    let mut start = None;
-    loop {
-        let n = d.recv(&mut buf, RecvFlags::default()).expect("recv") as usize;
-        start.get_or_insert_with(Instant::now);
-        if n == 0 {
-            break;
-        }
-        ok &= check(&buf[..n], off);
-        off += n as u64;
-    }
-    let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
-    d.close(Duration::from_secs(5));
-    Report {
-        verified: ok && off == args.bytes,
-        bytes: off,
-        secs,
-        gets: d.connection().counters().gets,
-    }
+    ThreadedDriver::start(d, waiter, faults)
 }
 
-fn receiver_tcp(args: &Args, listener: TcpListener) -> Report {
-    let (mut s, _) = listener.accept().expect("accept");
-    let mut buf = vec![0u8; args.size as usize];
-    let (mut off, mut ok) = (0u64, true);
-    let mut start = None;
-    loop {
-        let n = s.read(&mut buf).expect("read");
-        start.get_or_insert_with(Instant::now);
-        if n == 0 {
-            break;
-        }
-        ok &= check(&buf[..n], off);
-        off += n as u64;
-    }
-    Report {
-        verified: ok && off == args.bytes,
-        bytes: off,
-        secs: start.map_or(0.0, |s| s.elapsed().as_secs_f64()),
-        gets: 0,
-    }
-}
-
-/// The send buffer: `size` bytes at `align` past a page boundary.
-struct SendBuf {
+/// A page-aligned buffer with `align` bytes of offset, `len` bytes long.
+struct AlignedBuf {
     storage: Vec<u8>,
     start: usize,
     len: usize,
 }
 
-impl SendBuf {
-    fn new(size: u64, align: u64) -> SendBuf {
-        let storage = vec![0u8; (size + align + 8192) as usize];
+impl AlignedBuf {
+    fn new(len: u64, align: u64) -> AlignedBuf {
+        let storage = vec![0u8; (len + align + 8192) as usize];
         let base = storage.as_ptr() as usize;
         let start = base.next_multiple_of(4096) - base + (align as usize % 4096);
-        SendBuf {
+        AlignedBuf {
             storage,
             start,
-            len: size as usize,
+            len: len as usize,
         }
     }
     fn get(&mut self) -> &mut [u8] {
@@ -223,25 +290,81 @@ impl SendBuf {
     }
 }
 
-/// The sending application: `--bytes` in `--size` pieces from the send
-/// buffers in turn, each filled with the stream pattern and handed to `send`;
-/// with probability `--touch` the buffer is rewritten right after (the send
-/// has returned, so it is the program's again).
-fn produce(args: &Args, bufs: &mut [SendBuf], mut send: impl FnMut(&[u8])) {
-    let mut rng = 0x1234_5678u64;
-    let (mut off, mut k) = (0u64, 0usize);
+fn receive(args: &Args, mut recv: impl FnMut(&mut [u8]) -> usize) -> (bool, u64, f64) {
+    let mut buf = AlignedBuf::new(args.size, 0);
+    let mut v = Verifier::new(args);
+    let mut off = 0u64;
+    let mut start = None;
+    loop {
+        let n = recv(buf.get());
+        start.get_or_insert_with(Instant::now);
+        if n == 0 {
+            break;
+        }
+        v.check(&buf.get()[..n], &mut off);
+    }
+    let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    (v.ok && off == args.bytes, off, secs)
+}
+
+fn receiver_shm(args: &Args, sock: &UnixStream) -> Report {
+    let protect = azsdp_mode(args.mode) && args.recv_protect == OnOff::On;
+    let d = start(args, sock, Role::Server, protect);
+    let flags = RecvFlags {
+        armable: true,
+        ..RecvFlags::default()
+    };
+    let (verified, bytes, secs) = receive(args, |b| match d.recv(b, flags) {
+        Ok(n) => n as usize,
+        Err(e) => panic!("recv: {e} ({:?})", d.state()),
+    });
+    let (_, c) = d.close(Duration::from_secs(5));
+    Report {
+        verified,
+        bytes,
+        secs,
+        gets: c.gets,
+        faults: c.recv_faults,
+    }
+}
+
+fn receiver_tcp(args: &Args, listener: TcpListener) -> Report {
+    let (mut s, _) = listener.accept().expect("accept");
+    let (verified, bytes, secs) = receive(args, |b| s.read(b).expect("read"));
+    Report {
+        verified,
+        bytes,
+        secs,
+        gets: 0,
+        faults: 0,
+    }
+}
+
+/// The sender's buffers, each filled with its first generation. They must
+/// outlive the connection: under AZ-SDP a send returns while the peer may
+/// still read the buffer (the shim's `free()` hook settles that for
+/// unmodified programs).
+fn send_buffers(args: &Args) -> Vec<AlignedBuf> {
+    (0..args.buffers.max(1))
+        .map(|i| {
+            let mut b = AlignedBuf::new(args.size, args.align);
+            fill(b.get(), i as u64);
+            b
+        })
+        .collect()
+}
+
+/// The sending program: `--bytes` in `--size` pieces from the buffers in
+/// turn, rewriting a buffer right after its send when the plan says so.
+fn produce(args: &Args, bufs: &mut [AlignedBuf], mut send: impl FnMut(&[u8])) {
+    let mut plan = Plan::new(args);
+    let mut off = 0u64;
     while off < args.bytes {
-        let nb = bufs.len();
-        let b = &mut bufs[k % nb];
-        k += 1;
+        let (b, _, rewrite) = plan.next();
         let n = args.size.min(args.bytes - off) as usize;
-        fill(&mut b.get()[..n], off);
-        send(&b.get()[..n]);
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        if (rng % 1_000_000) as f64 / 1_000_000.0 < args.touch {
-            b.get()[0] ^= 0xff;
+        send(&bufs[b].get()[..n]);
+        if let Some(generation) = rewrite {
+            fill(bufs[b].get(), generation);
         }
         off += n as u64;
     }
@@ -260,7 +383,10 @@ fn main() {
                 Some(l) => receiver_tcp(&args, l),
                 None => receiver_shm(&args, &theirs),
             };
-            let line = format!("{} {} {} {}\n", r.verified, r.bytes, r.secs, r.gets);
+            let line = format!(
+                "{} {} {} {} {}\n",
+                r.verified, r.bytes, r.secs, r.gets, r.faults
+            );
             (&theirs).write_all(line.as_bytes()).expect("report");
             // SAFETY: leave without running the parent's exit handlers twice.
             unsafe { libc::_exit(0) };
@@ -268,73 +394,57 @@ fn main() {
         nix::unistd::ForkResult::Parent { child } => child,
     };
     drop(theirs);
-    let mut bufs: Vec<SendBuf> = (0..args.buffers.max(1))
-        .map(|_| SendBuf::new(args.size, args.align))
-        .collect();
-    let (mut faults_seen, mut cows, mut fallback) = (0, 0, None);
+    let mut counters = Counters::default();
+    let mut bufs = send_buffers(&args);
     match &tcp {
         Some(l) => {
             let mut s = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
             produce(&args, &mut bufs, |chunk| s.write_all(chunk).expect("write"));
-            drop(s);
         }
         None => {
-            let ep = ShmEndpoint::offer(&mine, ShmParams::default()).expect("shm bootstrap");
-            // Page protection (AZ-SDP) needs a full userfaultfd.
-            let uffd = match args.mode {
-                Mode::AzsdpBow | Mode::AzsdpCow => UffdProtect::new().ok(),
-                _ => None,
-            };
-            let faults = uffd.as_ref().map(UffdProtect::faults);
-            let protector: Box<dyn Protector + Send> = match uffd {
-                Some(u) => Box::new(u),
-                None => Box::new(NoProtection),
-            };
-            let caps = capabilities(ep.can_get().is_none(), protector.as_ref());
-            let waiter = ep.waiter();
-            let mut d = Driver::new(engine_config(&args, Role::Client, caps), ep, protector);
-            d.establish(Duration::from_secs(10)).expect("handshake");
-            let d = ThreadedDriver::start(d, move |t| waiter.wait(t), faults);
+            let d = start(&args, &mine, Role::Client, azsdp_mode(args.mode));
             let flags = SendFlags {
                 nonblocking: false,
                 protectable: true,
             };
             produce(&args, &mut bufs, |chunk| {
-                let sent = d.send(chunk, flags).expect("send");
+                let sent = match d.send(chunk, flags) {
+                    Ok(n) => n,
+                    Err(e) => panic!("send: {e} ({:?})", d.state()),
+                };
                 assert_eq!(sent, chunk.len() as u64);
             });
             let (clean, c) = d.close(Duration::from_secs(30));
             assert!(clean, "clean close");
-            faults_seen = c.send_faults;
-            cows = c.cow_copies;
-            fallback = c.fallback_reason;
+            counters = c;
         }
     }
     let mut line = String::new();
     (&mine).read_to_string(&mut line).expect("report");
     let _ = nix::sys::wait::waitpid(child, None);
     let f: Vec<&str> = line.split_whitespace().collect();
-    let (verified, bytes, secs, gets) = (
-        f[0] == "true",
-        f[1].parse::<u64>().unwrap_or(0),
-        f[2].parse::<f64>().unwrap_or(0.0),
-        f[3],
-    );
+    let field = |i: usize| f.get(i).copied().unwrap_or("0");
+    let verified = field(0) == "true";
+    let bytes = field(1).parse::<u64>().unwrap_or(0);
+    let secs = field(2).parse::<f64>().unwrap_or(0.0);
     let gbps = if secs > 0.0 {
         bytes as f64 / secs / 1e9
     } else {
         0.0
     };
     println!(
-        "{:?} {:.2} GB/s {} {} B GETs {} faults {} COWs {}{}",
+        "{:?} {:.2} GB/s {} {} B GETs {} faults {}+{} COWs {}{}",
         args.mode,
         gbps,
         if verified { "verified" } else { "CORRUPTED" },
         bytes,
-        gets,
-        faults_seen,
-        cows,
-        fallback.map_or(String::new(), |r| format!(" (fallback {r:?})"))
+        field(3),
+        counters.send_faults,
+        field(4),
+        counters.cow_copies,
+        counters
+            .fallback_reason
+            .map_or(String::new(), |r| format!(" (fallback {r:?})"))
     );
     std::process::exit(i32::from(!verified));
 }

@@ -329,8 +329,9 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         }
     }
 
-    /// Deliver what the fabric has, and run timers.
-    pub(crate) fn turn(&mut self) {
+    /// Deliver what the fabric has, and run timers; returns how many fabric
+    /// events were delivered (0: nothing happened but timers).
+    pub(crate) fn turn(&mut self) -> usize {
         let mut events: Vec<Ev> = Vec::new();
         self.fabric.poll(&mut |e| {
             events.push(match e {
@@ -339,6 +340,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                 FabricEvent::PeerGone => Ev::Gone,
             })
         });
+        let n = events.len();
         for e in events {
             let now = self.now();
             match e {
@@ -360,6 +362,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             self.conn.handle_timeout(now, &mut self.mem);
         }
         self.drive();
+        n
     }
 
     /// Run until `call` is done; returns its result.

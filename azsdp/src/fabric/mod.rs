@@ -51,6 +51,22 @@ pub enum FabricEvent<'a> {
     PeerGone,
 }
 
+/// Waits for a fabric endpoint's events without borrowing it, so that a
+/// thread can sleep while others use the endpoint (behind the driver's lock).
+///
+/// No wake-up is lost: take a ticket with [`FabricWaiter::prepare`] *before*
+/// checking whether there is anything to do, then [`FabricWaiter::wait`]
+/// with it returns at once if a message or a kick came in between.
+pub trait FabricWaiter: Send + Sync {
+    fn prepare(&self) -> u32;
+    /// Sleep until a message may have arrived or a kick was made since
+    /// `ticket`, or `timeout` passes (it may return early).
+    fn wait(&self, ticket: u32, timeout: std::time::Duration);
+    /// Wake this process's threads sleeping in [`FabricWaiter::wait`]: a
+    /// thread turned the engine for them (e.g. finished their call).
+    fn kick(&self);
+}
+
 /// A verbs-like fabric endpoint (one per connection).
 pub trait Fabric {
     /// Where this side's lock words live, for the peer's compare-and-swap.

@@ -31,12 +31,13 @@ struct Header {
     _pad0: [u8; 48],
     /// Producer position (bytes ever written).
     tail: AtomicU64,
-    /// Messages ever written; the consumer's futex word (low 32 bits).
+    /// Wake-ups ever posted (one per message, plus the consumer's own
+    /// kicks): the consumer's futex word. Never used as a position.
     published: AtomicU32,
     _pad1: [u8; 52],
     /// Consumer position (bytes ever consumed).
     head: AtomicU64,
-    /// Set by a consumer about to sleep; the producer wakes it.
+    /// Consumer threads about to sleep; the producer wakes them.
     sleeping: AtomicU32,
     _pad2: [u8; 52],
 }
@@ -66,6 +67,37 @@ pub struct Ring {
 // SAFETY: the ring only touches shared memory through atomics (positions)
 // and through disjoint byte ranges owned, by protocol, by one side at a time.
 unsafe impl Send for Ring {}
+
+/// What waiting threads see of a ring: is it empty, and its futex words.
+#[derive(Debug)]
+pub struct RingWatch {
+    hdr: *const Header,
+}
+
+// SAFETY: a watch only reads and updates the header's atomics, from any
+// number of threads; the header outlives it (the owner keeps the mapping).
+unsafe impl Send for RingWatch {}
+// SAFETY: as above; every access is atomic.
+unsafe impl Sync for RingWatch {}
+
+impl RingWatch {
+    fn h(&self) -> &Header {
+        // SAFETY: attached rings point at a live, initialised header, and
+        // the watch's owner keeps the mapping alive.
+        unsafe { &*self.hdr }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        let h = self.h();
+        h.head.load(Ordering::Acquire) == h.tail.load(Ordering::Acquire)
+    }
+
+    /// The futex word (wake-ups posted) and the count of sleepers.
+    pub fn wait_words(&self) -> (&AtomicU32, &AtomicU32) {
+        let h = self.h();
+        (&h.published, &h.sleeping)
+    }
+}
 
 /// Total bytes a ring with `capacity` data bytes needs.
 pub fn region_len(capacity: usize) -> usize {
@@ -216,6 +248,12 @@ impl Ring {
     pub fn is_empty(&self) -> bool {
         let h = self.h();
         h.head.load(Ordering::Relaxed) == h.tail.load(Ordering::Acquire)
+    }
+
+    /// A view of this ring's wake-up words and emptiness, for threads that
+    /// only wait for it (it never pushes or pops).
+    pub fn watch(&self) -> RingWatch {
+        RingWatch { hdr: self.hdr }
     }
 
     /// Bytes in use (for tests and stats).

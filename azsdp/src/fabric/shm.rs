@@ -34,7 +34,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use nix::sys::uio::{RemoteIoVec, process_vm_readv};
 use nix::unistd::Pid;
 
-use super::ring::{self, Ring};
+use super::ring::{self, Ring, RingWatch};
 use super::{Fabric, FabricError, FabricEvent, OpResult};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 
@@ -479,7 +479,7 @@ impl ShmEndpoint {
     /// A waiter for this endpoint's incoming messages (it only looks).
     pub fn waiter(&self) -> ShmWaiter {
         ShmWaiter {
-            rx: self.seg.ring(1 - self.side),
+            rx: self.rx.watch(),
             seg: Arc::clone(&self.seg),
             peer: 1 - self.side,
             poll: self.params.poll,
@@ -646,12 +646,14 @@ impl Fabric for ShmEndpoint {
         if !self.completions.is_empty() {
             return;
         }
+        let ticket = self.rx.wait_words().0.load(Ordering::Acquire);
         wait_ring(
-            &self.rx,
+            &self.rx.watch(),
             &self.seg,
             1 - self.side,
             self.params.poll,
             timeout,
+            ticket,
         );
     }
 
@@ -694,40 +696,65 @@ fn pidfd_exited(fd: &OwnedFd) -> bool {
 }
 
 /// Busy-poll `rx` for `poll`, then sleep on its futex until a message is
-/// published, the peer closes, or `timeout` passes.
-fn wait_ring(rx: &Ring, seg: &Segment, peer: usize, poll: Duration, timeout: Duration) {
-    if !rx.is_empty() {
+/// published or a kick made after `ticket`, the peer closes, or `timeout`
+/// passes.
+fn wait_ring(
+    rx: &RingWatch,
+    seg: &Segment,
+    peer: usize,
+    poll: Duration,
+    timeout: Duration,
+    ticket: u32,
+) {
+    let (published, sleeping) = rx.wait_words();
+    let quiet = || rx.is_empty() && published.load(Ordering::Acquire) == ticket;
+    if !quiet() {
         return;
     }
     let start = Instant::now();
     while start.elapsed() < poll.min(timeout) {
-        if !rx.is_empty() {
+        if !quiet() {
             return;
         }
         std::hint::spin_loop();
     }
-    let (published, sleeping) = rx.wait_words();
-    let seen = published.load(Ordering::Acquire);
-    sleeping.store(1, Ordering::SeqCst);
-    if rx.is_empty() && seg.hdr().closed[peer].load(Ordering::Acquire) == 0 {
-        futex_wait(published, seen, timeout.saturating_sub(start.elapsed()));
+    // A count, not a flag: several threads of this process may sleep here.
+    sleeping.fetch_add(1, Ordering::SeqCst);
+    if quiet() && seg.hdr().closed[peer].load(Ordering::Acquire) == 0 {
+        futex_wait(published, ticket, timeout.saturating_sub(start.elapsed()));
     }
-    sleeping.store(0, Ordering::Relaxed);
+    sleeping.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// Waits for messages to one endpoint without borrowing it, for a progress
 /// thread while other threads use the endpoint.
 #[derive(Debug)]
 pub struct ShmWaiter {
-    rx: Ring,
+    // Declared before `seg`, whose mapping it points into.
+    rx: RingWatch,
     seg: Arc<Segment>,
     peer: usize,
     poll: Duration,
 }
 
-impl ShmWaiter {
-    pub fn wait(&self, timeout: Duration) {
-        wait_ring(&self.rx, &self.seg, self.peer, self.poll, timeout);
+impl super::FabricWaiter for ShmWaiter {
+    fn prepare(&self) -> u32 {
+        self.rx.wait_words().0.load(Ordering::Acquire)
+    }
+
+    fn wait(&self, ticket: u32, timeout: Duration) {
+        wait_ring(&self.rx, &self.seg, self.peer, self.poll, timeout, ticket);
+    }
+
+    /// Bump the incoming ring's futex word (it only counts wake-ups: the
+    /// peer adds one per message, we add one per kick) and wake its
+    /// sleepers, who are all of this process.
+    fn kick(&self) {
+        let (published, sleeping) = self.rx.wait_words();
+        published.fetch_add(1, Ordering::Release);
+        if sleeping.load(Ordering::SeqCst) != 0 {
+            futex_wake(published);
+        }
     }
 }
 
