@@ -207,7 +207,7 @@ impl UffdProtect {
     fn ensure_registered(&mut self, r: &Range<u64>) -> Result<(), ProtectError> {
         let mut gaps = Vec::new();
         let mut cur = r.start;
-        for done in self.registered.intersect(&r) {
+        for done in self.registered.intersect(r) {
             if done.start > cur {
                 gaps.push(cur..done.start);
             }
