@@ -262,10 +262,8 @@ fn a_syscall_writing_an_armed_page_waits_for_the_data() {
     // SAFETY: plain pipe creation into a 2-int array.
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
     // SAFETY: writing 5 bytes from a static buffer to our pipe.
-    assert_eq!(
-        unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) },
-        5
-    );
+    let wrote = unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) };
+    assert_eq!(wrote, 5);
     let (dst, rd) = (p.addr(4096), fds[0]);
     let n = Arc::new(std::sync::atomic::AtomicIsize::new(-2));
     let n2 = Arc::clone(&n);
