@@ -53,8 +53,19 @@ enum OnOff {
 #[derive(Parser, Debug)]
 #[command(about = "Stream bytes between two processes over AZ-SDP's shm fabric")]
 struct Args {
-    #[arg(long, value_enum)]
-    mode: Mode,
+    #[arg(long, value_enum, required_unless_present = "table")]
+    mode: Option<Mode>,
+    /// Run every mode at 4 KiB, 64 KiB, 1 MiB and 16 MiB sends (each in
+    /// fresh processes), measure single-copy memcpy in the same run, and
+    /// print a markdown table.
+    #[arg(long)]
+    table: bool,
+    /// Repetitions per table cell (the median is shown).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Sends shorter than this are copied (BSDP); the engine's default.
+    #[arg(long, value_parser = parse_size, default_value = "64KiB")]
+    threshold: u64,
     /// Total bytes (e.g. 1G, 256MiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     bytes: u64,
@@ -208,6 +219,7 @@ fn engine_config(args: &Args, role: Role, caps: Capabilities) -> EngineConfig {
         },
     );
     e.max_outstanding = 16;
+    e.zcopy_threshold = args.threshold;
     e.peer_timeout = Duration::from_secs(10);
     e.keepalive = Duration::from_secs(2);
     e.recv_protect = if args.recv_protect == OnOff::On {
@@ -215,7 +227,7 @@ fn engine_config(args: &Args, role: Role, caps: Capabilities) -> EngineConfig {
     } else {
         RecvProtect::Off
     };
-    match args.mode {
+    match args.mode() {
         Mode::Bsdp => e.zcopy_threshold = u64::MAX,
         Mode::Zsdp => e.async_zcopy = false,
         Mode::AzsdpBow => e.write_fault = FaultPolicy::Block,
@@ -308,7 +320,7 @@ fn receive(args: &Args, mut recv: impl FnMut(&mut [u8]) -> usize) -> (bool, u64,
 }
 
 fn receiver_shm(args: &Args, sock: &UnixStream) -> Report {
-    let protect = azsdp_mode(args.mode) && args.recv_protect == OnOff::On;
+    let protect = azsdp_mode(args.mode()) && args.recv_protect == OnOff::On;
     let d = start(args, sock, Role::Server, protect);
     let flags = RecvFlags {
         armable: true,
@@ -370,9 +382,117 @@ fn produce(args: &Args, bufs: &mut [AlignedBuf], mut send: impl FnMut(&[u8])) {
     }
 }
 
+impl Args {
+    fn mode(&self) -> Mode {
+        self.mode.unwrap_or(Mode::Tcp)
+    }
+}
+
+/// Single-copy bandwidth (GB/s) between two `size`-byte buffers, the
+/// physical limit of any one-copy transport at that size.
+fn memcpy_gbps(size: usize) -> f64 {
+    let src = vec![1u8; size];
+    let mut dst = vec![0u8; size];
+    let total = (1u64 << 30).max(size as u64 * 8);
+    let rounds = (total / size as u64).max(1);
+    let start = Instant::now();
+    for _ in 0..rounds {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    (rounds * size as u64) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// `--table`: every mode at each size, each run in fresh processes.
+fn table(args: &Args) {
+    let exe = std::env::current_exe().expect("own path");
+    let sizes: [(u64, &str); 4] = [
+        (4 << 10, "4 KiB"),
+        (64 << 10, "64 KiB"),
+        (1 << 20, "1 MiB"),
+        (16 << 20, "16 MiB"),
+    ];
+    let modes = [
+        (Mode::Tcp, "tcp"),
+        (Mode::Bsdp, "bsdp"),
+        (Mode::Zsdp, "zsdp"),
+        (Mode::AzsdpBow, "azsdp-bow"),
+        (Mode::AzsdpCow, "azsdp-cow"),
+    ];
+    println!("| mode | 4 KiB | 64 KiB | 1 MiB | 16 MiB |");
+    println!("|---|---|---|---|---|");
+    let mut tcp = [0.0f64; 4];
+    let mut rows = Vec::new();
+    for (mode, name) in modes {
+        let mut cells = Vec::new();
+        for (i, (size, _)) in sizes.iter().enumerate() {
+            let bytes = (*size * 512).clamp(256 << 20, 1 << 30);
+            let runs: Vec<f64> = (0..args.reps.max(1))
+                .map(|_| {
+                    let out = std::process::Command::new(&exe)
+                        .args(["--mode", name, "--size", &size.to_string()])
+                        .args(["--bytes", &bytes.to_string()])
+                        .args(["--threshold", &args.threshold.to_string()])
+                        .args(["--touch", &args.touch.to_string()])
+                        .output()
+                        .expect("run shm_stream");
+                    let line = String::from_utf8_lossy(&out.stdout).to_string();
+                    assert!(
+                        out.status.success() && line.contains("verified"),
+                        "{name} at {size} B failed: {line}{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    line.split_whitespace()
+                        .nth(1)
+                        .and_then(|g| g.parse().ok())
+                        .unwrap_or(0.0)
+                })
+                .collect();
+            let gbps = median(runs);
+            if mode == Mode::Tcp {
+                tcp[i] = gbps;
+            }
+            cells.push(gbps);
+        }
+        rows.push((name, cells));
+    }
+    for (name, cells) in &rows {
+        let cells: Vec<String> = cells
+            .iter()
+            .zip(tcp)
+            .map(|(g, t)| format!("{g:.2} ({:.2}x)", if t > 0.0 { g / t } else { 0.0 }))
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+    let mc: Vec<String> = sizes
+        .iter()
+        .zip(tcp)
+        .map(|((s, _), t)| {
+            let g = memcpy_gbps(*s as usize);
+            format!("{g:.2} ({:.2}x)", if t > 0.0 { g / t } else { 0.0 })
+        })
+        .collect();
+    println!("| memcpy | {} |", mc.join(" | "));
+    println!(
+        "\nGB/s, median of {} runs (ratio to kernel TCP loopback at the same size); touch probability {}; zero-copy threshold {} B.",
+        args.reps.max(1),
+        args.touch,
+        args.threshold
+    );
+}
+
 fn main() {
     let args = Args::parse();
-    let tcp = (args.mode == Mode::Tcp).then(|| TcpListener::bind("127.0.0.1:0").expect("bind"));
+    if args.table {
+        table(&args);
+        return;
+    }
+    let tcp = (args.mode() == Mode::Tcp).then(|| TcpListener::bind("127.0.0.1:0").expect("bind"));
     let (mine, theirs) = UnixStream::pair().expect("socketpair");
     // SAFETY: fork before any thread is started; the child reports over the
     // socket and leaves with _exit.
@@ -402,7 +522,7 @@ fn main() {
             produce(&args, &mut bufs, |chunk| s.write_all(chunk).expect("write"));
         }
         None => {
-            let d = start(&args, &mine, Role::Client, azsdp_mode(args.mode));
+            let d = start(&args, &mine, Role::Client, azsdp_mode(args.mode()));
             let flags = SendFlags {
                 nonblocking: false,
                 protectable: true,
@@ -434,7 +554,7 @@ fn main() {
     };
     println!(
         "{:?} {:.2} GB/s {} {} B GETs {} faults {}+{} COWs {}{}",
-        args.mode,
+        args.mode(),
         gbps,
         if verified { "verified" } else { "CORRUPTED" },
         bytes,

@@ -209,10 +209,6 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             if self.buf.len() < need {
                 self.buf.resize(need, 0);
             }
-            while let Some(n) = self.conn.poll_transmit(&mut self.buf) {
-                any = true;
-                self.backlog.push_back(self.buf[..n].to_vec());
-            }
             while let Some(m) = self.backlog.front() {
                 match self.fabric.post_message(m) {
                     Ok(()) => {
@@ -223,6 +219,21 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                         self.backlog.clear();
                         break;
                     }
+                }
+            }
+            // Post straight from the engine's buffer; copy only what the
+            // fabric has no room for yet (kept in order behind the backlog).
+            while let Some(n) = self.conn.poll_transmit(&mut self.buf) {
+                any = true;
+                let posted = if self.backlog.is_empty() {
+                    self.fabric.post_message(&self.buf[..n])
+                } else {
+                    Err(FabricError::NoCredits)
+                };
+                match posted {
+                    Ok(()) => {}
+                    Err(FabricError::NoCredits) => self.backlog.push_back(self.buf[..n].to_vec()),
+                    Err(_) => self.backlog.clear(),
                 }
             }
             if !any {
@@ -330,34 +341,34 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
     }
 
     /// Deliver what the fabric has, and run timers; returns how many fabric
-    /// events were delivered (0: nothing happened but timers).
+    /// events were delivered (0: nothing happened but timers). Messages go
+    /// to the engine straight from the fabric's buffer (no copy).
     pub(crate) fn turn(&mut self) -> usize {
-        let mut events: Vec<Ev> = Vec::new();
-        self.fabric.poll(&mut |e| {
-            events.push(match e {
-                FabricEvent::Message(m) => Ev::Msg(m.to_vec()),
-                FabricEvent::Done { op, result } => Ev::Done(op, result),
-                FabricEvent::PeerGone => Ev::Gone,
-            })
-        });
-        let n = events.len();
-        for e in events {
-            let now = self.now();
-            match e {
-                Ev::Msg(m) => self.conn.handle_message(now, &m, &mut self.mem),
-                Ev::Done(op, OpResult::Get(r)) => {
-                    let r = match self.staged.remove(&op) {
-                        Some(range) => r.and_then(|()| self.protector.land(&range)),
-                        None => r,
-                    };
-                    self.complete(op, Completion::Get(r))
-                }
-                Ev::Done(op, OpResult::Cas(r)) => self.complete(op, Completion::Cas(r)),
-                Ev::Gone => self.conn.handle_peer_gone(now),
-            }
-            self.drive();
-        }
         let now = self.now();
+        let (conn, mem, staged, protector) = (
+            &mut self.conn,
+            &mut self.mem,
+            &mut self.staged,
+            &mut self.protector,
+        );
+        let n = self.fabric.poll(&mut |e| match e {
+            FabricEvent::Message(m) => conn.handle_message(now, m, mem),
+            FabricEvent::Done {
+                op,
+                result: OpResult::Get(r),
+            } => {
+                let r = match staged.remove(&op) {
+                    Some(range) => r.and_then(|()| protector.land(&range)),
+                    None => r,
+                };
+                conn.handle_completion(now, op, Completion::Get(r), mem);
+            }
+            FabricEvent::Done {
+                op,
+                result: OpResult::Cas(r),
+            } => conn.handle_completion(now, op, Completion::Cas(r), mem),
+            FabricEvent::PeerGone => conn.handle_peer_gone(now),
+        });
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now, &mut self.mem);
         }
@@ -517,10 +528,4 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         }
         self.conn.is_finished() && !matches!(self.conn.state(), State::Aborted(_))
     }
-}
-
-enum Ev {
-    Msg(Vec<u8>),
-    Done(OpId, OpResult),
-    Gone,
 }

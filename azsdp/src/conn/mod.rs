@@ -988,15 +988,22 @@ impl Connection {
         }
     }
 
-    /// Return freed receive slots when the peer may be waiting for them.
+    /// Return freed receive slots in batches of half the window. That is
+    /// enough for a sender that keeps sending: while fewer than half are
+    /// unreported, it holds more than half of them. Returning each slot as
+    /// soon as it is free would make a fast reader answer every DATA with a
+    /// CREDIT and a blocked writer wake once per message (lock-step). Once
+    /// the peer has shut down its side it sends nothing that would bring
+    /// the count to half, and its close waits for the last ones: they go
+    /// back as soon as everything is read.
     fn maybe_return_credits(&mut self) {
         if self.unreported == 0 || self.state != State::Established {
             return;
         }
         let half = (u32::from(self.cfg.rx_credits) / 2).max(1);
-        let idle = self.rx_msgs.is_empty();
+        let drained = self.rx_eof && self.rx_msgs.is_empty();
         let already_queued = !self.out.is_empty();
-        if !already_queued && (self.unreported >= half || idle) {
+        if !already_queued && (self.unreported >= half || drained) {
             self.out.push_back(OutMsg::Credit {
                 ping: false,
                 pong: false,

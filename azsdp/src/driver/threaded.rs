@@ -155,7 +155,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                 }
                 nap
             };
-            s.waiter.wait(ticket, nap);
+            s.waiter.wait(ticket, nap, true);
         };
         s.in_calls.fetch_sub(1, Ordering::SeqCst);
         r
@@ -255,7 +255,7 @@ fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
             }
             None => MAX_NAP,
         };
-        s.waiter.wait(ticket, nap);
+        s.waiter.wait(ticket, nap, false);
     }
 }
 

@@ -60,8 +60,10 @@ pub enum FabricEvent<'a> {
 pub trait FabricWaiter: Send + Sync {
     fn prepare(&self) -> u32;
     /// Sleep until a message may have arrived or a kick was made since
-    /// `ticket`, or `timeout` passes (it may return early).
-    fn wait(&self, ticket: u32, timeout: std::time::Duration);
+    /// `ticket`, or `timeout` passes (it may return early). With `spin`,
+    /// busy-poll for the provider's polling time first (for callers that
+    /// want latency; background threads should not burn a core).
+    fn wait(&self, ticket: u32, timeout: std::time::Duration, spin: bool);
     /// Wake this process's threads sleeping in [`FabricWaiter::wait`]: a
     /// thread turned the engine for them (e.g. finished their call).
     fn kick(&self);

@@ -712,11 +712,18 @@ fn wait_ring(
         return;
     }
     let start = Instant::now();
-    while start.elapsed() < poll.min(timeout) {
-        if !quiet() {
-            return;
+    let spin = poll.min(timeout);
+    'spin: while !spin.is_zero() {
+        // Reading the clock costs more than a look at the ring.
+        for _ in 0..64 {
+            if !quiet() {
+                return;
+            }
+            std::hint::spin_loop();
         }
-        std::hint::spin_loop();
+        if start.elapsed() >= spin {
+            break 'spin;
+        }
     }
     // A count, not a flag: several threads of this process may sleep here.
     sleeping.fetch_add(1, Ordering::SeqCst);
@@ -742,8 +749,9 @@ impl super::FabricWaiter for ShmWaiter {
         self.rx.wait_words().0.load(Ordering::Acquire)
     }
 
-    fn wait(&self, ticket: u32, timeout: Duration) {
-        wait_ring(&self.rx, &self.seg, self.peer, self.poll, timeout, ticket);
+    fn wait(&self, ticket: u32, timeout: Duration, spin: bool) {
+        let poll = if spin { self.poll } else { Duration::ZERO };
+        wait_ring(&self.rx, &self.seg, self.peer, poll, timeout, ticket);
     }
 
     /// Bump the incoming ring's futex word (it only counts wake-ups: the
