@@ -9,73 +9,14 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use azsdp::conn::FaultPolicy;
-use azsdp::conn::{CallError, Capabilities, EngineConfig, LockRegion, RecvFlags, Role, SendFlags};
-use azsdp::driver::threaded::ThreadedDriver;
+use azsdp::conn::{CallError, RecvFlags, Role, SendFlags};
 use azsdp::driver::{Driver, NoProtection, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
 use azsdp::protect::uffd::UffdProtect;
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::{ForkResult, Pid, fork};
+use nix::sys::wait::WaitStatus;
 
-fn word(w: u64) -> u64 {
-    let mut z = w.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^ (z >> 31)
-}
-
-fn pattern(off: u64) -> u8 {
-    word(off / 8).to_le_bytes()[(off % 8) as usize]
-}
-
-fn cfg(role: Role, caps: Capabilities, zsdp: bool, threshold: u64) -> EngineConfig {
-    let mut e = EngineConfig::new(
-        role,
-        caps,
-        LockRegion {
-            addr: 0,
-            key: 0,
-            slots: 0,
-        },
-    );
-    e.async_zcopy = !zsdp;
-    e.zcopy_threshold = threshold;
-    e.peer_timeout = Duration::from_secs(5);
-    e.keepalive = Duration::from_millis(500);
-    e
-}
-
-/// Run `child` in a forked process; returns its pid.
-fn spawn(child: impl FnOnce() -> i32) -> Pid {
-    // SAFETY: glibc makes malloc usable in the child of a multi-threaded
-    // parent; the child touches only its own objects and leaves with _exit,
-    // never returning into the test harness.
-    match unsafe { fork() }.expect("fork") {
-        ForkResult::Child => {
-            let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).unwrap_or(101);
-            // SAFETY: end the child without unwinding into the harness.
-            unsafe { libc::_exit(code) };
-        }
-        ForkResult::Parent { child } => child,
-    }
-}
-
-/// Wait for `pid` at most `limit`; kill it if it overstays.
-fn reap(pid: Pid, limit: Duration) -> WaitStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        match waitpid(pid, Some(WaitPidFlag::WNOHANG)).expect("waitpid") {
-            WaitStatus::StillAlive if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            WaitStatus::StillAlive => {
-                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-                let _ = waitpid(pid, None);
-                panic!("child {pid} did not finish within {limit:?}");
-            }
-            s => return s,
-        }
-    }
-}
+mod common;
+use common::*;
 
 fn stream(zsdp: bool, threshold: u64, total: u64, seed: u64) {
     let (a, b) = UnixStream::pair().unwrap();
@@ -230,75 +171,6 @@ fn peer_killed_mid_transfer_fails_the_survivor() {
     );
 }
 
-/// The receiving child: accept, wait `delay`, receive everything into
-/// `buf_len`-byte reads checking every byte against the pattern, close, and
-/// report "bytes bad-bytes" over the socket.
-fn verifying_receiver(sock: &UnixStream, delay: Duration, buf_len: usize) -> i32 {
-    let ep = ShmEndpoint::accept(sock, ShmParams::default()).unwrap();
-    let caps = capabilities(ep.can_get().is_none(), &NoProtection);
-    let mut d = Driver::new(cfg(Role::Server, caps, false, 16 << 10), ep, NoProtection);
-    d.establish(Duration::from_secs(5)).unwrap();
-    std::thread::sleep(delay);
-    let mut buf = vec![0u8; buf_len];
-    let (mut off, mut bad) = (0u64, 0u64);
-    loop {
-        let n = d.recv(&mut buf, RecvFlags::default()).unwrap() as usize;
-        if n == 0 {
-            break;
-        }
-        bad += buf[..n]
-            .iter()
-            .enumerate()
-            .filter(|(k, x)| **x != pattern(off + *k as u64))
-            .count() as u64;
-        off += n as u64;
-    }
-    d.close(Duration::from_secs(5));
-    (&*sock)
-        .write_all(format!("{off} {bad}").as_bytes())
-        .unwrap();
-    0
-}
-
-/// Read the child's "bytes bad-bytes" report and reap it.
-fn child_report(sock: &UnixStream, child: Pid) -> (u64, u64) {
-    let mut report = String::new();
-    (&*sock).read_to_string(&mut report).unwrap();
-    assert_eq!(
-        reap(child, Duration::from_secs(10)),
-        WaitStatus::Exited(child, 0)
-    );
-    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
-    (f[0], f[1])
-}
-
-/// The sending side with real page protection, or None without a full
-/// userfaultfd (then the caller skips; root always has one).
-fn protected_sender(
-    sock: &UnixStream,
-    policy: FaultPolicy,
-    fallback_faults: u32,
-) -> Option<ThreadedDriver<ShmEndpoint, UffdProtect>> {
-    let Ok(uffd) = UffdProtect::new() else {
-        assert!(
-            !nix::unistd::geteuid().is_root(),
-            "root must get a full userfaultfd"
-        );
-        eprintln!("skipped: no full userfaultfd");
-        return None;
-    };
-    let ep = ShmEndpoint::offer(sock, ShmParams::default()).unwrap();
-    let faults = uffd.faults();
-    let caps = capabilities(true, &uffd);
-    let mut c = cfg(Role::Client, caps, false, 16 << 10);
-    c.write_fault = policy;
-    c.fallback_faults = fallback_faults;
-    let waiter = ep.waiter();
-    let mut d = Driver::new(c, ep, uffd);
-    d.establish(Duration::from_secs(5)).unwrap();
-    Some(ThreadedDriver::start(d, waiter, Some(faults)))
-}
-
 /// AZ-SDP with real page protection: the sender rewrites each buffer right
 /// after send() returned (while the peer may still be reading it); the
 /// receiver must still get exactly the bytes sent. Needs a full userfaultfd
@@ -370,42 +242,6 @@ fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
         assert!(counters.cow_copies > 0, "{counters:?}");
     }
     drop(store);
-}
-
-/// Fill `dst` from a pipe: the kernel writes the (maybe protected) pages.
-fn kernel_write(dst: &mut [u8], data: &[u8]) {
-    let mut fds = [0; 2];
-    // SAFETY: creating a pipe into a 2-int array.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    let (rd, wr) = (fds[0], fds[1]);
-    let feeder = {
-        let data = data.to_vec();
-        std::thread::spawn(move || {
-            let mut sent = 0;
-            while sent < data.len() {
-                // SAFETY: writing from our own buffer to our pipe.
-                let n = unsafe { libc::write(wr, data[sent..].as_ptr().cast(), data.len() - sent) };
-                assert!(n > 0);
-                sent += n as usize;
-            }
-            // SAFETY: closing our end.
-            unsafe { libc::close(wr) };
-        })
-    };
-    let mut got = 0;
-    while got < dst.len() {
-        // SAFETY: reading into the caller's buffer, in bounds.
-        let n = unsafe { libc::read(rd, dst[got..].as_mut_ptr().cast(), dst.len() - got) };
-        assert!(
-            n > 0,
-            "read() into a just-sent buffer failed: {}",
-            std::io::Error::last_os_error()
-        );
-        got += n as usize;
-    }
-    feeder.join().unwrap();
-    // SAFETY: closing our end.
-    unsafe { libc::close(rd) };
 }
 
 /// free() of an in-flight 1 MiB heap buffer: the engine settles the pages

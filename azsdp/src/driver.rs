@@ -156,6 +156,9 @@ pub struct Driver<F: Fabric, P: Protector> {
     copies: HashMap<u64, Vec<u8>>,
     /// GETs into armed ranges that land in staging first.
     staged: HashMap<OpId, Range<u64>>,
+    /// No new arms (a fork is pending: staging pages shared with a child
+    /// could not be moved back).
+    arms_paused: bool,
     buf: Vec<u8>,
     /// Longest single sleep while waiting.
     pub max_wait: Duration,
@@ -180,6 +183,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             backlog: VecDeque::new(),
             copies: HashMap::new(),
             staged: HashMap::new(),
+            arms_paused: false,
             buf: Vec::new(),
             max_wait: Duration::from_millis(50),
         }
@@ -266,7 +270,11 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             Action::ReleaseSource { key, .. } => self.fabric.deregister(key),
             Action::Unprotect { range } => self.protector.unprotect(range),
             Action::Arm { op, range } => {
-                let r = self.protector.arm(range);
+                let r = if self.arms_paused {
+                    Err(OpError::Local)
+                } else {
+                    self.protector.arm(range)
+                };
                 self.complete(op, Completion::Armed(r));
             }
             Action::Disarm { range, outcome } => self.protector.disarm(range, outcome),
@@ -452,6 +460,12 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         ticket
     }
 
+    /// Stop (or resume) arming receives; those asked meanwhile run
+    /// synchronously.
+    pub fn pause_arms(&mut self, paused: bool) {
+        self.arms_paused = paused;
+    }
+
     /// `range` was unmapped (after [`Driver::submit_evacuate`] settled it).
     pub fn forget_memory(&mut self, range: Range<u64>) {
         self.protector.forget(range);
@@ -511,21 +525,28 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         self.drive();
     }
 
+    /// The engine has nothing left to do and every message it produced is
+    /// in the fabric (none waits in the backlog for ring space).
+    pub fn is_finished(&self) -> bool {
+        self.conn.is_finished()
+            && (self.backlog.is_empty() || matches!(self.conn.state(), State::Aborted(_)))
+    }
+
     /// `close()`, then drive until the connection is finished or `timeout`
     /// passes. Returns whether it finished cleanly.
     pub fn close(&mut self, timeout: Duration) -> bool {
         self.submit_close();
         let deadline = Instant::now() + timeout;
-        while !self.conn.is_finished() && Instant::now() < deadline {
+        while !self.is_finished() && Instant::now() < deadline {
             self.drive();
             self.turn();
-            if !self.conn.is_finished() {
+            if !self.is_finished() {
                 self.fabric.wait(
                     self.max_wait
                         .min(deadline.saturating_duration_since(Instant::now())),
                 );
             }
         }
-        self.conn.is_finished() && !matches!(self.conn.state(), State::Aborted(_))
+        self.is_finished() && !matches!(self.conn.state(), State::Aborted(_))
     }
 }

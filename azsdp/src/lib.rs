@@ -16,6 +16,7 @@ pub mod conn;
 pub mod driver;
 pub mod fabric;
 pub mod pages;
+pub mod process;
 pub mod protect;
 pub mod sim;
 pub mod time;

@@ -319,6 +319,13 @@ impl Connection {
         }
     }
 
+    /// Does anything in flight hold `range` of application memory: pages
+    /// write-protected for a send, or armed for a receive? (Memory-lifetime
+    /// hooks ask before memory is freed, unmapped or discarded.)
+    pub fn holds_memory(&self, range: &Range<u64>) -> bool {
+        self.send_prot.overlaps(range) || self.armed.overlaps(range)
+    }
+
     /// Nothing is left to do: the driver may drop the connection.
     pub fn is_finished(&self) -> bool {
         let drained = self.ops.is_empty()
@@ -592,6 +599,12 @@ impl Connection {
     /// The fabric lost the peer (process died, link down).
     pub fn handle_peer_gone(&mut self, now: Timestamp) {
         self.now = now;
+        // A peer that leaves after everything is settled (our close is
+        // done, nothing is owed either way) ends nothing: that is a clean
+        // close seen from the fabric.
+        if self.is_finished() {
+            return;
+        }
         self.abort(AbortReason::PeerGone, None);
     }
 

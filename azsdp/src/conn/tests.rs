@@ -530,3 +530,35 @@ fn garbage_aborts_without_panic() {
         }
     );
 }
+
+#[test]
+fn a_peer_that_leaves_after_a_clean_close_ends_nothing() {
+    let mut p = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+    p.mem[0].fill(0x10000, &pattern(4 * PAGE as usize, 9));
+    p.send(0, 0x10000, 4 * PAGE);
+    p.run();
+    p.c[0].close(Timestamp::ZERO, Linger::Background, &mut p.mem[0]);
+    let r = p.recv(1, 0x200000, 8 * PAGE, RecvFlags::default());
+    p.run();
+    assert_eq!(p.result(r), Some(Ok(4 * PAGE)));
+    assert!(p.c[0].is_finished(), "the sender's close is done");
+    // The reader exits at once (its process, and the fabric, are gone).
+    p.c[0].handle_peer_gone(Timestamp::ZERO);
+    p.pump();
+    assert_eq!(
+        *p.c[0].state(),
+        State::Established,
+        "a clean close stays clean"
+    );
+
+    // But a peer that leaves while data is owed is a failure.
+    let mut q = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+    q.mem[0].fill(0x10000, &pattern(4 * PAGE as usize, 9));
+    q.send(0, 0x10000, 4 * PAGE);
+    q.run();
+    q.c[0].close(Timestamp::ZERO, Linger::Background, &mut q.mem[0]);
+    q.pump();
+    q.c[0].handle_peer_gone(Timestamp::ZERO);
+    q.pump();
+    assert_eq!(*q.c[0].state(), State::Aborted(AbortReason::PeerGone));
+}

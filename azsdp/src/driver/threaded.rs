@@ -17,14 +17,16 @@
 //! The progress thread keeps things moving when no call is blocked: the
 //! GET_COMPLETEs that unprotect an AZ-SDP sender's pages, credits, timers.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{Driver, Protector};
 use crate::conn::{Access, CallError, CallId, Counters, RecvFlags, SendFlags, State};
 use crate::fabric::{Fabric, FabricWaiter};
+use crate::process::{self, Inside, Participant};
 use crate::protect::uffd::FaultReader;
 
 /// Longest sleep of any thread between looks (bounds shutdown latency).
@@ -36,12 +38,93 @@ struct Shared<F: Fabric, P: Protector> {
     stop: AtomicBool,
     /// Application threads blocked in a call (sleeping on the fabric).
     in_calls: AtomicUsize,
+    /// The process that owns the threads; in a forked child this driver is
+    /// the parent's, and inert.
+    owner: u32,
+}
+
+/// The driver, locked, with the thread marked as inside azsdp (so memory
+/// hooks let its own frees pass instead of asking this very driver).
+struct Locked<'a, F: Fabric, P: Protector> {
+    guard: MutexGuard<'a, Driver<F, P>>,
+    _inside: Inside,
+}
+
+impl<F: Fabric, P: Protector> std::ops::Deref for Locked<'_, F, P> {
+    type Target = Driver<F, P>;
+    fn deref(&self) -> &Driver<F, P> {
+        &self.guard
+    }
+}
+
+impl<F: Fabric, P: Protector> std::ops::DerefMut for Locked<'_, F, P> {
+    fn deref_mut(&mut self) -> &mut Driver<F, P> {
+        &mut self.guard
+    }
 }
 
 impl<F: Fabric, P: Protector> Shared<F, P> {
-    fn lock(&self) -> MutexGuard<'_, Driver<F, P>> {
+    fn lock(&self) -> Locked<'_, F, P> {
+        let _inside = Inside::enter();
         // A panic elsewhere must not wedge the connection: keep going.
-        self.driver.lock().unwrap_or_else(|e| e.into_inner())
+        let guard = self.driver.lock().unwrap_or_else(|e| e.into_inner());
+        Locked { guard, _inside }
+    }
+
+    fn try_lock(&self) -> Option<Locked<'_, F, P>> {
+        let _inside = Inside::enter();
+        let guard = match self.driver.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(Locked { guard, _inside })
+    }
+
+    /// In a forked child: the parent's threads are gone, so is this driver.
+    fn orphaned(&self) -> bool {
+        std::process::id() != self.owner
+    }
+
+    /// Wait until `ready` finds what it looks for, or `deadline` passes;
+    /// this thread turns the engine while it waits. `None` also when this
+    /// is a forked child's inert copy.
+    fn wait_until<T>(
+        &self,
+        deadline: Option<Instant>,
+        mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
+    ) -> Option<T> {
+        if self.orphaned() {
+            return None;
+        }
+        self.in_calls.fetch_add(1, Ordering::SeqCst);
+        let r = loop {
+            let ticket = self.waiter.prepare();
+            let nap = {
+                let mut d = self.lock();
+                if let Some(r) = ready(&mut d) {
+                    break Some(r);
+                }
+                if self.turn_all(&mut d, 1) > 0 {
+                    if let Some(r) = ready(&mut d) {
+                        break Some(r);
+                    }
+                    continue;
+                }
+                let now = Instant::now();
+                if deadline.is_some_and(|t| t <= now) {
+                    break None;
+                }
+                let mut nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
+                if let Some(t) = deadline {
+                    nap = nap.min(t - now);
+                }
+                nap
+            };
+            self.waiter.wait(ticket, nap, true);
+        };
+        self.in_calls.fetch_sub(1, Ordering::SeqCst);
+        r
     }
 
     /// Turn until nothing more arrives; kick sleeping callers if anything
@@ -91,7 +174,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             waiter: Box::new(waiter),
             stop: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
+            owner: std::process::id(),
         });
+        let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
+        process::register(weak);
         let mut threads = Vec::new();
         let s = Arc::clone(&shared);
         threads.push(
@@ -123,52 +209,18 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         ThreadedDriver { shared, threads }
     }
 
-    /// Wait until `ready` finds what it looks for, or `deadline` passes;
-    /// this thread turns the engine while it waits.
-    fn wait_until<T>(
-        &self,
-        deadline: Option<Instant>,
-        mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
-    ) -> Option<T> {
-        let s = &*self.shared;
-        s.in_calls.fetch_add(1, Ordering::SeqCst);
-        let r = loop {
-            let ticket = s.waiter.prepare();
-            let nap = {
-                let mut d = s.lock();
-                if let Some(r) = ready(&mut d) {
-                    break Some(r);
-                }
-                if s.turn_all(&mut d, 1) > 0 {
-                    if let Some(r) = ready(&mut d) {
-                        break Some(r);
-                    }
-                    continue;
-                }
-                let now = Instant::now();
-                if deadline.is_some_and(|t| t <= now) {
-                    break None;
-                }
-                let mut nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
-                if let Some(t) = deadline {
-                    nap = nap.min(t - now);
-                }
-                nap
-            };
-            s.waiter.wait(ticket, nap, true);
-        };
-        s.in_calls.fetch_sub(1, Ordering::SeqCst);
-        r
-    }
-
     fn wait_for(&self, call: CallId) -> Result<u64, CallError> {
-        self.wait_until(None, |d| d.take_result(call))
-            .expect("no deadline")
+        self.shared
+            .wait_until(None, |d| d.take_result(call))
+            .unwrap_or(Err(CallError::ConnReset))
     }
 
     /// Blocking `send()`; returns when the engine says the buffer is
     /// reusable (at once under AZ-SDP).
     pub fn send(&self, buf: &[u8], flags: SendFlags) -> Result<u64, CallError> {
+        if self.shared.orphaned() {
+            return Err(CallError::ConnReset);
+        }
         let call = self
             .shared
             .lock()
@@ -178,6 +230,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// Blocking `recv()`.
     pub fn recv(&self, buf: &mut [u8], flags: RecvFlags) -> Result<u64, CallError> {
+        if self.shared.orphaned() {
+            return Err(CallError::ConnReset);
+        }
         let call = self
             .shared
             .lock()
@@ -186,43 +241,65 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// Before memory is freed, unmapped or discarded: wait until no
-    /// transfer uses `range` any more (copied aside, or finished).
+    /// transfer uses `range` any more (copied aside, or finished). The
+    /// process-wide hooks ([`crate::process`]) do this for every driver.
     pub fn evacuate(&self, range: std::ops::Range<u64>) {
-        let ticket = self.shared.lock().submit_evacuate(range);
-        self.wait_until(None, |d| d.resumed(ticket).then_some(()));
+        self.shared.evacuate(range);
     }
 
     /// `range` was unmapped: drop the protector's state for it.
     pub fn unmapped(&self, range: std::ops::Range<u64>) {
-        self.shared.lock().forget_memory(range);
+        self.shared.forget(range);
     }
 
     /// The connection's state (why it ended, if it did).
     pub fn state(&self) -> State {
+        if self.shared.orphaned() {
+            return State::Aborted(crate::conn::AbortReason::LocalReset);
+        }
         self.shared.lock().connection().state().clone()
     }
 
     pub fn counters(&self) -> Counters {
+        if self.shared.orphaned() {
+            return Counters::default();
+        }
         self.shared.lock().connection().counters().clone()
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
     /// passes; stops the threads. Returns whether it finished cleanly.
-    pub fn close(mut self, timeout: Duration) -> (bool, Counters) {
-        self.shared.lock().submit_close();
-        let clean = self
-            .wait_until(Some(Instant::now() + timeout), |d| {
-                let c = d.connection();
-                c.is_finished()
-                    .then(|| !matches!(c.state(), State::Aborted(_)))
-            })
-            .unwrap_or(false);
-        let counters = self.counters();
-        self.stop();
+    pub fn close(self, timeout: Duration) -> (bool, Counters) {
+        let (clean, counters, _) = self.close_report(timeout);
         (clean, counters)
     }
 
+    /// [`ThreadedDriver::close`], also returning the final state (why it
+    /// was not clean, if it was not).
+    pub fn close_report(mut self, timeout: Duration) -> (bool, Counters, State) {
+        if self.shared.orphaned() {
+            return (false, Counters::default(), self.state());
+        }
+        self.shared.lock().submit_close();
+        let clean = self
+            .shared
+            .wait_until(Some(Instant::now() + timeout), |d| {
+                d.is_finished()
+                    .then(|| !matches!(d.connection().state(), State::Aborted(_)))
+            })
+            .unwrap_or(false);
+        let counters = self.counters();
+        let state = self.state();
+        self.stop();
+        (clean, counters, state)
+    }
+
     fn stop(&mut self) {
+        if self.shared.orphaned() {
+            // The threads are the parent's; nothing here to stop or join.
+            self.threads.clear();
+            return;
+        }
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.waiter.kick();
         for t in self.threads.drain(..) {
@@ -238,11 +315,7 @@ fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
     while !s.stop.load(Ordering::Relaxed) {
         let ticket = s.waiter.prepare();
         let guard = if s.in_calls.load(Ordering::SeqCst) > 0 {
-            match s.driver.try_lock() {
-                Ok(g) => Some(g),
-                Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) => None,
-            }
+            s.try_lock()
         } else {
             Some(s.lock())
         };
@@ -256,6 +329,32 @@ fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
             None => MAX_NAP,
         };
         s.waiter.wait(ticket, nap, false);
+    }
+}
+
+impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for Shared<F, P> {
+    fn holds(&self, range: &Range<u64>) -> bool {
+        !self.orphaned() && self.lock().connection().holds_memory(range)
+    }
+
+    fn evacuate(&self, range: Range<u64>) {
+        if self.orphaned() {
+            return;
+        }
+        let ticket = self.lock().submit_evacuate(range);
+        self.wait_until(None, |d| d.resumed(ticket).then_some(()));
+    }
+
+    fn forget(&self, range: Range<u64>) {
+        if !self.orphaned() {
+            self.lock().forget_memory(range);
+        }
+    }
+
+    fn set_forking(&self, forking: bool) {
+        if !self.orphaned() {
+            self.lock().pause_arms(forking);
+        }
     }
 }
 

@@ -1,0 +1,264 @@
+//! What the whole process shares: the live connections, so that memory
+//! hooks and `fork()` can settle in-flight pages without knowing which
+//! connection holds them.
+//!
+//! The preload shim calls the `before_*` / `after_*` functions from its
+//! interposed `free`, `realloc`, `munmap`, `mremap` and `madvise`: in-flight
+//! pages are finished or copied aside (copy-on-write) before they vanish or
+//! lose their protection (`MADV_DONTNEED` silently drops write protection;
+//! `mremap` drops the userfaultfd registration). Their fast path is one
+//! atomic load when no connection holds memory, and a size check: only
+//! ranges holding a whole page can hold protected or armed pages.
+//!
+//! Fork: a `pthread_atfork` handler settles everything in flight first
+//! (sends finished or copied aside, armed receives landed) and stops new
+//! arms until the fork is over: protection does not cross a fork (the
+//! child's mappings are not registered with our userfaultfd), MAP_SHARED
+//! pages would be written by the child unguarded, and staging pages shared
+//! with a child could no longer be moved. The child starts clean: it
+//! inherits no protection, and its copies of the parent's connections are
+//! inert (calls fail, nothing is torn down on the parent's behalf).
+//!
+//! `unsafe` here: registering the atfork handlers, and the registry's lock,
+//! which the fork handlers hold across `fork()` without a guard (a std
+//! mutex held by a thread that does not exist in the child would stay
+//! locked there forever).
+
+use std::cell::UnsafeCell;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Once, Weak};
+
+/// A live connection driver, as the process-wide hooks see it.
+pub trait Participant: Send + Sync {
+    /// Does anything in flight hold pages of `range`?
+    fn holds(&self, range: &Range<u64>) -> bool;
+    /// Settle everything in flight on `range` (wait, or copy aside), and
+    /// return once nothing holds it any more.
+    fn evacuate(&self, range: Range<u64>);
+    /// `range` is gone (unmapped or moved): drop state kept for it.
+    fn forget(&self, range: Range<u64>);
+    /// A fork is about to happen (`true`) or is over in the parent (`false`):
+    /// while it is pending, receives are not armed.
+    fn set_forking(&self, forking: bool);
+}
+
+/// The live participants, behind a lock the fork handlers can hold and
+/// release from different handlers (and release in the child).
+struct Registry {
+    busy: AtomicBool,
+    list: UnsafeCell<Vec<Weak<dyn Participant>>>,
+}
+
+// SAFETY: `list` is only accessed while `busy` is held (see `with`).
+unsafe impl Sync for Registry {}
+
+impl Registry {
+    fn acquire(&self) {
+        while self
+            .busy
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::yield_now();
+        }
+    }
+
+    fn release(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+
+    /// Run `f` on the list, under the lock. `f` must not call back into
+    /// the registry.
+    fn with<R>(&self, f: impl FnOnce(&mut Vec<Weak<dyn Participant>>) -> R) -> R {
+        self.acquire();
+        // SAFETY: we hold `busy`, so no one else has a reference to the list.
+        let r = f(unsafe { &mut *self.list.get() });
+        self.release();
+        r
+    }
+}
+
+static LIVE: Registry = Registry {
+    busy: AtomicBool::new(false),
+    list: UnsafeCell::new(Vec::new()),
+};
+/// Registered participants (a hint for the fast path; never under-counts
+/// a live one).
+static COUNT: AtomicUsize = AtomicUsize::new(0);
+static ATFORK: Once = Once::new();
+
+fn live() -> Vec<Arc<dyn Participant>> {
+    LIVE.with(|l| {
+        l.retain(|w| w.strong_count() > 0);
+        COUNT.store(l.len(), Ordering::SeqCst);
+        l.iter().filter_map(Weak::upgrade).collect()
+    })
+}
+
+/// Make a connection visible to the memory hooks and to fork handling (it
+/// leaves by itself when dropped).
+pub fn register(p: Weak<dyn Participant>) {
+    ATFORK.call_once(|| {
+        // SAFETY: the handlers are plain extern "C" functions with static
+        // lifetime; pthread_atfork only records them.
+        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
+    });
+    LIVE.with(|l| {
+        l.retain(|w| w.strong_count() > 0);
+        l.push(p);
+        COUNT.store(l.len(), Ordering::SeqCst);
+    });
+}
+
+thread_local! {
+    /// This thread is inside a driver (holds its lock): memory it frees
+    /// is azsdp's own, and asking the driver would deadlock.
+    static INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the current thread as inside azsdp while it lives.
+#[derive(Debug)]
+pub struct Inside {
+    was: bool,
+}
+
+impl Inside {
+    pub fn enter() -> Inside {
+        let was = INSIDE.try_with(|c| c.replace(true)).unwrap_or(true);
+        Inside { was }
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        let _ = INSIDE.try_with(|c| c.set(self.was));
+    }
+}
+
+/// Is the current thread inside azsdp (so hooks must let it pass)?
+pub fn inside() -> bool {
+    INSIDE.try_with(|c| c.get()).unwrap_or(true)
+}
+
+/// Page size, for the "can it hold a whole page" test.
+fn page() -> u64 {
+    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .map_or(4096, |v| v as u64)
+    })
+}
+
+/// Settle whatever holds `range`. Cheap when nothing can.
+fn settle(range: Range<u64>) {
+    if COUNT.load(Ordering::SeqCst) == 0 || range.is_empty() || inside() {
+        return;
+    }
+    // Protected and armed pages are whole pages inside one buffer: a range
+    // without a whole page cannot hold one.
+    let p = page();
+    if range.start.next_multiple_of(p) + p > range.end {
+        return;
+    }
+    for c in live() {
+        if c.holds(&range) {
+            c.evacuate(range.clone());
+        }
+    }
+}
+
+/// Before `free(ptr)` of a chunk with `usable` bytes (`malloc_usable_size`).
+pub fn before_free(ptr: u64, usable: u64) {
+    settle(ptr..ptr.saturating_add(usable));
+}
+
+/// Before `realloc(ptr, _)` of a chunk with `usable` bytes: it may move the
+/// data (and free the old chunk) or shrink in place.
+pub fn before_realloc(ptr: u64, usable: u64) {
+    settle(ptr..ptr.saturating_add(usable));
+}
+
+/// Before `munmap(addr, len)`.
+pub fn before_unmap(addr: u64, len: u64) {
+    settle(addr..addr.saturating_add(len));
+}
+
+/// After a successful `munmap(addr, len)`.
+pub fn after_unmap(addr: u64, len: u64) {
+    forget(addr..addr.saturating_add(len));
+}
+
+/// Before `mremap(old, old_len, ..)`: the old range may move or shrink,
+/// and its userfaultfd registration does not follow it.
+pub fn before_remap(old: u64, old_len: u64) {
+    settle(old..old.saturating_add(old_len));
+}
+
+/// After a successful `mremap`: the old range is no longer what it was.
+pub fn after_remap(old: u64, old_len: u64) {
+    forget(old..old.saturating_add(old_len));
+}
+
+/// Does `madvise(advice)` drop or replace page contents (and with them
+/// write protection and armed state)?
+pub fn advice_discards(advice: i32) -> bool {
+    matches!(
+        advice,
+        libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTFORK
+    ) || advice == MADV_WIPEONFORK
+}
+
+const MADV_WIPEONFORK: i32 = 18;
+
+/// Before `madvise(addr, len, advice)`.
+pub fn before_madvise(addr: u64, len: u64, advice: i32) {
+    if advice_discards(advice) {
+        settle(addr..addr.saturating_add(len));
+    }
+}
+
+fn forget(range: Range<u64>) {
+    if COUNT.load(Ordering::SeqCst) == 0 || inside() {
+        return;
+    }
+    for c in live() {
+        c.forget(range.clone());
+    }
+}
+
+/// Settle everything in every connection, with arms stopped, so nothing is
+/// protected or armed when the address space is copied.
+pub fn quiesce_for_fork() {
+    if COUNT.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    for c in live() {
+        c.set_forking(true);
+        c.evacuate(0..u64::MAX);
+    }
+}
+
+extern "C" fn fork_prepare() {
+    // Never unwind into libc.
+    let _ = std::panic::catch_unwind(quiesce_for_fork);
+    // Held across fork(): released by the parent and child handlers.
+    LIVE.acquire();
+}
+
+extern "C" fn fork_parent() {
+    LIVE.release();
+    let _ = std::panic::catch_unwind(|| {
+        for c in live() {
+            c.set_forking(false);
+        }
+    });
+}
+
+extern "C" fn fork_child() {
+    // The child is single-threaded: no one else can hold the lock here.
+    LIVE.release();
+    // Connections see they are in a child by their owner's pid.
+}
