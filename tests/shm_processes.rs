@@ -12,7 +12,7 @@ use azsdp::conn::FaultPolicy;
 use azsdp::conn::{CallError, RecvFlags, Role, SendFlags};
 use azsdp::driver::{Driver, NoProtection, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
-use azsdp::protect::uffd::UffdProtect;
+use azsdp::protect::{Backend, ProtectionMode};
 use nix::sys::wait::WaitStatus;
 
 mod common;
@@ -173,22 +173,28 @@ fn peer_killed_mid_transfer_fails_the_survivor() {
 
 /// AZ-SDP with real page protection: the sender rewrites each buffer right
 /// after send() returned (while the peer may still be reading it); the
-/// receiver must still get exactly the bytes sent. Needs a full userfaultfd
-/// (root, as in CI); skipped elsewhere.
-fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
+/// receiver must still get exactly the bytes sent. With a full userfaultfd
+/// about half the rewrites are done by the kernel (read() from a pipe),
+/// which must wait instead of failing with EFAULT; with mprotect only the
+/// CPU rewrites (a syscall would get EFAULT: that backend's trade-off).
+/// Random sizes and alignments. Needs root for userfaultfd (as in CI).
+fn azsdp_with_rewrites(mode: ProtectionMode, policy: FaultPolicy, seed: u64) {
     let total: u64 = 64 << 20;
     let (a, b) = UnixStream::pair().unwrap();
-    if UffdProtect::new().is_err() {
+    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
+    let _reaper = Reaper(child);
+    drop(b);
+    // Keep AZ-SDP on, however often we rewrite.
+    let (d, backend) = sender_with(&a, mode, policy, 0);
+    if backend == Backend::None {
         assert!(
             !nix::unistd::geteuid().is_root(),
             "root must get a full userfaultfd"
         );
+        eprintln!("skipped: no page protection here");
         return;
     }
-    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
-    drop(b);
-    // Keep AZ-SDP on, however often we rewrite.
-    let d = protected_sender(&a, policy, 0).expect("full userfaultfd");
+    let kernel_writes = backend == Backend::Userfaultfd;
     // Page-aligned buffers (a Vec<u64> of whole pages, offset inside).
     let mut store = vec![0u64; (3 << 20) / 8];
     let base = store.as_mut_ptr() as usize;
@@ -210,21 +216,19 @@ fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
         let n = d.send(&bytes[start..start + len], flags).unwrap();
         assert_eq!(n, len as u64);
         // Rewrite part of what was just sent: must not reach the receiver,
-        // and the writer must read back its own bytes. About half the time the
-        // kernel does the writing (read() from a pipe), which must wait for
-        // the protection instead of failing with EFAULT.
+        // and the writer must read back its own bytes.
         let (r0, r1) = (start + len / 3, start + len / 2);
         let junk: Vec<u8> = bytes[r0..r1].iter().map(|x| !*x).collect();
-        if i % 2 == 0 {
-            bytes[r0..r1].copy_from_slice(&junk);
-        } else {
+        if kernel_writes && i % 2 == 1 {
             kernel_write(&mut bytes[r0..r1], &junk);
+        } else {
+            bytes[r0..r1].copy_from_slice(&junk);
         }
         assert_eq!(&bytes[r0..r1], &junk[..], "the writer sees its own bytes");
         off += n;
     }
-    let (clean, counters) = d.close(Duration::from_secs(20));
-    assert!(clean, "clean close: {counters:?}");
+    let (clean, counters, state) = d.close_report(Duration::from_secs(20));
+    assert!(clean, "clean close: {state:?} {counters:?}");
     assert_eq!(
         child_report(&a, child),
         (total, 0),
@@ -244,64 +248,88 @@ fn azsdp_with_rewrites(policy: FaultPolicy, seed: u64) {
     drop(store);
 }
 
-/// free() of an in-flight 1 MiB heap buffer: the engine settles the pages
-/// (copies them aside, the receiver being slow) before the memory goes back
-/// to the allocator, which then reuses it; the receiver still gets the bytes
-/// that were sent.
-#[test]
-fn free_of_an_in_flight_heap_buffer() {
-    let len = 1usize << 20;
-    let (a, b) = UnixStream::pair().unwrap();
-    if UffdProtect::new().is_err() {
-        assert!(
-            !nix::unistd::geteuid().is_root(),
-            "root must get a full userfaultfd"
-        );
-        return;
-    }
-    // A slow receiver, so the send is still in flight when the sender frees it.
-    let child = spawn(|| verifying_receiver(&b, Duration::from_millis(200), len + 4096));
-    drop(b);
-    let d = protected_sender(&a, FaultPolicy::Copy, 8).expect("full userfaultfd");
-    let flags = SendFlags {
-        nonblocking: false,
-        protectable: true,
-    };
-    let mut heap: Vec<u8> = (0..len as u64).map(pattern).collect();
-    assert_eq!(d.send(&heap, flags).unwrap(), len as u64);
-    assert!(
-        d.counters().bytes_sent_async > 0,
-        "sent by AZ-SDP: {:?}",
-        d.counters()
-    );
-    // What a free() hook does: settle the range, then let the memory go.
-    let range = heap.as_ptr() as u64..heap.as_ptr() as u64 + len as u64;
-    d.evacuate(range.clone());
-    heap.fill(0xee);
-    drop(heap);
-    d.unmapped(range);
-    // The allocator hands the memory out again; it gets scribbled on.
-    let reused = vec![0x55u8; len];
-    let (clean, c) = d.close(Duration::from_secs(20));
-    drop(reused);
-    assert!(clean, "{c:?}");
-    assert!(
-        c.cow_copies >= 1,
-        "the in-flight pages were copied aside: {c:?}"
-    );
-    assert_eq!(
-        child_report(&a, child),
-        (len as u64, 0),
-        "the receiver got the bytes that were sent"
-    );
-}
-
 #[test]
 fn azsdp_copy_on_write_between_two_processes() {
-    azsdp_with_rewrites(FaultPolicy::Copy, 11);
+    azsdp_with_rewrites(ProtectionMode::Userfaultfd, FaultPolicy::Copy, 11);
 }
 
 #[test]
 fn azsdp_block_on_write_between_two_processes() {
-    azsdp_with_rewrites(FaultPolicy::Block, 12);
+    azsdp_with_rewrites(ProtectionMode::Userfaultfd, FaultPolicy::Block, 12);
+}
+
+#[test]
+fn azsdp_copy_on_write_with_mprotect_between_two_processes() {
+    azsdp_with_rewrites(ProtectionMode::Mprotect, FaultPolicy::Copy, 13);
+}
+
+#[test]
+fn azsdp_block_on_write_with_mprotect_between_two_processes() {
+    azsdp_with_rewrites(ProtectionMode::Mprotect, FaultPolicy::Block, 14);
+}
+
+/// Rewriting every buffer right after sending it: AZ-SDP falls back to
+/// ZSDP on the fault rate, and the counters say so.
+#[test]
+fn the_fault_rate_fallback_shows_in_the_counters() {
+    let total: u64 = 32 << 20;
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
+    let _reaper = Reaper(child);
+    drop(b);
+    let (d, backend) = sender_with(&a, ProtectionMode::Auto, FaultPolicy::Copy, 4);
+    if backend == Backend::None {
+        assert!(!nix::unistd::geteuid().is_root());
+        return;
+    }
+    let mut buf = vec![0u8; (1 << 20) + 4096];
+    let start = buf.as_ptr().align_offset(4096);
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    let mut off = 0u64;
+    while off < total {
+        let chunk = &mut buf[start..start + (1 << 20)];
+        for (k, x) in chunk.iter_mut().enumerate() {
+            *x = pattern(off + k as u64);
+        }
+        off += d.send(chunk, flags).unwrap();
+    }
+    let (clean, c, state) = d.close_report(Duration::from_secs(20));
+    assert!(clean, "{state:?}");
+    assert_eq!(child_report(&a, child), (total, 0));
+    assert_eq!(
+        c.fallback_reason,
+        Some(azsdp::conn::FallbackReason::FaultRate),
+        "{c:?}"
+    );
+    assert!(c.fallbacks >= 1 && c.bytes_sent_sync > 0, "{c:?}");
+}
+
+/// With protection off, zero-copy sends are synchronous and say why.
+#[test]
+fn without_protection_the_counters_say_so() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
+    let _reaper = Reaper(child);
+    drop(b);
+    let (d, backend) = sender_with(&a, ProtectionMode::Off, FaultPolicy::Copy, 8);
+    assert_eq!(backend, Backend::None);
+    let buf: Vec<u8> = (0..4u64 << 20).map(pattern).collect();
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    assert_eq!(d.send(&buf, flags).unwrap(), 4 << 20);
+    let (clean, c, state) = d.close_report(Duration::from_secs(20));
+    assert!(clean, "{state:?}");
+    assert_eq!(child_report(&a, child), (4 << 20, 0));
+    assert_eq!(
+        c.fallback_reason,
+        Some(azsdp::conn::FallbackReason::NoProtection),
+        "{c:?}"
+    );
+    assert_eq!(c.bytes_sent_async, 0, "{c:?}");
+    assert!(c.bytes_sent_sync > 0, "{c:?}");
 }

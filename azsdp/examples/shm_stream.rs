@@ -31,9 +31,9 @@ use azsdp::conn::{
     SendFlags,
 };
 use azsdp::driver::threaded::ThreadedDriver;
-use azsdp::driver::{Driver, NoProtection, Protector, capabilities};
+use azsdp::driver::{Driver, Protector, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
-use azsdp::protect::uffd::{FaultReader, UffdProtect};
+use azsdp::protect::{self, FaultSource, ProtectionMode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -248,14 +248,13 @@ struct Report {
 
 /// Page protection for one side: a full userfaultfd when the mode (and, at
 /// the receiver, `--recv-protect`) asks for it and the host has one.
-fn protection(wanted: bool) -> (Box<dyn Protector + Send>, Option<FaultReader>) {
-    match wanted.then(UffdProtect::new) {
-        Some(Ok(u)) => {
-            let faults = u.faults();
-            (Box::new(u), Some(faults))
-        }
-        _ => (Box::new(NoProtection), None),
-    }
+fn protection(wanted: bool) -> (Box<dyn Protector + Send>, Option<Box<dyn FaultSource>>) {
+    let p = protect::open(if wanted {
+        ProtectionMode::Auto
+    } else {
+        ProtectionMode::Off
+    });
+    (p.protector, p.faults)
 }
 
 fn azsdp_mode(m: Mode) -> bool {

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 use azsdp::conn::FaultPolicy;
 use azsdp::conn::{Capabilities, EngineConfig, LockRegion, RecvFlags, Role};
 use azsdp::driver::threaded::ThreadedDriver;
-use azsdp::driver::{Driver, NoProtection, capabilities};
+use azsdp::driver::{Driver, NoProtection, Protector, capabilities};
 use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
 use azsdp::protect::uffd::UffdProtect;
+use azsdp::protect::{self, Backend, ProtectionMode};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, fork};
 
@@ -160,7 +161,30 @@ pub fn protected_sender(
     let waiter = ep.waiter();
     let mut d = Driver::new(c, ep, uffd);
     d.establish(Duration::from_secs(5)).unwrap();
-    Some(ThreadedDriver::start(d, waiter, Some(faults)))
+    Some(ThreadedDriver::start(d, waiter, Some(Box::new(faults))))
+}
+
+/// The sending side with the protection `mode` gives (whatever this host
+/// has: the caller checks the backend it got).
+pub fn sender_with(
+    sock: &UnixStream,
+    mode: ProtectionMode,
+    policy: FaultPolicy,
+    fallback_faults: u32,
+) -> (
+    ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>,
+    Backend,
+) {
+    let p = protect::open(mode);
+    let ep = ShmEndpoint::offer(sock, ShmParams::default()).unwrap();
+    let caps = capabilities(true, p.protector.as_ref());
+    let mut c = cfg(Role::Client, caps, false, 16 << 10);
+    c.write_fault = policy;
+    c.fallback_faults = fallback_faults;
+    let waiter = ep.waiter();
+    let mut d = Driver::new(c, ep, p.protector);
+    d.establish(Duration::from_secs(5)).unwrap();
+    (ThreadedDriver::start(d, waiter, p.faults), p.backend)
 }
 
 /// Fill `dst` from a pipe: the kernel writes the (maybe protected) pages.

@@ -28,6 +28,7 @@ use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
 use crate::conn::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect, Role};
+use crate::protect::ProtectionMode;
 pub use values::{Cidr, Glob, PortRange, parse_duration, parse_size};
 
 /// Default location of the configuration file.
@@ -54,6 +55,7 @@ pub struct Tunables {
     pub block_escalate: Option<Duration>,
     pub recv_protect: Option<RecvProtect>,
     pub recv_protect_min: Option<u64>,
+    pub protection: Option<ProtectionMode>,
     pub max_outstanding: Option<u16>,
     pub max_avail: Option<u32>,
     pub fallback_faults: Option<u32>,
@@ -78,6 +80,8 @@ pub struct Settings {
     pub block_escalate: Duration,
     pub recv_protect: RecvProtect,
     pub recv_protect_min: u64,
+    /// Which mechanism guards in-flight pages (a driver setting).
+    pub protection: ProtectionMode,
     pub max_outstanding: u16,
     pub max_avail: u32,
     pub fallback_faults: u32,
@@ -112,6 +116,7 @@ impl Default for Settings {
             block_escalate: e.block_escalate,
             recv_protect: e.recv_protect,
             recv_protect_min: e.recv_protect_min,
+            protection: ProtectionMode::Auto,
             max_outstanding: e.max_outstanding,
             max_avail: e.max_avail_len,
             fallback_faults: e.fallback_faults,
@@ -143,6 +148,7 @@ impl Settings {
             block_escalate,
             recv_protect,
             recv_protect_min,
+            protection,
             max_outstanding,
             max_avail,
             fallback_faults,
@@ -267,6 +273,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "block_escalate",
     "recv_protect",
     "recv_protect_min",
+    "protection",
     "max_outstanding",
     "max_avail",
     "fallback_faults",
@@ -391,6 +398,17 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
             )?)
         }
         "recv_protect_min" => t.recv_protect_min = Some(size_in(raw, 0, u64::MAX)?),
+        "protection" => {
+            t.protection = Some(choice(
+                raw,
+                &[
+                    ("auto", ProtectionMode::Auto),
+                    ("userfaultfd", ProtectionMode::Userfaultfd),
+                    ("mprotect", ProtectionMode::Mprotect),
+                    ("off", ProtectionMode::Off),
+                ],
+            )?)
+        }
         "max_outstanding" => t.max_outstanding = Some(count_in(raw, 1, 1024)?),
         "max_avail" => t.max_avail = Some(size_in(raw, 4096, GIB)? as u32),
         "fallback_faults" => t.fallback_faults = Some(count_in(raw, 0, 1 << 20)?),

@@ -162,3 +162,16 @@ fn program_globs_match_the_name_or_the_path() {
     );
     assert_eq!(c.decide(&conn("server", Role::Server, "::1", 1)).rule, None);
 }
+
+#[test]
+fn protection_modes_parse_and_bad_ones_are_named() {
+    use crate::protect::ProtectionMode;
+    let c = Config::parse("protection = \"mprotect\"\n", "t.toml").unwrap();
+    assert_eq!(c.global.protection, ProtectionMode::Mprotect);
+    let e = parse_err("protection = \"sometimes\"\n");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("protection") && msg.contains("mprotect"),
+        "{msg}"
+    );
+}

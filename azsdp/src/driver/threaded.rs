@@ -27,7 +27,7 @@ use super::{Driver, Protector};
 use crate::conn::{Access, CallError, CallId, Counters, RecvFlags, SendFlags, State};
 use crate::fabric::{Fabric, FabricWaiter};
 use crate::process::{self, Inside, Participant};
-use crate::protect::uffd::FaultReader;
+use crate::protect::FaultSource;
 
 /// Longest sleep of any thread between looks (bounds shutdown latency).
 const MAX_NAP: Duration = Duration::from_millis(20);
@@ -167,7 +167,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     pub fn start(
         driver: Driver<F, P>,
         waiter: impl FabricWaiter + 'static,
-        faults: Option<FaultReader>,
+        faults: Option<Box<dyn FaultSource>>,
     ) -> Self {
         let shared = Arc::new(Shared {
             driver: Mutex::new(driver),

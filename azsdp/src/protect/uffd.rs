@@ -69,29 +69,7 @@ struct UffdioPoison {
     updated: i64,
 }
 
-/// Why protection is not available, or failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ProtectError {
-    /// No full userfaultfd: without it a syscall writing a protected page
-    /// would get EFAULT, so nothing may be protected (run as ZSDP).
-    #[error("no full userfaultfd (needs root, CAP_SYS_PTRACE or /dev/userfaultfd access): {0}")]
-    Unavailable(String),
-    #[error("cannot register {range:x?} with userfaultfd: {why}")]
-    Register { range: Range<u64>, why: String },
-    #[error("write-protect ioctl failed on {range:x?}: {why}")]
-    Ioctl { range: Range<u64>, why: String },
-    #[error("cannot arm {range:x?}: {why}")]
-    Arm { range: Range<u64>, why: String },
-}
-
-/// A fault the handler thread read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Fault {
-    pub addr: u64,
-    pub write: bool,
-    /// A write-protect fault (as opposed to a missing page).
-    pub wp: bool,
-}
+pub use super::{Fault, ProtectError};
 
 /// The protection side of a userfaultfd.
 #[derive(Debug)]
@@ -523,6 +501,12 @@ impl FaultReader {
             }),
             _ => None,
         }
+    }
+}
+
+impl super::FaultSource for FaultReader {
+    fn next_timeout(&self, timeout: std::time::Duration) -> Option<Fault> {
+        FaultReader::next_timeout(self, timeout)
     }
 }
 
