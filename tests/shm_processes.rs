@@ -101,14 +101,26 @@ fn stream(zsdp: bool, threshold: u64, total: u64, seed: u64) {
     }
 }
 
+const GIB: u64 = 1 << 30;
+
 #[test]
-fn bsdp_between_two_processes() {
-    stream(false, u64::MAX, 48 << 20, 1);
+fn bsdp_streams_a_gibibyte_between_two_processes() {
+    stream(false, u64::MAX, GIB, 1);
 }
 
 #[test]
-fn zsdp_between_two_processes() {
-    stream(true, 16 << 10, 96 << 20, 2);
+fn zsdp_streams_a_gibibyte_between_two_processes() {
+    stream(true, 16 << 10, GIB, 2);
+}
+
+#[test]
+fn azsdp_copy_on_write_streams_a_gibibyte_with_touches_and_armed_receives() {
+    azsdp_stream(ProtectionMode::Auto, FaultPolicy::Copy, 21, GIB, 3, true);
+}
+
+#[test]
+fn azsdp_block_on_write_streams_a_gibibyte_with_touches() {
+    azsdp_stream(ProtectionMode::Auto, FaultPolicy::Block, 22, GIB, 3, false);
 }
 
 #[test]
@@ -179,9 +191,22 @@ fn peer_killed_mid_transfer_fails_the_survivor() {
 /// CPU rewrites (a syscall would get EFAULT: that backend's trade-off).
 /// Random sizes and alignments. Needs root for userfaultfd (as in CI).
 fn azsdp_with_rewrites(mode: ProtectionMode, policy: FaultPolicy, seed: u64) {
-    let total: u64 = 64 << 20;
+    azsdp_stream(mode, policy, seed, 64 << 20, 1, false);
+}
+
+/// `total` bytes in random sizes at random alignments; one send in
+/// `touch_one_in` is rewritten right after send() returns; with `armed`,
+/// the receiver's receives return before the data lands.
+fn azsdp_stream(
+    mode: ProtectionMode,
+    policy: FaultPolicy,
+    seed: u64,
+    total: u64,
+    touch_one_in: u64,
+    armed: bool,
+) {
     let (a, b) = UnixStream::pair().unwrap();
-    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
+    let child = spawn(|| random_receiver(&b, seed ^ 0x77, armed));
     let _reaper = Reaper(child);
     drop(b);
     // Keep AZ-SDP on, however often we rewrite.
@@ -215,6 +240,10 @@ fn azsdp_with_rewrites(mode: ProtectionMode, policy: FaultPolicy, seed: u64) {
         }
         let n = d.send(&bytes[start..start + len], flags).unwrap();
         assert_eq!(n, len as u64);
+        off += n;
+        if word(i ^ 5) % touch_one_in != 0 {
+            continue;
+        }
         // Rewrite part of what was just sent: must not reach the receiver,
         // and the writer must read back its own bytes.
         let (r0, r1) = (start + len / 3, start + len / 2);
@@ -225,15 +254,18 @@ fn azsdp_with_rewrites(mode: ProtectionMode, policy: FaultPolicy, seed: u64) {
             bytes[r0..r1].copy_from_slice(&junk);
         }
         assert_eq!(&bytes[r0..r1], &junk[..], "the writer sees its own bytes");
-        off += n;
     }
-    let (clean, counters, state) = d.close_report(Duration::from_secs(20));
+    let (clean, counters, state) = d.close_report(Duration::from_secs(60));
     assert!(clean, "clean close: {state:?} {counters:?}");
+    let report = child_report_all(&a, child);
     assert_eq!(
-        child_report(&a, child),
+        (report[0], report[1]),
         (total, 0),
         "no rewrite reached the receiver"
     );
+    if armed {
+        assert!(report[2] > 0, "some receives returned early (armed)");
+    }
     assert!(
         counters.bytes_sent_async > total / 2,
         "mostly AZ-SDP: {counters:?}"
@@ -332,4 +364,132 @@ fn without_protection_the_counters_say_so() {
     );
     assert_eq!(c.bytes_sent_async, 0, "{c:?}");
     assert!(c.bytes_sent_sync > 0, "{c:?}");
+}
+
+/// A buffer of `len` bytes of the given kind of memory (page-aligned).
+fn map(len: usize, flags: libc::c_int, fd: libc::c_int) -> *mut u8 {
+    // SAFETY: a fresh mapping, checked below; unmapped by the caller.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    p.cast()
+}
+
+/// Sends from every kind of memory, each rewritten right after send()
+/// returns: thread stack, heap and private mmap are sent asynchronously
+/// (protected); shared anonymous memory, a memfd and a file mapping are
+/// not protectable (another process could write them unseen, or the kernel
+/// cannot write-protect them) and go synchronously. The receiver gets the
+/// bytes sent in every case.
+#[test]
+fn every_kind_of_buffer_stays_correct() {
+    const LEN: usize = 512 << 10;
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| verifying_receiver(&b, Duration::ZERO, 1 << 20));
+    let _reaper = Reaper(child);
+    drop(b);
+    let (d, backend) = sender_with(&a, ProtectionMode::Auto, FaultPolicy::Copy, 0);
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    let mut off = 0u64;
+    let mut send_rewrite = |buf: &mut [u8]| {
+        for (k, x) in buf.iter_mut().enumerate() {
+            *x = pattern(off + k as u64);
+        }
+        assert_eq!(d.send(buf, flags).unwrap(), buf.len() as u64);
+        buf.fill(0xa5);
+        off += buf.len() as u64;
+        d.counters()
+    };
+    // Thread stack (an anonymous mapping of its own).
+    let before = d.counters().bytes_sent_async;
+    let c = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .stack_size(4 << 20)
+            .spawn_scoped(s, || {
+                let mut on_stack = [0u8; LEN];
+                send_rewrite(&mut on_stack)
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    });
+    let protected = backend != Backend::None;
+    assert_eq!(
+        c.bytes_sent_async > before,
+        protected,
+        "thread stack: {c:?}"
+    );
+    // Heap.
+    let mut heap = vec![0u8; LEN];
+    let before = c.bytes_sent_async;
+    let c = send_rewrite(&mut heap);
+    assert_eq!(c.bytes_sent_async > before, protected, "heap: {c:?}");
+    // Private anonymous mmap, and the shared kinds.
+    let memfd =
+        nix::sys::memfd::memfd_create(c"azsdp-test", nix::sys::memfd::MFdFlags::empty()).unwrap();
+    nix::unistd::ftruncate(&memfd, LEN as i64).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(std::env::temp_dir().join(format!("azsdp-kinds-{}", std::process::id())))
+        .unwrap();
+    file.set_len(LEN as u64).unwrap();
+    use std::os::fd::AsRawFd;
+    let kinds = [
+        (
+            "private mmap",
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            protected,
+        ),
+        (
+            "shared anonymous",
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            false,
+        ),
+        ("memfd", libc::MAP_SHARED, memfd.as_raw_fd(), false),
+        ("file", libc::MAP_SHARED, file.as_raw_fd(), false),
+    ];
+    let mut maps = Vec::new();
+    for (name, flags, fd, async_) in kinds {
+        let p = map(LEN, flags, fd);
+        azsdp::process::after_mmap();
+        // SAFETY: our fresh mapping of LEN bytes, unmapped after close.
+        let buf = unsafe { std::slice::from_raw_parts_mut(p, LEN) };
+        let before = d.counters();
+        let c = send_rewrite(buf);
+        assert_eq!(
+            c.bytes_sent_async > before.bytes_sent_async,
+            async_,
+            "{name}: {c:?}"
+        );
+        if !async_ {
+            assert!(c.bytes_sent_sync > before.bytes_sent_sync, "{name}: {c:?}");
+        }
+        maps.push(p);
+    }
+    let (clean, c, state) = d.close_report(Duration::from_secs(20));
+    assert!(clean, "{state:?} {c:?}");
+    assert_eq!(child_report(&a, child), (off, 0), "every byte as sent");
+    for p in maps {
+        // SAFETY: unmapping our mappings after the connection is done.
+        unsafe { libc::munmap(p.cast(), LEN) };
+    }
+    let _ = std::fs::remove_file(
+        std::env::temp_dir().join(format!("azsdp-kinds-{}", std::process::id())),
+    );
 }

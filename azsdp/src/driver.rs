@@ -265,6 +265,10 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                     self.protector.protect(&protect)
                 };
                 let r = r.and_then(|()| self.fabric.register(addr, len));
+                if r.is_err() {
+                    // Perhaps the memory is not what the map said any more.
+                    crate::memory_map::invalidate();
+                }
                 self.complete(op, Completion::Prepared(r));
             }
             Action::ReleaseSource { key, .. } => self.fabric.deregister(key),
@@ -411,7 +415,8 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
     /// Start a `send()` of `len` bytes at `addr`; its result comes from
     /// [`Driver::take_result`]. The bytes must stay valid and unchanged by
     /// the caller until the result is in.
-    pub fn submit_send(&mut self, addr: u64, len: u64, flags: SendFlags) -> CallId {
+    pub fn submit_send(&mut self, addr: u64, len: u64, mut flags: SendFlags) -> CallId {
+        flags.protectable &= self.protector.can_protect() && self.may_protect(addr, len);
         let call = self.call_id();
         let now = self.now();
         self.conn
@@ -422,13 +427,23 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
 
     /// Start a `recv()` into `len` bytes at `addr` (which must stay valid
     /// and untouched by the caller until the result is in).
-    pub fn submit_recv(&mut self, addr: u64, len: u64, flags: RecvFlags) -> CallId {
+    pub fn submit_recv(&mut self, addr: u64, len: u64, mut flags: RecvFlags) -> CallId {
+        flags.armable &= self.protector.can_arm() && self.may_protect(addr, len);
         let call = self.call_id();
         let now = self.now();
         self.conn
             .recv(now, call, UserBuf { addr, len }, flags, &mut self.mem);
         self.drive();
         call
+    }
+
+    /// May the whole pages of `[addr, addr+len)` be protected or armed?
+    /// Only private anonymous memory (see [`crate::memory_map`]); buffers
+    /// too small to hold a whole page need no answer.
+    fn may_protect(&self, addr: u64, len: u64) -> bool {
+        let page = u64::from(self.conn.config().page_size);
+        let pages = crate::pages::whole_pages(addr, len, page);
+        pages.is_empty() || crate::memory_map::check(&pages).is_ok()
     }
 
     /// The result of a submitted call, once it is done.

@@ -188,7 +188,13 @@ pub fn before_unmap(addr: u64, len: u64) {
 
 /// After a successful `munmap(addr, len)`.
 pub fn after_unmap(addr: u64, len: u64) {
+    crate::memory_map::invalidate();
     forget(addr..addr.saturating_add(len));
+}
+
+/// After a successful `mmap` (or `shmat`): the memory map changed.
+pub fn after_mmap() {
+    crate::memory_map::invalidate();
 }
 
 /// Before `mremap(old, old_len, ..)`: the old range may move or shrink,
@@ -199,6 +205,7 @@ pub fn before_remap(old: u64, old_len: u64) {
 
 /// After a successful `mremap`: the old range is no longer what it was.
 pub fn after_remap(old: u64, old_len: u64) {
+    crate::memory_map::invalidate();
     forget(old..old.saturating_add(old_len));
 }
 

@@ -127,14 +127,19 @@ pub fn verifying_receiver(sock: &UnixStream, delay: Duration, buf_len: usize) ->
 
 /// Read the child's "bytes bad-bytes" report and reap it.
 pub fn child_report(sock: &UnixStream, child: Pid) -> (u64, u64) {
+    let f = child_report_all(sock, child);
+    (f[0], f[1])
+}
+
+/// Every number the child reported.
+pub fn child_report_all(sock: &UnixStream, child: Pid) -> Vec<u64> {
     let mut report = String::new();
     (&*sock).read_to_string(&mut report).unwrap();
     assert_eq!(
-        reap(child, Duration::from_secs(10)),
+        reap(child, Duration::from_secs(30)),
         WaitStatus::Exited(child, 0)
     );
-    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
-    (f[0], f[1])
+    report.split(' ').map(|x| x.parse().unwrap()).collect()
 }
 
 /// The sending side with real page protection, or None without a full
@@ -162,6 +167,55 @@ pub fn protected_sender(
     let mut d = Driver::new(c, ep, uffd);
     d.establish(Duration::from_secs(5)).unwrap();
     Some(ThreadedDriver::start(d, waiter, Some(Box::new(faults))))
+}
+
+/// A receiving child reading random sizes at random offsets of its buffer
+/// and checking every byte against the pattern; with `armed`, receives
+/// return before their data lands (armed pages, userfaultfd) and the check
+/// itself waits for it. Reports "bytes bad-bytes armed-receives".
+pub fn random_receiver(sock: &UnixStream, seed: u64, armed: bool) -> i32 {
+    let p = protect::open(if armed {
+        ProtectionMode::Auto
+    } else {
+        ProtectionMode::Off
+    });
+    let ep = ShmEndpoint::accept(sock, ShmParams::default()).unwrap();
+    let caps = capabilities(ep.can_get().is_none(), p.protector.as_ref());
+    let mut c = cfg(Role::Server, caps, false, 16 << 10);
+    c.recv_protect = azsdp::conn::RecvProtect::On;
+    let waiter = ep.waiter();
+    let mut d = Driver::new(c, ep, p.protector);
+    d.establish(Duration::from_secs(5)).unwrap();
+    let d = ThreadedDriver::start(d, waiter, p.faults);
+    let mut store = vec![0u64; (4 << 20) / 8];
+    // SAFETY: a byte view of our own Vec, which outlives every use.
+    let buf = unsafe { std::slice::from_raw_parts_mut(store.as_mut_ptr().cast::<u8>(), 4 << 20) };
+    let flags = RecvFlags {
+        armable: armed,
+        ..RecvFlags::default()
+    };
+    let (mut off, mut bad, mut i) = (0u64, 0u64, seed);
+    loop {
+        i = word(i);
+        let start = (i % 8192) as usize;
+        let len = 1 + (word(i) % (2 << 20)) as usize;
+        let n = d.recv(&mut buf[start..start + len], flags).unwrap() as usize;
+        if n == 0 {
+            break;
+        }
+        bad += buf[start..start + n]
+            .iter()
+            .enumerate()
+            .filter(|(k, x)| **x != pattern(off + *k as u64))
+            .count() as u64;
+        off += n as u64;
+    }
+    let (_, c) = d.close(Duration::from_secs(10));
+    drop(store);
+    (&*sock)
+        .write_all(format!("{off} {bad} {}", c.armed_recvs).as_bytes())
+        .unwrap();
+    0
 }
 
 /// The sending side with the protection `mode` gives (whatever this host

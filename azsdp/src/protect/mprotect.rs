@@ -149,8 +149,74 @@ extern "C" fn on_segv(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
         unsafe { *libc::__errno_location() = errno };
         return;
     }
+    if code == SEGV_ACCERR && resolved_meanwhile(addr) {
+        // Ours after all: unprotected between the fault and our look.
+        return;
+    }
     chain(sig, info, ctx);
 }
+
+/// A write fault on a page not in the table: was it protected by us and
+/// unprotected between the fault and the lookup (so a retry succeeds)?
+/// Asks the kernel whether the mapping is writable now (`PROCMAP_QUERY`);
+/// without that ioctl, lets the same address retry a few times.
+fn resolved_meanwhile(addr: u64) -> bool {
+    match writable_now(addr) {
+        Some(w) => w,
+        None => {
+            static LAST: AtomicU64 = AtomicU64::new(0);
+            static TRIES: AtomicU32 = AtomicU32::new(0);
+            if LAST.swap(addr, Ordering::AcqRel) == addr {
+                TRIES.fetch_add(1, Ordering::AcqRel) < 3
+            } else {
+                TRIES.store(0, Ordering::Release);
+                true
+            }
+        }
+    }
+}
+
+/// Is the mapping holding `addr` writable? `None` if the kernel cannot
+/// say. Only async-signal-safe calls: open, ioctl, close.
+fn writable_now(addr: u64) -> Option<bool> {
+    #[repr(C)]
+    struct Query {
+        size: u64,
+        query_flags: u64,
+        query_addr: u64,
+        vma_start: u64,
+        vma_end: u64,
+        vma_flags: u64,
+        rest: [u64; 7],
+    }
+    // SAFETY: a NUL-terminated path; the descriptor is closed below.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/maps".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    let mut q = Query {
+        size: std::mem::size_of::<Query>() as u64,
+        query_flags: 0,
+        query_addr: addr,
+        vma_start: 0,
+        vma_end: 0,
+        vma_flags: 0,
+        rest: [0; 7],
+    };
+    // SAFETY: PROCMAP_QUERY reads and writes only `q` (no name buffer).
+    let rc = unsafe { libc::ioctl(fd, PROCMAP_QUERY, &mut q) };
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(fd) };
+    (rc == 0).then_some(q.vma_flags & 0x02 != 0)
+}
+
+/// `_IOWR('f', 17, struct procmap_query)` (104 bytes).
+const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
 
 /// Not ours: hand the signal to whoever had it before, as if we were not here.
 fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
@@ -342,12 +408,14 @@ impl MprotectProtect {
                 libc::PROT_READ | libc::PROT_WRITE,
             )
         };
-        // Out of the table after the pages are writable again; the parts of
-        // a range outside `r` stay protected under new slots.
+        // Out of the table after the pages are writable again. The parts of
+        // a range outside `r` stay read-only: their new slots go in before
+        // the old one goes out, so a write to them always finds its owner.
         let mut keep = Vec::new();
-        self.mine.retain(|(i, have)| {
+        let mut gone = Vec::new();
+        for (i, have) in &self.mine {
             if have.end <= r.start || r.end <= have.start {
-                return true;
+                continue;
             }
             if have.start < r.start {
                 keep.push(have.start..r.start);
@@ -355,14 +423,16 @@ impl MprotectProtect {
             if r.end < have.end {
                 keep.push(r.end..have.end);
             }
-            Self::free_slot(*i);
-            false
-        });
+            gone.push(*i);
+        }
         for k in keep {
-            // A slot was just freed for each piece but at most two pieces
-            // per range: if the table is full the pages stay read-only and
-            // their faults go to the default (loud) path.
+            // With the table full, the piece stays read-only without an
+            // owner: a write there takes the default (loud) path.
             let _ = self.take_slot(k);
+        }
+        self.mine.retain(|(i, _)| !gone.contains(i));
+        for i in gone {
+            Self::free_slot(i);
         }
         bump_and_wake();
     }

@@ -6,11 +6,22 @@
 //! of failing with EFAULT. That is what makes protecting buffers the program
 //! may hand to syscalls safe.
 //!
+//! One userfaultfd serves the whole process (a mapping can be registered
+//! with only one), shared by every connection's [`UffdProtect`]: it keeps
+//! the registrations, a process-wide count of protections per page (two
+//! connections may send the same buffer; the pages stay protected until
+//! both are done), and who holds which pages. A dispatcher thread reads the
+//! faults and hands each to the inbox of every connection holding that
+//! page; a fault on a page nobody holds any more is woken at once. A forked
+//! child gets a userfaultfd of its own when it first protects something.
+//!
 //! Ranges are registered (UFFDIO_REGISTER, write-protect mode) the first time
 //! they are protected and stay registered, so later sends only toggle
-//! protection (UFFDIO_WRITEPROTECT). Pages never touched are protected too:
-//! with `UFFD_FEATURE_WP_UNPOPULATED` by the kernel, otherwise by reading each
-//! page first (which maps the zero page, which write-protection then covers).
+//! protection (UFFDIO_WRITEPROTECT); a registration that vanished with its
+//! memory (glibc's `free` unmaps without telling anyone) is redone. Pages
+//! never touched are protected too: with `UFFD_FEATURE_WP_UNPOPULATED` by the
+//! kernel, otherwise by reading each page first (which maps the zero page,
+//! which write-protection then covers).
 //!
 //! Armed receives (receive-side protection) use MISSING mode and
 //! `UFFDIO_MOVE`: arming moves the destination's pages out into private
@@ -22,8 +33,9 @@
 //! was promised but never came is poisoned (`UFFDIO_POISON`: a later access
 //! gets SIGBUS rather than silently wrong bytes).
 //!
-//! Faults are read by [`FaultReader::next`], meant for a dedicated thread: it
-//! reads one fixed-size message from the descriptor and allocates nothing.
+//! The dispatcher reads one fixed-size message at a time, allocates nothing
+//! (inboxes are bounded, preallocated channels) and touches no application
+//! memory.
 //!
 //! `unsafe` here: pre-touching pages by address, and the raw `UFFDIO_MOVE`
 //! and `UFFDIO_POISON` ioctls (the crate predates them).
@@ -31,7 +43,10 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
 
 use userfaultfd::{Event, FaultKind, FeatureFlags, ReadWrite, RegisterMode, Uffd, UffdBuilder};
 
@@ -71,39 +86,35 @@ struct UffdioPoison {
 
 pub use super::{Fault, ProtectError};
 
-/// The protection side of a userfaultfd.
-#[derive(Debug)]
-pub struct UffdProtect {
-    uffd: Arc<Uffd>,
-    registered: RangeCounter,
+/// The process's userfaultfd and what it knows, shared by every connection.
+struct Process {
+    uffd: Uffd,
+    pid: u32,
     wp_unpopulated: bool,
-    /// `UFFDIO_MOVE` works: armed receives are possible.
     can_move: bool,
     can_poison: bool,
-    page: u64,
-    /// Armed ranges (by start) and the staging pages holding their data.
-    armed: HashMap<u64, Staging>,
-    /// Staging mappings not in use, kept for the next arm.
-    spare: Vec<Staging>,
+    state: Mutex<State>,
 }
 
-/// A private anonymous mapping, registered with the userfaultfd (which
-/// `UFFDIO_MOVE` requires of its destination), that the pages of an armed
-/// range live in while their data is on its way.
-#[derive(Debug)]
-struct Staging {
-    addr: u64,
-    len: u64,
+#[derive(Default)]
+struct State {
+    /// Application memory registered (write-protect mode; armed ranges add
+    /// MISSING mode while armed).
+    registered: RangeCounter,
+    /// Protections per page, over all connections.
+    wp: RangeCounter,
+    /// Who holds which pages: (pages, owner), protected or armed.
+    held: Vec<(Range<u64>, u32)>,
+    /// Each owner's fault inbox.
+    inboxes: HashMap<u32, Sender<Fault>>,
+    next_owner: u32,
 }
 
-/// Most bytes of spare staging kept mapped.
-const SPARE_STAGING: u64 = 64 << 20;
+/// Faults an inbox holds before the dispatcher drops more (a dropped fault
+/// only means the writer waits until the pages are released).
+const INBOX: usize = 256;
 
-/// Reads faults from the same userfaultfd (for a handler thread).
-#[derive(Debug, Clone)]
-pub struct FaultReader {
-    uffd: Arc<Uffd>,
-}
+static PROCESS: Mutex<Option<Arc<Process>>> = Mutex::new(None);
 
 fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
     UffdBuilder::new()
@@ -116,9 +127,27 @@ fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
         .create()
 }
 
-impl UffdProtect {
-    /// Open a full userfaultfd with write-protect support.
-    pub fn new() -> Result<UffdProtect, ProtectError> {
+impl Process {
+    /// This process's userfaultfd (a forked child makes its own).
+    fn get() -> Result<Arc<Process>, ProtectError> {
+        let mut p = PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        let pid = std::process::id();
+        if let Some(have) = p.as_ref()
+            && have.pid == pid
+        {
+            return Ok(Arc::clone(have));
+        }
+        let fresh = Arc::new(Process::open(pid)?);
+        let d = Arc::clone(&fresh);
+        std::thread::Builder::new()
+            .name("azsdp-uffd".into())
+            .spawn(move || d.dispatch())
+            .map_err(|e| ProtectError::Unavailable(format!("fault thread: {e}")))?;
+        *p = Some(Arc::clone(&fresh));
+        Ok(fresh)
+    }
+
+    fn open(pid: u32) -> Result<Process, ProtectError> {
         // The richest feature set this kernel grants (UFFDIO_API fails on
         // any feature it lacks).
         let wp = FEATURE_WP;
@@ -129,63 +158,92 @@ impl UffdProtect {
             wp,
         ];
         let mut last = None;
-        let mut got = None;
         for f in attempts {
             match build(FeatureFlags::from_bits_retain(f)) {
-                Ok(u) => {
-                    got = Some((u, f));
-                    break;
+                Ok(uffd) => {
+                    return Ok(Process {
+                        uffd,
+                        pid,
+                        wp_unpopulated: f & FEATURE_WP_UNPOPULATED != 0,
+                        can_move: f & FEATURE_MOVE != 0,
+                        can_poison: f & FEATURE_POISON != 0,
+                        state: Mutex::new(State::default()),
+                    });
                 }
                 Err(e) => last = Some(e),
             }
         }
-        let Some((uffd, features)) = got else {
-            return Err(ProtectError::Unavailable(
-                last.map_or_else(String::new, |e| e.to_string()),
-            ));
-        };
-        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-            .ok()
-            .flatten()
-            .map_or(4096, |v| v as u64);
-        Ok(UffdProtect {
-            uffd: Arc::new(uffd),
-            registered: RangeCounter::new(),
-            wp_unpopulated: features & FEATURE_WP_UNPOPULATED != 0,
-            can_move: features & FEATURE_MOVE != 0,
-            can_poison: features & FEATURE_POISON != 0,
-            page,
-            armed: HashMap::new(),
-            spare: Vec::new(),
-        })
+        Err(ProtectError::Unavailable(
+            last.map_or_else(String::new, |e| e.to_string()),
+        ))
     }
 
-    /// Does the kernel protect never-touched pages itself?
-    pub fn wp_unpopulated(&self) -> bool {
-        self.wp_unpopulated
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Can receives be armed (needs `UFFDIO_MOVE`)?
-    pub fn can_arm(&self) -> bool {
-        self.can_move
-    }
-
-    pub fn page_size(&self) -> u64 {
-        self.page
-    }
-
-    /// A reader for the fault-handler thread.
-    pub fn faults(&self) -> FaultReader {
-        FaultReader {
-            uffd: Arc::clone(&self.uffd),
+    /// The dispatcher: read faults, hand each to whoever holds its page.
+    fn dispatch(&self) {
+        loop {
+            let mut p = libc::pollfd {
+                fd: self.uffd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let n = unsafe { libc::poll(&mut p, 1, 1000) };
+            if n <= 0 {
+                if std::process::id() != self.pid {
+                    return;
+                }
+                continue;
+            }
+            let Ok(Some(Event::Pagefault { kind, rw, addr, .. })) = self.uffd.read_event() else {
+                continue;
+            };
+            let f = Fault {
+                addr: addr as u64,
+                write: rw == ReadWrite::Write,
+                wp: matches!(kind, FaultKind::WriteProtected),
+            };
+            let page = f.addr & !4095;
+            let st = self.lock();
+            let mut told = false;
+            for (r, owner) in &st.held {
+                if r.start <= f.addr
+                    && f.addr < r.end
+                    && let Some(tx) = st.inboxes.get(owner)
+                {
+                    told |= tx.try_send(f).is_ok();
+                }
+            }
+            drop(st);
+            if !told {
+                // Nobody holds it (any more): let the thread retry. A
+                // missing page nobody armed reads as zeros, as it would
+                // have without us.
+                if !f.wp {
+                    // SAFETY: fills a hole in a registered range with the
+                    // zero page and wakes its waiters.
+                    let _ = unsafe { self.uffd.zeropage(page as *mut _, 4096, true) };
+                }
+                let _ = self.uffd.wake(page as *mut _, 4096);
+            }
         }
     }
 
+    fn register_mode(&self, r: &Range<u64>, mode: RegisterMode) -> Result<(), String> {
+        self.uffd
+            .register_with_mode(r.start as *mut _, (r.end - r.start) as usize, mode)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
     /// Register the parts of `r` not registered yet (write-protect mode).
-    fn ensure_registered(&mut self, r: &Range<u64>) -> Result<(), ProtectError> {
+    fn ensure_registered(&self, st: &mut State, r: &Range<u64>) -> Result<(), ProtectError> {
         let mut gaps = Vec::new();
         let mut cur = r.start;
-        for done in self.registered.intersect(r) {
+        for done in st.registered.intersect(r) {
             if done.start > cur {
                 gaps.push(cur..done.start);
             }
@@ -195,62 +253,222 @@ impl UffdProtect {
             gaps.push(cur..r.end);
         }
         for fresh in gaps {
-            let len = (fresh.end - fresh.start) as usize;
-            self.uffd
-                .register_with_mode(fresh.start as *mut _, len, RegisterMode::WRITE_PROTECT)
-                .map_err(|e| ProtectError::Register {
+            self.register_mode(&fresh, RegisterMode::WRITE_PROTECT)
+                .map_err(|why| ProtectError::Register {
                     range: fresh.clone(),
-                    why: e.to_string(),
+                    why,
                 })?;
-            self.registered.add(fresh);
+            st.registered.add(fresh);
         }
         Ok(())
+    }
+
+    /// Forget registrations in `r` that nobody protects or arms.
+    fn forget_registration(&self, st: &mut State, r: &Range<u64>) {
+        for part in st.registered.intersect(r) {
+            if st.wp.overlaps(&part)
+                || st
+                    .held
+                    .iter()
+                    .any(|(h, _)| crate::pages::overlaps(h, &part))
+            {
+                continue;
+            }
+            let _ = self
+                .uffd
+                .unregister(part.start as *mut _, (part.end - part.start) as usize);
+            let _ = st.registered.remove(part);
+        }
+    }
+
+    fn write_protect(&self, r: &Range<u64>) -> Result<(), String> {
+        if !self.wp_unpopulated {
+            let mut a = r.start;
+            while a < r.end {
+                // SAFETY: the range is registered, so it is mapped; a read
+                // maps the zero page into a never-touched page (which
+                // write-protection then covers) and changes nothing else.
+                unsafe { std::ptr::read_volatile(a as *const u8) };
+                a += 4096;
+            }
+        }
+        self.uffd
+            .write_protect(r.start as *mut _, (r.end - r.start) as usize)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// One connection's page protection, on the process's userfaultfd.
+pub struct UffdProtect {
+    proc: Arc<Process>,
+    owner: u32,
+    inbox: Receiver<Fault>,
+    page: u64,
+    /// Armed ranges (by start) and the staging pages holding their data.
+    armed: HashMap<u64, Staging>,
+    /// Staging mappings not in use, kept for the next arm.
+    spare: Vec<Staging>,
+}
+
+impl std::fmt::Debug for UffdProtect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UffdProtect")
+            .field("owner", &self.owner)
+            .field("armed", &self.armed.len())
+            .finish()
+    }
+}
+
+/// A private anonymous mapping, registered with the userfaultfd (which
+/// `UFFDIO_MOVE` requires of its destination), that the pages of an armed
+/// range live in while their data is on its way.
+#[derive(Debug)]
+struct Staging {
+    addr: u64,
+    len: u64,
+}
+
+/// Most bytes of spare staging kept mapped, per connection.
+const SPARE_STAGING: u64 = 64 << 20;
+
+/// One connection's faults (for its fault thread).
+#[derive(Debug, Clone)]
+pub struct FaultReader {
+    inbox: Receiver<Fault>,
+}
+
+impl UffdProtect {
+    /// Page protection on the process's full userfaultfd.
+    pub fn new() -> Result<UffdProtect, ProtectError> {
+        let proc = Process::get()?;
+        let (tx, inbox) = crossbeam_channel::bounded(INBOX);
+        let owner = {
+            let mut st = proc.lock();
+            st.next_owner += 1;
+            let owner = st.next_owner;
+            st.inboxes.insert(owner, tx);
+            owner
+        };
+        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .map_or(4096, |v| v as u64);
+        Ok(UffdProtect {
+            proc,
+            owner,
+            inbox,
+            page,
+            armed: HashMap::new(),
+            spare: Vec::new(),
+        })
+    }
+
+    /// Does the kernel protect never-touched pages itself?
+    pub fn wp_unpopulated(&self) -> bool {
+        self.proc.wp_unpopulated
+    }
+
+    /// Can receives be armed (needs `UFFDIO_MOVE`)?
+    pub fn can_arm(&self) -> bool {
+        self.proc.can_move
+    }
+
+    /// Can lost data be poisoned (`UFFDIO_POISON`)?
+    pub fn can_poison(&self) -> bool {
+        self.proc.can_poison
+    }
+
+    pub fn page_size(&self) -> u64 {
+        self.page
+    }
+
+    /// This connection's faults, for its fault thread.
+    pub fn faults(&self) -> FaultReader {
+        FaultReader {
+            inbox: self.inbox.clone(),
+        }
+    }
+
+    fn hold(&self, st: &mut State, r: Range<u64>) {
+        st.held.push((r, self.owner));
+    }
+
+    /// Drop this owner's hold on `r` (splitting holds that extend past it).
+    fn release(&self, st: &mut State, r: &Range<u64>) {
+        let mut keep = Vec::new();
+        st.held.retain(|(h, o)| {
+            if *o != self.owner || !crate::pages::overlaps(h, r) {
+                return true;
+            }
+            if h.start < r.start {
+                keep.push((h.start..r.start, *o));
+            }
+            if r.end < h.end {
+                keep.push((r.end..h.end, *o));
+            }
+            false
+        });
+        st.held.extend(keep);
     }
 
     /// Write-protect whole pages `r`, registering them first if needed.
     pub fn protect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
         debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
-        self.ensure_registered(&r)?;
-        if !self.wp_unpopulated {
-            let mut a = r.start;
-            while a < r.end {
-                // SAFETY: the range was just registered, so it is mapped; a
-                // read maps the zero page into a never-touched page (which
-                // write-protection then covers) and changes nothing else.
-                unsafe { std::ptr::read_volatile(a as *const u8) };
-                a += self.page;
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        proc.ensure_registered(&mut st, &r)?;
+        let fresh = st.wp.add(r.clone());
+        for (i, f) in fresh.iter().enumerate() {
+            let mut done = proc.write_protect(f);
+            if done.is_err() {
+                // The registration may have gone with memory unmapped
+                // behind our back: redo it once.
+                let _ = st.registered.remove(f.clone());
+                done = proc
+                    .ensure_registered(&mut st, f)
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| proc.write_protect(f));
+            }
+            if let Err(why) = done {
+                for undo in &fresh[..i] {
+                    let _ = proc.uffd.remove_write_protection(
+                        undo.start as *mut _,
+                        (undo.end - undo.start) as usize,
+                        true,
+                    );
+                }
+                let _ = st.wp.remove(r.clone());
+                return Err(ProtectError::Ioctl { range: r, why });
             }
         }
-        self.uffd
-            .write_protect(r.start as *mut _, (r.end - r.start) as usize)
-            .map_err(|e| ProtectError::Ioctl {
-                range: r,
-                why: e.to_string(),
-            })
+        self.hold(&mut st, r);
+        Ok(())
     }
 
-    /// Lift write protection and wake whoever waits on those pages.
+    /// Lift this connection's protection of `r`; the pages become writable
+    /// (and their writers are woken) when no connection protects them.
     pub fn unprotect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
-        self.uffd
-            .remove_write_protection(r.start as *mut _, (r.end - r.start) as usize, true)
-            .map_err(|e| ProtectError::Ioctl {
-                range: r,
-                why: e.to_string(),
-            })
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        self.release(&mut st, &r);
+        let free = st.wp.remove(r.clone()).unwrap_or_else(|partial| partial);
+        for f in free {
+            proc.uffd
+                .remove_write_protection(f.start as *mut _, (f.end - f.start) as usize, true)
+                .map_err(|e| ProtectError::Ioctl {
+                    range: f.clone(),
+                    why: e.to_string(),
+                })?;
+        }
+        Ok(())
     }
 
     /// Wake threads waiting on `r` (a fault that turned out to need nothing).
     pub fn wake(&self, r: Range<u64>) {
         let _ = self
+            .proc
             .uffd
             .wake(r.start as *mut _, (r.end - r.start) as usize);
-    }
-
-    fn register_mode(&self, r: &Range<u64>, mode: RegisterMode) -> Result<(), String> {
-        self.uffd
-            .register_with_mode(r.start as *mut _, (r.end - r.start) as usize, mode)
-            .map(|_| ())
-            .map_err(|e| e.to_string())
     }
 
     /// `UFFDIO_MOVE` of `len` bytes from `src` to `dst` (both private
@@ -267,7 +485,7 @@ impl UffdProtect {
             };
             // SAFETY: the ioctl reads and writes only `m`; the kernel checks
             // both ranges (same mm, anonymous, registered destination).
-            let rc = unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_MOVE, &mut m) };
+            let rc = unsafe { libc::ioctl(self.proc.uffd.as_raw_fd(), UFFDIO_MOVE, &mut m) };
             if m.moved > 0 {
                 done += m.moved as u64;
             }
@@ -309,7 +527,10 @@ impl UffdProtect {
         };
         // Registered (write-protect mode: nothing there ever faults to us)
         // because UFFDIO_MOVE only moves into registered ranges.
-        if let Err(e) = self.register_mode(&(s.addr..s.addr + len), RegisterMode::WRITE_PROTECT) {
+        if let Err(e) = self
+            .proc
+            .register_mode(&(s.addr..s.addr + len), RegisterMode::WRITE_PROTECT)
+        {
             unmap_staging(&s);
             return Err(format!("staging register: {e}"));
         }
@@ -334,19 +555,32 @@ impl UffdProtect {
             range: r.clone(),
             why,
         };
-        if !self.can_move {
+        if !self.proc.can_move {
             return Err(fail("the kernel has no UFFDIO_MOVE".into()));
         }
         let len = r.end - r.start;
         let stage = self.take_staging(len).map_err(fail)?;
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        if st.wp.overlaps(&r) {
+            drop(st);
+            self.give_back_staging(stage);
+            return Err(fail("pages are write-protected for a send".into()));
+        }
         // MISSING mode on top of write-protect: an access to a page that
         // has moved out now faults to us, by the program or by the kernel.
-        if let Err(e) = self.register_mode(&r, RegisterMode::MISSING | RegisterMode::WRITE_PROTECT)
+        if let Err(e) = proc.register_mode(&r, RegisterMode::MISSING | RegisterMode::WRITE_PROTECT)
         {
+            drop(st);
             self.give_back_staging(stage);
             return Err(fail(e));
         }
-        self.registered.add(r.clone());
+        if st.registered.intersect(&r) != vec![r.clone()] {
+            let _ = st.registered.remove(r.clone());
+            st.registered.add(r.clone());
+        }
+        self.hold(&mut st, r.clone());
+        drop(st);
         // Holes (never-touched pages) stay holes in staging.
         let moved = self.move_pages(
             stage.addr,
@@ -357,7 +591,10 @@ impl UffdProtect {
         if let Err(e) = moved {
             // Whatever moved goes back; the receive runs synchronously.
             let _ = self.move_pages(r.start, stage.addr, len, UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES);
-            let _ = self.register_mode(&r, RegisterMode::WRITE_PROTECT);
+            let _ = self.proc.register_mode(&r, RegisterMode::WRITE_PROTECT);
+            let mut st = proc.lock();
+            self.release(&mut st, &r);
+            drop(st);
             self.give_back_staging(stage);
             return Err(fail(e));
         }
@@ -416,18 +653,27 @@ impl UffdProtect {
                 };
                 // SAFETY: the ioctl reads and writes only `p`; it fills
                 // holes in our own registered range.
-                let poisoned = self.can_poison
-                    && unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_POISON, &mut p) } == 0;
+                let poisoned = self.proc.can_poison
+                    && unsafe { libc::ioctl(self.proc.uffd.as_raw_fd(), UFFDIO_POISON, &mut p) }
+                        == 0;
                 if !poisoned {
                     // SAFETY: maps the zero page into holes of our own
                     // registered range (and wakes their waiters).
-                    let _ = unsafe { self.uffd.zeropage(r.start as *mut _, len as usize, true) };
+                    let _ = unsafe {
+                        self.proc
+                            .uffd
+                            .zeropage(r.start as *mut _, len as usize, true)
+                    };
                 }
             }
         }
         // Back to write-protect mode only: no later fault on these pages
         // is ours. Staging pages that still hold data are discarded.
-        let _ = self.register_mode(&r, RegisterMode::WRITE_PROTECT);
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        let _ = proc.register_mode(&r, RegisterMode::WRITE_PROTECT);
+        self.release(&mut st, &r);
+        drop(st);
         self.wake(r);
         // SAFETY: staging is our own private mapping; dropping its pages
         // (moved-back holes or leftovers) is what we want before reuse.
@@ -437,12 +683,9 @@ impl UffdProtect {
 
     /// Forget registrations in `r` (its memory is being unmapped).
     pub fn forget(&mut self, r: Range<u64>) {
-        for part in self.registered.intersect(&r) {
-            let _ = self
-                .uffd
-                .unregister(part.start as *mut _, (part.end - part.start) as usize);
-            let _ = self.registered.remove(part);
-        }
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        proc.forget_registration(&mut st, &r);
     }
 }
 
@@ -453,6 +696,28 @@ fn unmap_staging(s: &Staging) {
 
 impl Drop for UffdProtect {
     fn drop(&mut self) {
+        let proc = Arc::clone(&self.proc);
+        if proc.pid != std::process::id() {
+            // A forked child's copy: the userfaultfd is the parent's.
+            return;
+        }
+        let mut st = proc.lock();
+        st.inboxes.remove(&self.owner);
+        // Whatever this connection still holds is released.
+        let mine: Vec<Range<u64>> = st
+            .held
+            .iter()
+            .filter(|(_, o)| *o == self.owner)
+            .map(|(r, _)| r.clone())
+            .collect();
+        drop(st);
+        for r in mine {
+            if self.armed.contains_key(&r.start) {
+                self.disarm(r, crate::conn::DisarmOutcome::Abandoned);
+            } else {
+                let _ = self.unprotect(r);
+            }
+        }
         for (_, s) in self.armed.drain() {
             unmap_staging(&s);
         }
@@ -463,49 +728,19 @@ impl Drop for UffdProtect {
 }
 
 impl FaultReader {
-    /// The next fault, waiting at most `timeout`; `None` if none came (or an
-    /// event other than a page fault did).
-    pub fn next_timeout(&self, timeout: std::time::Duration) -> Option<Fault> {
-        use std::os::fd::AsRawFd;
-        let mut p = libc::pollfd {
-            fd: self.uffd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n <= 0 {
-            return None;
-        }
-        self.read_one()
+    /// The next fault on this connection's pages, waiting at most `timeout`.
+    pub fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
+        self.inbox.recv_timeout(timeout).ok()
     }
 
-    /// Wait for the next page fault, however long it takes (events other
-    /// than page faults are skipped).
+    /// Wait for the next fault, however long it takes.
     pub fn next(&self) -> Option<Fault> {
-        loop {
-            if let Some(f) = self.next_timeout(std::time::Duration::from_secs(3600)) {
-                return Some(f);
-            }
-        }
-    }
-
-    /// Read one pending fault without waiting.
-    fn read_one(&self) -> Option<Fault> {
-        match self.uffd.read_event() {
-            Ok(Some(Event::Pagefault { kind, rw, addr, .. })) => Some(Fault {
-                addr: addr as u64,
-                write: rw == ReadWrite::Write,
-                wp: matches!(kind, FaultKind::WriteProtected),
-            }),
-            _ => None,
-        }
+        self.inbox.recv().ok()
     }
 }
 
 impl super::FaultSource for FaultReader {
-    fn next_timeout(&self, timeout: std::time::Duration) -> Option<Fault> {
+    fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
         FaultReader::next_timeout(self, timeout)
     }
 }
@@ -521,7 +756,7 @@ impl crate::driver::Protector for UffdProtect {
                 // All or nothing: the engine assumes a failed prepare left
                 // nothing protected.
                 for done in &ranges[..i] {
-                    let _ = self.unprotect(done.clone());
+                    let _ = UffdProtect::unprotect(self, done.clone());
                 }
                 return Err(crate::conn::OpError::Local);
             }
@@ -534,7 +769,7 @@ impl crate::driver::Protector for UffdProtect {
     }
 
     fn can_arm(&self) -> bool {
-        self.can_move
+        self.proc.can_move
     }
 
     fn arm(&mut self, range: Range<u64>) -> Result<(), crate::conn::OpError> {

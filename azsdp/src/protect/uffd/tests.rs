@@ -179,7 +179,12 @@ fn file_backed_memory_cannot_be_registered() {
     };
     assert_ne!(ptr, libc::MAP_FAILED);
     let r = ptr as u64..ptr as u64 + 8192;
-    assert!(matches!(u.protect(r), Err(ProtectError::Register { .. })));
+    // Refused at registration (or, if an earlier test left the address
+    // registered, when the stale registration is redone).
+    assert!(matches!(
+        u.protect(r),
+        Err(ProtectError::Register { .. } | ProtectError::Ioctl { .. })
+    ));
     // SAFETY: unmapping what we mapped.
     unsafe { libc::munmap(ptr, 8192) };
 }
@@ -319,7 +324,7 @@ fn an_abandoned_arm_gives_the_old_bytes_back() {
 #[test]
 fn lost_data_is_poisoned_not_silently_wrong() {
     let Some(mut u) = uffd() else { return };
-    if !u.can_arm() || !u.can_poison {
+    if !u.can_arm() || !u.can_poison() {
         return;
     }
     let p = Pages::new(2, true);
