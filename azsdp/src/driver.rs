@@ -441,8 +441,12 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
     /// Only private anonymous memory (see [`crate::memory_map`]); buffers
     /// too small to hold a whole page need no answer.
     fn may_protect(&self, addr: u64, len: u64) -> bool {
-        let page = u64::from(self.conn.config().page_size);
-        let pages = crate::pages::whole_pages(addr, len, page);
+        let cfg = self.conn.config();
+        if len < cfg.zcopy_threshold {
+            // Copied (BSDP) whatever the answer: don't ask.
+            return true;
+        }
+        let pages = crate::pages::whole_pages(addr, len, u64::from(cfg.page_size));
         pages.is_empty() || crate::memory_map::check(&pages).is_ok()
     }
 

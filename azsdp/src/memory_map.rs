@@ -323,6 +323,19 @@ pub fn check(range: &Range<u64>) -> Result<(), NotProtectable> {
     Ok(())
 }
 
+/// The mapping holding `addr`, as the kernel sees it now (or as the
+/// parsed map last did, on kernels without `PROCMAP_QUERY`).
+pub fn mapping_of(addr: u64) -> Option<Vma> {
+    match query(addr) {
+        Ok(v) => v,
+        Err(()) => {
+            let m = current();
+            m.covering(&(addr..addr + 1))
+                .and_then(|v| v.first().cloned())
+        }
+    }
+}
+
 /// [`check`] from the parsed map (kernels without `PROCMAP_QUERY`);
 /// rereads it once if it does not know the range.
 fn check_cached(range: &Range<u64>) -> Result<(), NotProtectable> {

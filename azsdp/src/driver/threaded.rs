@@ -197,7 +197,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                                 continue;
                             };
                             let access = if f.write { Access::Write } else { Access::Read };
-                            s.lock().submit_fault(f.addr, access);
+                            let mut d = s.lock();
+                            // Completions already in the ring may have
+                            // settled the page: deliver them first.
+                            s.turn_all(&mut d, 0);
+                            d.submit_fault(f.addr, access);
+                            drop(d);
                             if s.in_calls.load(Ordering::SeqCst) > 0 {
                                 s.waiter.kick();
                             }
@@ -319,16 +324,19 @@ fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
         } else {
             Some(s.lock())
         };
-        let nap = match guard {
+        match guard {
             Some(mut d) => {
                 if s.turn_all(&mut d, 0) > 0 {
                     continue;
                 }
-                d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP)
+                let nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
+                drop(d);
+                s.waiter.wait(ticket, nap, false);
             }
-            None => MAX_NAP,
-        };
-        s.waiter.wait(ticket, nap, false);
+            // A caller holds the lock and reads the ring itself: sleep until
+            // something new arrives, not while what it is reading is there.
+            None => s.waiter.sleep(ticket, MAX_NAP),
+        }
     }
 }
 

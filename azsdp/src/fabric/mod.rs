@@ -64,6 +64,10 @@ pub trait FabricWaiter: Send + Sync {
     /// busy-poll for the provider's polling time first (for callers that
     /// want latency; background threads should not burn a core).
     fn wait(&self, ticket: u32, timeout: std::time::Duration, spin: bool);
+    /// Sleep until a message is published or a kick made after `ticket`,
+    /// or `timeout` passes, even if unread messages are waiting (another
+    /// thread is reading them).
+    fn sleep(&self, ticket: u32, timeout: std::time::Duration);
     /// Wake this process's threads sleeping in [`FabricWaiter::wait`]: a
     /// thread turned the engine for them (e.g. finished their call).
     fn kick(&self);

@@ -754,6 +754,17 @@ impl super::FabricWaiter for ShmWaiter {
         wait_ring(&self.rx, &self.seg, self.peer, poll, timeout, ticket);
     }
 
+    fn sleep(&self, ticket: u32, timeout: Duration) {
+        let (published, sleeping) = self.rx.wait_words();
+        sleeping.fetch_add(1, Ordering::SeqCst);
+        if published.load(Ordering::Acquire) == ticket
+            && self.seg.hdr().closed[self.peer].load(Ordering::Acquire) == 0
+        {
+            futex_wait(published, ticket, timeout);
+        }
+        sleeping.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// Bump the incoming ring's futex word (it only counts wake-ups: the
     /// peer adds one per message, we add one per kick) and wake its
     /// sleepers, who are all of this process.

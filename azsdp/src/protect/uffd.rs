@@ -414,9 +414,12 @@ impl UffdProtect {
     /// Write-protect whole pages `r`, registering them first if needed.
     pub fn protect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
         debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
+        let extent = registration_extent(&r);
         let proc = Arc::clone(&self.proc);
         let mut st = proc.lock();
-        proc.ensure_registered(&mut st, &r)?;
+        if proc.ensure_registered(&mut st, &extent).is_err() {
+            proc.ensure_registered(&mut st, &r)?;
+        }
         let fresh = st.wp.add(r.clone());
         for (i, f) in fresh.iter().enumerate() {
             let mut done = proc.write_protect(f);
@@ -686,6 +689,23 @@ impl UffdProtect {
         let proc = Arc::clone(&self.proc);
         let mut st = proc.lock();
         proc.forget_registration(&mut st, &r);
+    }
+}
+
+/// What to register for protecting `r`: the whole private anonymous
+/// mapping holding it, so that later sends from anywhere in it only toggle
+/// protection (and the mapping is not split into a piece per send). Just
+/// `r` when it spans mappings or the mapping is of another kind.
+fn registration_extent(r: &Range<u64>) -> Range<u64> {
+    match crate::memory_map::mapping_of(r.start) {
+        Some(v)
+            if v.kind == crate::memory_map::Kind::Private
+                && v.range.start <= r.start
+                && r.end <= v.range.end =>
+        {
+            v.range
+        }
+        _ => r.clone(),
     }
 }
 

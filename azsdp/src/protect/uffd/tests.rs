@@ -352,3 +352,26 @@ fn lost_data_is_poisoned_not_silently_wrong() {
         }
     }
 }
+
+#[test]
+fn registration_takes_the_whole_mapping_once() {
+    let Some(mut u) = uffd() else { return };
+    let p = Pages::new(16, true);
+    let r = p.range();
+    let vmas = || {
+        crate::memory_map::MemoryMap::read()
+            .unwrap()
+            .covering(&r)
+            .map_or(0, <[_]>::len)
+    };
+    assert_eq!(vmas(), 1);
+    // Two sends from different parts of the mapping: registering only
+    // their pages would split it into five.
+    u.protect(r.start + 3 * 4096..r.start + 4 * 4096).unwrap();
+    u.protect(r.start + 9 * 4096..r.start + 11 * 4096).unwrap();
+    assert_eq!(vmas(), 1, "one registration for the whole mapping");
+    u.unprotect(r.start + 3 * 4096..r.start + 4 * 4096).unwrap();
+    u.unprotect(r.start + 9 * 4096..r.start + 11 * 4096)
+        .unwrap();
+    u.forget(r);
+}
