@@ -168,6 +168,10 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
     /// Start a connection (the client side posts HELLO at once).
     pub fn new(mut cfg: EngineConfig, fabric: F, protector: P) -> Self {
         cfg.lock_region = fabric.lock_region();
+        if cfg.recv_protect == crate::conn::RecvProtect::Auto && !fabric.gets_async() {
+            // Synchronous GETs land before recv() can return: never arm.
+            cfg.recv_protect = crate::conn::RecvProtect::Off;
+        }
         let epoch = Instant::now();
         Driver {
             conn: Connection::new(cfg, Timestamp::ZERO),

@@ -110,4 +110,10 @@ pub trait Fabric {
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
     /// Block until something may be ready to poll, or `timeout` passes.
     fn wait(&self, timeout: std::time::Duration);
+    /// Do GETs move data while the posting thread goes on (as a NIC's DMA
+    /// does)? If not, an armed receive has landed before `recv()` could
+    /// return, and arming is pure cost: `recv_protect = "auto"` stays off.
+    fn gets_async(&self) -> bool {
+        false
+    }
 }

@@ -538,6 +538,11 @@ impl Fabric for SimEndpoint<'_> {
     /// Simulated time only moves in `SimFabric::advance`: nothing to wait for.
     fn wait(&self, _timeout: Duration) {}
 
+    /// Simulated GETs move their bytes at random instants after posting.
+    fn gets_async(&self) -> bool {
+        true
+    }
+
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
         let mut n = 0;
         while let Some(r) = self.fab.sides[self.side].ready.pop_front() {
