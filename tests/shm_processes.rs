@@ -4,7 +4,6 @@
 //! with `_exit`. Every wait is bounded: a child that does not finish is killed
 //! and the test fails instead of hanging.
 
-use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -20,37 +19,8 @@ use common::*;
 
 fn stream(zsdp: bool, threshold: u64, total: u64, seed: u64) {
     let (a, b) = UnixStream::pair().unwrap();
-    let child = spawn(|| {
-        let ep = ShmEndpoint::accept(&b, ShmParams::default()).unwrap();
-        let caps = capabilities(ep.can_get().is_none(), &NoProtection);
-        let mut d = Driver::new(cfg(Role::Server, caps, zsdp, threshold), ep, NoProtection);
-        d.establish(Duration::from_secs(5)).unwrap();
-        let mut buf = vec![0u8; 3 << 20];
-        let (mut off, mut bad, mut i) = (0u64, 0u64, seed);
-        loop {
-            // Random receive sizes and alignments.
-            i = word(i);
-            let start = (i % 4096) as usize;
-            let len = 1 + (word(i) % (2 << 20)) as usize;
-            let n = d
-                .recv(&mut buf[start..start + len], RecvFlags::default())
-                .unwrap() as usize;
-            if n == 0 {
-                break;
-            }
-            bad += buf[start..start + n]
-                .iter()
-                .enumerate()
-                .filter(|(k, x)| **x != pattern(off + *k as u64))
-                .count() as u64;
-            off += n as u64;
-        }
-        d.close(Duration::from_secs(5));
-        let gets = d.connection().counters().gets;
-        (&b).write_all(format!("{off} {bad} {gets}").as_bytes())
-            .unwrap();
-        0
-    });
+    let child = spawn(|| random_receiver(&b, seed, false));
+    let _reaper = Reaper(child);
     drop(b);
     let ep = ShmEndpoint::offer(&a, ShmParams::default()).unwrap();
     assert_eq!(ep.can_get(), None, "same user: GET allowed");
@@ -77,13 +47,8 @@ fn stream(zsdp: bool, threshold: u64, total: u64, seed: u64) {
         off += n;
     }
     assert!(d.close(Duration::from_secs(10)), "clean close");
-    let mut report = String::new();
-    (&a).read_to_string(&mut report).unwrap();
-    assert_eq!(
-        reap(child, Duration::from_secs(10)),
-        WaitStatus::Exited(child, 0)
-    );
-    let f: Vec<u64> = report.split(' ').map(|x| x.parse().unwrap()).collect();
+    let r = child_report_all(&a, child);
+    let f = [r[0], r[1], r[3]];
     assert_eq!(
         (f[0], f[1]),
         (total, 0),

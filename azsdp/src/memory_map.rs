@@ -114,27 +114,27 @@ fn kind_of(shared: bool, inode: u64, path: &str) -> Kind {
 /// `struct procmap_query` (include/uapi/linux/fs.h).
 #[repr(C)]
 #[derive(Default)]
-struct ProcmapQuery {
-    size: u64,
-    query_flags: u64,
-    query_addr: u64,
-    vma_start: u64,
-    vma_end: u64,
-    vma_flags: u64,
-    vma_page_size: u64,
-    vma_offset: u64,
-    inode: u64,
-    dev_major: u32,
-    dev_minor: u32,
-    vma_name_size: u32,
-    build_id_size: u32,
-    vma_name_addr: u64,
-    build_id_addr: u64,
+pub(crate) struct ProcmapQuery {
+    pub(crate) size: u64,
+    pub(crate) query_flags: u64,
+    pub(crate) query_addr: u64,
+    pub(crate) vma_start: u64,
+    pub(crate) vma_end: u64,
+    pub(crate) vma_flags: u64,
+    pub(crate) vma_page_size: u64,
+    pub(crate) vma_offset: u64,
+    pub(crate) inode: u64,
+    pub(crate) dev_major: u32,
+    pub(crate) dev_minor: u32,
+    pub(crate) vma_name_size: u32,
+    pub(crate) build_id_size: u32,
+    pub(crate) vma_name_addr: u64,
+    pub(crate) build_id_addr: u64,
 }
 
 /// `_IOWR('f', 17, struct procmap_query)`.
-const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
-const VMA_WRITABLE: u64 = 0x02;
+pub(crate) const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
+pub(crate) const VMA_WRITABLE: u64 = 0x02;
 const VMA_SHARED: u64 = 0x08;
 
 /// `/proc/self/maps`, opened by this process (a child reopens it: the

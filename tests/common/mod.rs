@@ -172,7 +172,7 @@ pub fn protected_sender(
 /// A receiving child reading random sizes at random offsets of its buffer
 /// and checking every byte against the pattern; with `armed`, receives
 /// return before their data lands (armed pages, userfaultfd) and the check
-/// itself waits for it. Reports "bytes bad-bytes armed-receives".
+/// itself waits for it. Reports "bytes bad-bytes armed-receives GETs".
 pub fn random_receiver(sock: &UnixStream, seed: u64, armed: bool) -> i32 {
     let p = protect::open(if armed {
         ProtectionMode::Auto
@@ -213,7 +213,7 @@ pub fn random_receiver(sock: &UnixStream, seed: u64, armed: bool) -> i32 {
     let (_, c) = d.close(Duration::from_secs(10));
     drop(store);
     (&*sock)
-        .write_all(format!("{off} {bad} {}", c.armed_recvs).as_bytes())
+        .write_all(format!("{off} {bad} {} {}", c.armed_recvs, c.gets).as_bytes())
         .unwrap();
     0
 }

@@ -12,6 +12,8 @@
 //! (`fallback_reason: NoProtection`) and the log says once.
 
 pub mod mprotect;
+#[cfg(test)]
+mod test_support;
 pub mod uffd;
 
 use std::ops::Range;

@@ -179,16 +179,7 @@ fn resolved_meanwhile(addr: u64) -> bool {
 /// Is the mapping holding `addr` writable? `None` if the kernel cannot
 /// say. Only async-signal-safe calls: open, ioctl, close.
 fn writable_now(addr: u64) -> Option<bool> {
-    #[repr(C)]
-    struct Query {
-        size: u64,
-        query_flags: u64,
-        query_addr: u64,
-        vma_start: u64,
-        vma_end: u64,
-        vma_flags: u64,
-        rest: [u64; 7],
-    }
+    use crate::memory_map::{PROCMAP_QUERY, ProcmapQuery, VMA_WRITABLE};
     // SAFETY: a NUL-terminated path; the descriptor is closed below.
     let fd = unsafe {
         libc::open(
@@ -199,24 +190,17 @@ fn writable_now(addr: u64) -> Option<bool> {
     if fd < 0 {
         return None;
     }
-    let mut q = Query {
-        size: std::mem::size_of::<Query>() as u64,
-        query_flags: 0,
+    let mut q = ProcmapQuery {
+        size: std::mem::size_of::<ProcmapQuery>() as u64,
         query_addr: addr,
-        vma_start: 0,
-        vma_end: 0,
-        vma_flags: 0,
-        rest: [0; 7],
+        ..ProcmapQuery::default()
     };
     // SAFETY: PROCMAP_QUERY reads and writes only `q` (no name buffer).
     let rc = unsafe { libc::ioctl(fd, PROCMAP_QUERY, &mut q) };
     // SAFETY: closing the descriptor opened above.
     unsafe { libc::close(fd) };
-    (rc == 0).then_some(q.vma_flags & 0x02 != 0)
+    (rc == 0).then_some(q.vma_flags & VMA_WRITABLE != 0)
 }
-
-/// `_IOWR('f', 17, struct procmap_query)` (104 bytes).
-const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
 
 /// Not ours: hand the signal to whoever had it before, as if we were not here.
 fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {

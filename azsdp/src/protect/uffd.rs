@@ -15,10 +15,12 @@
 //! page; a fault on a page nobody holds any more is woken at once. A forked
 //! child gets a userfaultfd of its own when it first protects something.
 //!
-//! Ranges are registered (UFFDIO_REGISTER, write-protect mode) the first time
-//! they are protected and stay registered, so later sends only toggle
-//! protection (UFFDIO_WRITEPROTECT); a registration that vanished with its
-//! memory (glibc's `free` unmaps without telling anyone) is redone. Pages
+//! Protecting registers the whole private mapping holding the pages
+//! (UFFDIO_REGISTER, write-protect mode), so the mapping is never split
+//! into a piece per send and later sends only toggle protection
+//! (UFFDIO_WRITEPROTECT). The registration is asked for every time rather
+//! than cached: the kernel skips what is already registered, and a cache
+//! would go stale when memory is unmapped behind our back (glibc's `free`). Pages
 //! never touched are protected too: with `UFFD_FEATURE_WP_UNPOPULATED` by the
 //! kernel, otherwise by reading each page first (which maps the zero page,
 //! which write-protection then covers).
@@ -98,9 +100,8 @@ struct Process {
 
 #[derive(Default)]
 struct State {
-    /// Application memory registered (write-protect mode; armed ranges add
-    /// MISSING mode while armed).
-    registered: RangeCounter,
+    /// Armed pages (registered in MISSING mode too while armed).
+    armed: RangeCounter,
     /// Protections per page, over all connections.
     wp: RangeCounter,
     /// Who holds which pages: (pages, owner), protected or armed.
@@ -239,46 +240,41 @@ impl Process {
             .map_err(|e| e.to_string())
     }
 
-    /// Register the parts of `r` not registered yet (write-protect mode).
-    fn ensure_registered(&self, st: &mut State, r: &Range<u64>) -> Result<(), ProtectError> {
-        let mut gaps = Vec::new();
+    /// Register `r` in write-protect mode, except its armed parts (which
+    /// keep MISSING mode). Registering what is already registered the same
+    /// way changes nothing; doing it every time, rather than trusting a
+    /// cache, copes with memory unmapped and mapped again behind our back
+    /// (glibc's `free` unmaps without any hook seeing it).
+    fn ensure_registered(&self, st: &State, r: &Range<u64>) -> Result<(), ProtectError> {
         let mut cur = r.start;
-        for done in st.registered.intersect(r) {
-            if done.start > cur {
-                gaps.push(cur..done.start);
+        let mut parts = Vec::new();
+        for a in st.armed.intersect(r) {
+            if a.start > cur {
+                parts.push(cur..a.start);
             }
-            cur = done.end;
+            cur = a.end;
         }
         if cur < r.end {
-            gaps.push(cur..r.end);
+            parts.push(cur..r.end);
         }
-        for fresh in gaps {
-            self.register_mode(&fresh, RegisterMode::WRITE_PROTECT)
+        for part in parts {
+            self.register_mode(&part, RegisterMode::WRITE_PROTECT)
                 .map_err(|why| ProtectError::Register {
-                    range: fresh.clone(),
+                    range: part.clone(),
                     why,
                 })?;
-            st.registered.add(fresh);
         }
         Ok(())
     }
 
-    /// Forget registrations in `r` that nobody protects or arms.
-    fn forget_registration(&self, st: &mut State, r: &Range<u64>) {
-        for part in st.registered.intersect(r) {
-            if st.wp.overlaps(&part)
-                || st
-                    .held
-                    .iter()
-                    .any(|(h, _)| crate::pages::overlaps(h, &part))
-            {
-                continue;
-            }
-            let _ = self
-                .uffd
-                .unregister(part.start as *mut _, (part.end - part.start) as usize);
-            let _ = st.registered.remove(part);
+    /// Unregister the parts of `r` that nobody protects or arms.
+    fn forget_registration(&self, st: &State, r: &Range<u64>) {
+        if st.wp.overlaps(r) || st.armed.overlaps(r) {
+            return;
         }
+        let _ = self
+            .uffd
+            .unregister(r.start as *mut _, (r.end - r.start) as usize);
     }
 
     fn write_protect(&self, r: &Range<u64>) -> Result<(), String> {
@@ -417,22 +413,12 @@ impl UffdProtect {
         let extent = registration_extent(&r);
         let proc = Arc::clone(&self.proc);
         let mut st = proc.lock();
-        if proc.ensure_registered(&mut st, &extent).is_err() {
-            proc.ensure_registered(&mut st, &r)?;
+        if proc.ensure_registered(&st, &extent).is_err() {
+            proc.ensure_registered(&st, &r)?;
         }
         let fresh = st.wp.add(r.clone());
         for (i, f) in fresh.iter().enumerate() {
-            let mut done = proc.write_protect(f);
-            if done.is_err() {
-                // The registration may have gone with memory unmapped
-                // behind our back: redo it once.
-                let _ = st.registered.remove(f.clone());
-                done = proc
-                    .ensure_registered(&mut st, f)
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| proc.write_protect(f));
-            }
-            if let Err(why) = done {
+            if let Err(why) = proc.write_protect(f) {
                 for undo in &fresh[..i] {
                     let _ = proc.uffd.remove_write_protection(
                         undo.start as *mut _,
@@ -578,10 +564,7 @@ impl UffdProtect {
             self.give_back_staging(stage);
             return Err(fail(e));
         }
-        if st.registered.intersect(&r) != vec![r.clone()] {
-            let _ = st.registered.remove(r.clone());
-            st.registered.add(r.clone());
-        }
+        st.armed.add(r.clone());
         self.hold(&mut st, r.clone());
         drop(st);
         // Holes (never-touched pages) stay holes in staging.
@@ -596,6 +579,7 @@ impl UffdProtect {
             let _ = self.move_pages(r.start, stage.addr, len, UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES);
             let _ = self.proc.register_mode(&r, RegisterMode::WRITE_PROTECT);
             let mut st = proc.lock();
+            let _ = st.armed.remove(r.clone());
             self.release(&mut st, &r);
             drop(st);
             self.give_back_staging(stage);
@@ -675,6 +659,7 @@ impl UffdProtect {
         let proc = Arc::clone(&self.proc);
         let mut st = proc.lock();
         let _ = proc.register_mode(&r, RegisterMode::WRITE_PROTECT);
+        let _ = st.armed.remove(r.clone());
         self.release(&mut st, &r);
         drop(st);
         self.wake(r);
@@ -687,8 +672,8 @@ impl UffdProtect {
     /// Forget registrations in `r` (its memory is being unmapped).
     pub fn forget(&mut self, r: Range<u64>) {
         let proc = Arc::clone(&self.proc);
-        let mut st = proc.lock();
-        proc.forget_registration(&mut st, &r);
+        let st = proc.lock();
+        proc.forget_registration(&st, &r);
     }
 }
 

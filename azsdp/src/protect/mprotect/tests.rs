@@ -1,30 +1,19 @@
 use super::*;
+use crate::protect::test_support::{Pages, PipeRead};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-fn anon(pages: usize) -> Range<u64> {
-    let len = pages * 4096;
-    // SAFETY: a fresh private anonymous mapping, checked below.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    // SAFETY: our mapping.
-    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 7, len) };
-    p as u64..p as u64 + len as u64
+/// `pages` private anonymous pages, filled with 7 (unmapped on drop).
+fn anon(pages: usize) -> (Pages, Range<u64>) {
+    let p = Pages::new(pages, true);
+    let r = p.range();
+    (p, r)
 }
 
 #[test]
 fn a_write_to_a_protected_page_waits_and_is_reported() {
     let mut m = MprotectProtect::new().unwrap();
-    let r = anon(4);
+    let (_p, r) = anon(4);
     m.protect(r.start + 4096..r.start + 3 * 4096).unwrap();
     let target = r.start + 2 * 4096 + 8;
     let done = Arc::new(AtomicBool::new(false));
@@ -59,27 +48,11 @@ fn a_write_to_a_protected_page_waits_and_is_reported() {
 fn a_syscall_writing_a_protected_page_fails_with_efault() {
     // The documented trade-off of this backend.
     let mut m = MprotectProtect::new().unwrap();
-    let r = anon(1);
+    let (_p, r) = anon(1);
     m.protect(r.clone()).unwrap();
-    let mut fds = [0; 2];
-    // SAFETY: plain pipe creation.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    // SAFETY: writing from a static buffer to our pipe.
-    let wrote = unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) };
-    assert_eq!(wrote, 5);
-    // SAFETY: reading into our (protected) mapping.
-    let n = unsafe { libc::read(fds[0], r.start as *mut libc::c_void, 5) };
-    assert_eq!(n, -1);
-    assert_eq!(
-        std::io::Error::last_os_error().raw_os_error(),
-        Some(libc::EFAULT)
-    );
+    let read = PipeRead::start(r.start, b"hello", Duration::ZERO);
+    assert_eq!(read.finish(), -(libc::EFAULT as isize));
     m.unprotect(r);
-    // SAFETY: closing our pipe.
-    unsafe {
-        libc::close(fds[0]);
-        libc::close(fds[1]);
-    }
 }
 
 /// Run `f` in a forked child; its exit status.
@@ -100,9 +73,10 @@ extern "C" fn app_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc:
     unsafe { libc::_exit(42) };
 }
 
-/// A read-only page that is not ours.
+/// A read-only page that is not ours (left mapped: the child exits).
 fn foreign_page() -> u64 {
-    let r = anon(1);
+    let (p, r) = anon(1);
+    std::mem::forget(p);
     // SAFETY: our own mapping.
     unsafe { libc::mprotect(r.start as *mut _, 4096, libc::PROT_READ) };
     r.start

@@ -1,49 +1,7 @@
 use super::*;
+use crate::protect::test_support::{Pages, PipeRead};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-
-/// Anonymous private pages, unmapped on drop.
-struct Pages {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Pages {
-    fn new(pages: usize, touch: bool) -> Pages {
-        let len = pages * 4096;
-        // SAFETY: anonymous private mapping, checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        let ptr = ptr.cast::<u8>();
-        if touch {
-            // SAFETY: the mapping is `len` bytes.
-            unsafe { ptr.write_bytes(7, len) };
-        }
-        Pages { ptr, len }
-    }
-    fn range(&self) -> Range<u64> {
-        self.ptr as u64..self.ptr as u64 + self.len as u64
-    }
-    fn addr(&self, off: usize) -> usize {
-        self.ptr as usize + off
-    }
-}
-
-impl Drop for Pages {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
-}
 
 /// A full userfaultfd, or None when this process may not have one (then
 /// the caller skips: only root or CAP_SYS_PTRACE get one, and CI is root).
@@ -111,35 +69,13 @@ fn a_syscall_writing_a_protected_page_waits_instead_of_failing() {
     let Some(mut u) = uffd() else { return };
     let p = Pages::new(2, true);
     u.protect(p.range()).unwrap();
-    let mut fds = [0; 2];
-    // SAFETY: plain pipe creation into a 2-int array.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    // SAFETY: writing 5 bytes from a static buffer to our pipe.
-    let wrote = unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) };
-    assert_eq!(wrote, 5);
-    let (dst, rd) = (p.addr(4096), fds[0]);
-    let n = Arc::new(std::sync::atomic::AtomicIsize::new(-2));
-    let n2 = Arc::clone(&n);
-    let (h, done) = finishes_within(Duration::from_millis(100), move || {
-        // SAFETY: reading into our mapping, which outlives the thread.
-        let r = unsafe { libc::read(rd, dst as *mut libc::c_void, 5) };
-        n2.store(r, Ordering::SeqCst);
-    });
-    assert!(
-        !done.load(Ordering::SeqCst),
-        "read() into a protected page waits"
-    );
+    let read = PipeRead::start(p.addr(4096) as u64, b"hello", Duration::from_millis(100));
+    assert!(!read.is_done(), "read() into a protected page waits");
     u.unprotect(p.range()).unwrap();
-    h.join().unwrap();
-    assert_eq!(n.load(Ordering::SeqCst), 5, "and then succeeds (no EFAULT)");
+    assert_eq!(read.finish(), 5, "and then succeeds (no EFAULT)");
     // SAFETY: inside the mapping.
-    let landed = unsafe { std::slice::from_raw_parts(dst as *const u8, 5) };
+    let landed = unsafe { std::slice::from_raw_parts(p.addr(4096) as *const u8, 5) };
     assert_eq!(landed, b"hello");
-    // SAFETY: closing our pipe.
-    unsafe {
-        libc::close(fds[0]);
-        libc::close(fds[1]);
-    }
 }
 
 #[test]
@@ -263,30 +199,13 @@ fn a_syscall_writing_an_armed_page_waits_for_the_data() {
     }
     let p = Pages::new(2, true);
     u.arm(p.range()).unwrap();
-    let mut fds = [0; 2];
-    // SAFETY: plain pipe creation into a 2-int array.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    // SAFETY: writing 5 bytes from a static buffer to our pipe.
-    let wrote = unsafe { libc::write(fds[1], b"hello".as_ptr().cast(), 5) };
-    assert_eq!(wrote, 5);
-    let (dst, rd) = (p.addr(4096), fds[0]);
-    let n = Arc::new(std::sync::atomic::AtomicIsize::new(-2));
-    let n2 = Arc::clone(&n);
-    let (h, done) = finishes_within(Duration::from_millis(100), move || {
-        // SAFETY: reading into our mapping, which outlives the thread.
-        let r = unsafe { libc::read(rd, dst as *mut libc::c_void, 5) };
-        n2.store(r, Ordering::SeqCst);
-    });
-    assert!(
-        !done.load(Ordering::SeqCst),
-        "read() into an armed page waits"
-    );
+    let read = PipeRead::start(p.addr(4096) as u64, b"hello", Duration::from_millis(100));
+    assert!(!read.is_done(), "read() into an armed page waits");
     let stage = u.staging(&p.range()).unwrap();
     // SAFETY: staging is a private mapping of the range's length.
     unsafe { std::ptr::write_bytes(stage as *mut u8, b'x', p.len) };
     u.land(&p.range()).unwrap();
-    h.join().unwrap();
-    assert_eq!(n.load(Ordering::SeqCst), 5, "and then succeeds (no EFAULT)");
+    assert_eq!(read.finish(), 5, "and then succeeds (no EFAULT)");
     u.disarm(p.range(), crate::conn::DisarmOutcome::Landed);
     // SAFETY: inside the mapping.
     let page = unsafe { std::slice::from_raw_parts(p.addr(4096) as *const u8, 8) };
@@ -294,11 +213,6 @@ fn a_syscall_writing_an_armed_page_waits_for_the_data() {
         page, b"helloxxx",
         "the syscall's bytes over the landed data"
     );
-    // SAFETY: closing our pipe.
-    unsafe {
-        libc::close(fds[0]);
-        libc::close(fds[1]);
-    }
 }
 
 #[test]
@@ -356,8 +270,15 @@ fn lost_data_is_poisoned_not_silently_wrong() {
 #[test]
 fn registration_takes_the_whole_mapping_once() {
     let Some(mut u) = uffd() else { return };
-    let p = Pages::new(16, true);
-    let r = p.range();
+    // 16 pages between two inaccessible guard pages, so that the mapping
+    // cannot merge with a neighbour that other tests change meanwhile.
+    let p = Pages::new(18, true);
+    let all = p.range();
+    for guard in [all.start, all.end - 4096] {
+        // SAFETY: a page of our own mapping.
+        unsafe { libc::mprotect(guard as *mut _, 4096, libc::PROT_NONE) };
+    }
+    let r = all.start + 4096..all.end - 4096;
     let vmas = || {
         crate::memory_map::MemoryMap::read()
             .unwrap()
