@@ -349,10 +349,10 @@ fn map(len: usize, flags: libc::c_int, fd: libc::c_int) -> *mut u8 {
 }
 
 /// Sends from every kind of memory, each rewritten right after send()
-/// returns: thread stack, heap and private mmap are sent asynchronously
-/// (protected); shared anonymous memory, a memfd and a file mapping are
-/// not protectable (another process could write them unseen, or the kernel
-/// cannot write-protect them) and go synchronously. The receiver gets the
+/// returns: thread stack, heap, private mmap and shared anonymous memory
+/// the process made itself are sent asynchronously (protected); a memfd
+/// (which another process may map) and a file mapping (which the kernel
+/// cannot write-protect) go synchronously. The receiver gets the
 /// bytes sent in every case.
 #[test]
 fn every_kind_of_buffer_stays_correct() {
@@ -413,6 +413,11 @@ fn every_kind_of_buffer_stays_correct() {
         .unwrap();
     file.set_len(LEN as u64).unwrap();
     use std::os::fd::AsRawFd;
+    // Shared anonymous memory made by this process (the mmap hook saw it)
+    // is the process's own: protected with its aliases, if the kernel can
+    // write-protect shared memory.
+    let aliases_ok = protected
+        && azsdp::protect::uffd::UffdProtect::new().is_ok_and(|u| u.can_protect_aliases());
     let kinds = [
         (
             "private mmap",
@@ -424,7 +429,7 @@ fn every_kind_of_buffer_stays_correct() {
             "shared anonymous",
             libc::MAP_SHARED | libc::MAP_ANONYMOUS,
             -1,
-            false,
+            aliases_ok,
         ),
         ("memfd", libc::MAP_SHARED, memfd.as_raw_fd(), false),
         ("file", libc::MAP_SHARED, file.as_raw_fd(), false),
@@ -432,7 +437,7 @@ fn every_kind_of_buffer_stays_correct() {
     let mut maps = Vec::new();
     for (name, flags, fd, async_) in kinds {
         let p = map(LEN, flags, fd);
-        azsdp::process::after_mmap();
+        azsdp::process::after_mmap(p as u64, flags);
         // SAFETY: our fresh mapping of LEN bytes, unmapped after close.
         let buf = unsafe { std::slice::from_raw_parts_mut(p, LEN) };
         let before = d.counters();
@@ -457,4 +462,63 @@ fn every_kind_of_buffer_stays_correct() {
     let _ = std::fs::remove_file(
         std::env::temp_dir().join(format!("azsdp-kinds-{}", std::process::id())),
     );
+}
+
+/// Paper §4.3: shared memory seen at two addresses (an alias made with
+/// `mremap(old_size = 0)`). A send from one address is protected at both;
+/// a write through the alias right after send() returns is caught (copied
+/// aside first), so the receiver gets the bytes sent and the writer sees
+/// its own at both addresses.
+#[test]
+fn writes_through_an_alias_are_caught() {
+    const LEN: usize = 1 << 20;
+    let (a, b) = UnixStream::pair().unwrap();
+    let child = spawn(|| verifying_receiver(&b, Duration::from_millis(100), LEN));
+    let _reaper = Reaper(child);
+    drop(b);
+    let (d, backend) = sender_with(&a, ProtectionMode::Auto, FaultPolicy::Copy, 0);
+    let flags = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
+    let p = map(LEN, flags, -1);
+    azsdp::process::after_mmap(p as u64, flags);
+    // SAFETY: an alias of our own shared mapping, unmapped below.
+    let alias = unsafe { libc::mremap(p.cast(), 0, LEN, libc::MREMAP_MAYMOVE) }.cast::<u8>();
+    assert_ne!(alias.cast(), libc::MAP_FAILED);
+    azsdp::process::after_mmap(alias as u64, flags);
+    // SAFETY: both views are LEN bytes of the same live pages.
+    let (buf, view) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(p, LEN),
+            std::slice::from_raw_parts_mut(alias, LEN),
+        )
+    };
+    for (k, x) in buf.iter_mut().enumerate() {
+        *x = pattern(k as u64);
+    }
+    let sflags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    assert_eq!(d.send(buf, sflags).unwrap(), LEN as u64);
+    let async_ = d.counters().bytes_sent_async > 0;
+    // The program writes through the other address at once.
+    view[..LEN / 2].fill(0x3c);
+    assert!(buf[..LEN / 2].iter().all(|&x| x == 0x3c), "one object");
+    let (clean, c, state) = d.close_report(Duration::from_secs(20));
+    assert!(clean, "{state:?} {c:?}");
+    assert_eq!(
+        child_report(&a, child),
+        (LEN as u64, 0),
+        "the receiver got the bytes sent, not the write through the alias"
+    );
+    let can = backend == Backend::Userfaultfd
+        && azsdp::protect::uffd::UffdProtect::new().is_ok_and(|u| u.can_protect_aliases());
+    assert_eq!(async_, can, "{c:?}");
+    if can {
+        assert!(c.send_faults >= 1 && c.cow_copies >= 1, "caught: {c:?}");
+    }
+    // SAFETY: unmapping our two views after the connection is done.
+    unsafe {
+        libc::munmap(alias.cast(), LEN);
+        libc::munmap(p.cast(), LEN);
+    }
 }

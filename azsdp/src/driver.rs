@@ -57,6 +57,10 @@ pub trait Protector {
     fn can_arm(&self) -> bool {
         false
     }
+    /// Can it protect shared memory together with all its aliases?
+    fn can_protect_aliases(&self) -> bool {
+        false
+    }
     fn arm(&mut self, range: Range<u64>) -> Result<(), OpError>;
     /// Where a GET into armed `range` must write (staging), if elsewhere.
     fn staging(&self, _range: &Range<u64>) -> Option<u64> {
@@ -104,6 +108,9 @@ impl Protector for Box<dyn Protector + Send> {
     }
     fn can_arm(&self) -> bool {
         (**self).can_arm()
+    }
+    fn can_protect_aliases(&self) -> bool {
+        (**self).can_protect_aliases()
     }
     fn arm(&mut self, range: Range<u64>) -> Result<(), OpError> {
         (**self).arm(range)
@@ -451,7 +458,12 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             return true;
         }
         let pages = crate::pages::whole_pages(addr, len, u64::from(cfg.page_size));
-        pages.is_empty() || crate::memory_map::check(&pages).is_ok()
+        pages.is_empty()
+            || match crate::memory_map::check(&pages) {
+                Ok(crate::memory_map::Protectable::Private) => true,
+                Ok(crate::memory_map::Protectable::Aliased) => self.protector.can_protect_aliases(),
+                Err(_) => false,
+            }
     }
 
     /// The result of a submitted call, once it is done.

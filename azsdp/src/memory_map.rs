@@ -219,15 +219,80 @@ pub struct MemoryMap {
     vmas: Vec<Vma>,
 }
 
+/// Shared anonymous objects (device, inode) this process created and no
+/// other process maps: they are protected with all their aliases. Filled by
+/// the `mmap` hook; emptied before `fork()` (the child maps them too).
+static PROCESS_PRIVATE: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+
+/// `MAP_SHARED | MAP_ANONYMOUS` memory was just mapped at `addr` by this
+/// process: its object is the process's own until it forks.
+pub fn note_process_private(addr: u64) {
+    if let Some(v) = mapping_of(addr)
+        && v.kind == Kind::Shared
+        && v.path.starts_with("/dev/zero")
+    {
+        let mut l = PROCESS_PRIVATE.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (v.dev, v.inode);
+        if !l.contains(&key) {
+            l.push(key);
+        }
+    }
+}
+
+/// The locks of this module, held by the fork handler across `fork()`.
+pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
+    vec![
+        Box::new(QUERY_FD.lock().unwrap_or_else(|e| e.into_inner())),
+        Box::new(CACHE.lock().unwrap_or_else(|e| e.into_inner())),
+        Box::new(PROCESS_PRIVATE.lock().unwrap_or_else(|e| e.into_inner())),
+    ]
+}
+
+/// The process is about to fork: its shared objects are shared from now on.
+pub fn forget_process_private() {
+    PROCESS_PRIVATE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clear();
+}
+
+fn process_private(v: &Vma) -> bool {
+    PROCESS_PRIVATE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|(d, i)| *d == v.dev && *i == v.inode)
+}
+
+/// What kind of protectable memory a buffer is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protectable {
+    /// Private anonymous memory.
+    Private,
+    /// Shared memory only this process maps: protect its aliases too.
+    Aliased,
+}
+
 /// The verdict for one mapping.
-fn judge(v: &Vma) -> Result<(), NotProtectable> {
+fn judge(v: &Vma) -> Result<Protectable, NotProtectable> {
     match v.kind {
-        Kind::Private if v.writable => Ok(()),
+        Kind::Private if v.writable => Ok(Protectable::Private),
+        Kind::Shared if v.writable && process_private(v) => Ok(Protectable::Aliased),
+        Kind::Private | Kind::Shared if !v.writable => Err(NotProtectable::ReadOnly),
         Kind::Private => Err(NotProtectable::ReadOnly),
         Kind::MainStack => Err(NotProtectable::MainStack),
         Kind::File => Err(NotProtectable::File),
         Kind::Shared => Err(NotProtectable::Shared),
         Kind::Special => Err(NotProtectable::Special),
+    }
+}
+
+/// Combine the verdicts of the mappings a buffer spans.
+fn worst(a: Protectable, b: Protectable) -> Protectable {
+    if a == Protectable::Aliased || b == Protectable::Aliased {
+        Protectable::Aliased
+    } else {
+        Protectable::Private
     }
 }
 
@@ -259,14 +324,16 @@ impl MemoryMap {
     }
 
     /// May the pages of `range` be write-protected or armed?
-    pub fn check(&self, range: &Range<u64>) -> Result<(), NotProtectable> {
+    pub fn check(&self, range: &Range<u64>) -> Result<Protectable, NotProtectable> {
         let vmas = self.covering(range).ok_or(NotProtectable::Unmapped)?;
-        vmas.iter().try_for_each(judge)
+        vmas.iter()
+            .try_fold(Protectable::Private, |acc, v| Ok(worst(acc, judge(v)?)))
     }
 
     /// Other mappings of the pages of `range` (same object, overlapping
-    /// object offsets), as address ranges; empty for private memory.
-    pub fn aliases(&self, range: &Range<u64>) -> Vec<Range<u64>> {
+    /// object offsets): each alias's address range and the address in
+    /// `range` it shows. Empty for private memory.
+    pub fn aliases(&self, range: &Range<u64>) -> Vec<(Range<u64>, u64)> {
         let Some(vmas) = self.covering(range) else {
             return Vec::new();
         };
@@ -282,7 +349,8 @@ impl MemoryMap {
                 let (wlo, whi) = (w.offset, w.offset + (w.range.end - w.range.start));
                 let (a, b) = (olo.max(wlo), ohi.min(whi));
                 if a < b {
-                    out.push(w.range.start + (a - wlo)..w.range.start + (b - wlo));
+                    let alias = w.range.start + (a - wlo)..w.range.start + (b - wlo);
+                    out.push((alias, lo + (a - olo)));
                 }
             }
         }
@@ -308,19 +376,20 @@ pub fn current() -> Arc<MemoryMap> {
 }
 
 /// May the pages of `range` be protected, as the kernel sees them now?
-pub fn check(range: &Range<u64>) -> Result<(), NotProtectable> {
+pub fn check(range: &Range<u64>) -> Result<Protectable, NotProtectable> {
     let mut at = range.start;
+    let mut verdict = Protectable::Private;
     while at < range.end {
         match query(at) {
             Ok(Some(v)) => {
-                judge(&v)?;
+                verdict = worst(verdict, judge(&v)?);
                 at = v.range.end;
             }
             Ok(None) => return Err(NotProtectable::Unmapped),
             Err(()) => return check_cached(range),
         }
     }
-    Ok(())
+    Ok(verdict)
 }
 
 /// The mapping holding `addr`, as the kernel sees it now (or as the
@@ -338,7 +407,7 @@ pub fn mapping_of(addr: u64) -> Option<Vma> {
 
 /// [`check`] from the parsed map (kernels without `PROCMAP_QUERY`);
 /// rereads it once if it does not know the range.
-fn check_cached(range: &Range<u64>) -> Result<(), NotProtectable> {
+fn check_cached(range: &Range<u64>) -> Result<Protectable, NotProtectable> {
     match current().check(range) {
         Err(NotProtectable::Unmapped) => {
             invalidate();
@@ -368,9 +437,15 @@ mod tests {
     #[test]
     fn kinds_and_protectability() {
         let m = MemoryMap::parse(MAPS);
-        assert_eq!(m.check(&(0x55c378ff8000..0x55c378ffa000)), Ok(()));
+        assert_eq!(
+            m.check(&(0x55c378ff8000..0x55c378ffa000)),
+            Ok(Protectable::Private)
+        );
         // Across two adjacent private mappings.
-        assert_eq!(m.check(&(0x7f00000ff000..0x7f0000101000)), Ok(()));
+        assert_eq!(
+            m.check(&(0x7f00000ff000..0x7f0000101000)),
+            Ok(Protectable::Private)
+        );
         assert_eq!(
             m.check(&(0x7ffd00001000..0x7ffd00002000)),
             Err(NotProtectable::MainStack)
@@ -403,11 +478,11 @@ mod tests {
         // Page 1 of the memfd is also mapped at 0x7f0000400000.
         assert_eq!(
             m.aliases(&(0x7f0000300000..0x7f0000302000)),
-            vec![0x7f0000400000..0x7f0000401000]
+            vec![(0x7f0000400000..0x7f0000401000, 0x7f0000301000)]
         );
         assert_eq!(
             m.aliases(&(0x7f0000400000..0x7f0000401000)),
-            vec![0x7f0000301000..0x7f0000302000]
+            vec![(0x7f0000301000..0x7f0000302000, 0x7f0000400000)]
         );
         // Page 0 has no alias; private memory never has.
         assert!(m.aliases(&(0x7f0000300000..0x7f0000301000)).is_empty());
@@ -443,7 +518,7 @@ mod tests {
         let heap = vec![0u8; 1 << 20];
         let p = heap.as_ptr() as u64;
         let inner = p.next_multiple_of(4096)..(p + (1 << 20)) & !4095;
-        assert_eq!(check(&inner), Ok(()));
+        assert_eq!(check(&inner), Ok(Protectable::Private));
         let main_stack = current()
             .vmas
             .iter()

@@ -96,14 +96,27 @@ fn live() -> Vec<Arc<dyn Participant>> {
     })
 }
 
-/// Make a connection visible to the memory hooks and to fork handling (it
-/// leaves by itself when dropped).
-pub fn register(p: Weak<dyn Participant>) {
+/// Install the fork handlers (once per process).
+pub(crate) fn ensure_atfork() {
     ATFORK.call_once(|| {
         // SAFETY: the handlers are plain extern "C" functions with static
         // lifetime; pthread_atfork only records them.
         unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
     });
+}
+
+thread_local! {
+    /// Locks of process-wide state held by the forking thread across
+    /// `fork()`, so that the child never inherits one held by a thread
+    /// that does not exist there (it would block on it forever).
+    static HELD_OVER_FORK: std::cell::RefCell<Vec<Box<dyn std::any::Any>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Make a connection visible to the memory hooks and to fork handling (it
+/// leaves by itself when dropped).
+pub fn register(p: Weak<dyn Participant>) {
+    ensure_atfork();
     LIVE.with(|l| {
         l.retain(|w| w.strong_count() > 0);
         l.push(p);
@@ -192,9 +205,15 @@ pub fn after_unmap(addr: u64, len: u64) {
     forget(addr..addr.saturating_add(len));
 }
 
-/// After a successful `mmap` (or `shmat`): the memory map changed.
-pub fn after_mmap() {
+/// After a successful `mmap(.., flags, ..)` at `addr` (or `shmat`): the
+/// memory map changed, and shared anonymous memory made here belongs to
+/// this process alone (until it forks), so it may be protected.
+pub fn after_mmap(addr: u64, flags: i32) {
     crate::memory_map::invalidate();
+    let shared_anon = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
+    if flags & shared_anon == shared_anon {
+        crate::memory_map::note_process_private(addr);
+    }
 }
 
 /// Before `mremap(old, old_len, ..)`: the old range may move or shrink,
@@ -251,11 +270,25 @@ pub fn quiesce_for_fork() {
 extern "C" fn fork_prepare() {
     // Never unwind into libc.
     let _ = std::panic::catch_unwind(quiesce_for_fork);
+    // The child maps the process's shared memory too from now on.
+    let _ = std::panic::catch_unwind(crate::memory_map::forget_process_private);
     // Held across fork(): released by the parent and child handlers.
+    let _ = std::panic::catch_unwind(|| {
+        let mut guards = crate::memory_map::fork_guards();
+        guards.extend(crate::protect::fork_guards());
+        let _ = HELD_OVER_FORK.try_with(|h| h.borrow_mut().extend(guards));
+    });
     LIVE.acquire();
 }
 
+/// Release what `fork_prepare` held (in the parent, or in the child where
+/// the forking thread is the only one).
+fn release_held() {
+    let _ = HELD_OVER_FORK.try_with(|h| h.borrow_mut().clear());
+}
+
 extern "C" fn fork_parent() {
+    release_held();
     LIVE.release();
     let _ = std::panic::catch_unwind(|| {
         for c in live() {
@@ -266,6 +299,7 @@ extern "C" fn fork_parent() {
 
 extern "C" fn fork_child() {
     // The child is single-threaded: no one else can hold the lock here.
+    release_held();
     LIVE.release();
     // Connections see they are in a child by their owner's pid.
 }

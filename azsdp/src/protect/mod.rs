@@ -150,9 +150,18 @@ pub fn open(mode: ProtectionMode) -> Protection {
     p
 }
 
+static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// The locks of this module, held by the fork handler across `fork()`.
+pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
+    let mut g: Vec<Box<dyn std::any::Any>> =
+        vec![Box::new(SAID.lock().unwrap_or_else(|e| e.into_inner()))];
+    g.extend(uffd::fork_guards());
+    g
+}
+
 /// Say `note` on stderr once per process (the shim routes its log).
 fn log_once(note: &str) {
-    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
     if !said.iter().any(|s| s == note) {
         said.push(note.to_string());

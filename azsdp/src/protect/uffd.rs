@@ -56,6 +56,9 @@ use crate::pages::RangeCounter;
 
 /// `UFFD_FEATURE_PAGEFAULT_FLAG_WP`.
 const FEATURE_WP: u64 = 1 << 0;
+/// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM` (Linux 5.19): write protection of
+/// shared memory.
+const FEATURE_WP_SHMEM: u64 = 1 << 12;
 /// `UFFD_FEATURE_WP_UNPOPULATED` (Linux 6.4); older headers lack the name.
 const FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 /// `UFFD_FEATURE_POISON` (Linux 6.6).
@@ -95,6 +98,7 @@ struct Process {
     wp_unpopulated: bool,
     can_move: bool,
     can_poison: bool,
+    wp_shmem: bool,
     state: Mutex<State>,
 }
 
@@ -104,11 +108,21 @@ struct State {
     armed: RangeCounter,
     /// Protections per page, over all connections.
     wp: RangeCounter,
-    /// Who holds which pages: (pages, owner), protected or armed.
-    held: Vec<(Range<u64>, u32)>,
+    /// Who holds which pages, protected or armed: (pages, owner, where the
+    /// owner knows them). An alias's faults are reported at the address the
+    /// owner protected, which shows the same pages.
+    held: Vec<Held>,
     /// Each owner's fault inbox.
     inboxes: HashMap<u32, Sender<Fault>>,
     next_owner: u32,
+}
+
+struct Held {
+    pages: Range<u64>,
+    owner: u32,
+    /// Address the owner knows `pages.start` by (itself, or the primary of
+    /// an alias).
+    known_as: u64,
 }
 
 /// Faults an inbox holds before the dispatcher drops more (a dropped fault
@@ -116,6 +130,12 @@ struct State {
 const INBOX: usize = 256;
 
 static PROCESS: Mutex<Option<Arc<Process>>> = Mutex::new(None);
+
+/// The locks of this module, held by the fork handler across `fork()` (a
+/// child protecting memory takes them to make its own userfaultfd).
+pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
+    vec![Box::new(PROCESS.lock().unwrap_or_else(|e| e.into_inner()))]
+}
 
 fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
     UffdBuilder::new()
@@ -131,6 +151,7 @@ fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
 impl Process {
     /// This process's userfaultfd (a forked child makes its own).
     fn get() -> Result<Arc<Process>, ProtectError> {
+        crate::process::ensure_atfork();
         let mut p = PROCESS.lock().unwrap_or_else(|e| e.into_inner());
         let pid = std::process::id();
         if let Some(have) = p.as_ref()
@@ -153,6 +174,7 @@ impl Process {
         // any feature it lacks).
         let wp = FEATURE_WP;
         let attempts = [
+            wp | FEATURE_WP_UNPOPULATED | FEATURE_MOVE | FEATURE_POISON | FEATURE_WP_SHMEM,
             wp | FEATURE_WP_UNPOPULATED | FEATURE_MOVE | FEATURE_POISON,
             wp | FEATURE_WP_UNPOPULATED | FEATURE_MOVE,
             wp | FEATURE_WP_UNPOPULATED,
@@ -168,6 +190,7 @@ impl Process {
                         wp_unpopulated: f & FEATURE_WP_UNPOPULATED != 0,
                         can_move: f & FEATURE_MOVE != 0,
                         can_poison: f & FEATURE_POISON != 0,
+                        wp_shmem: f & FEATURE_WP_SHMEM != 0,
                         state: Mutex::new(State::default()),
                     });
                 }
@@ -210,12 +233,15 @@ impl Process {
             let page = f.addr & !4095;
             let st = self.lock();
             let mut told = false;
-            for (r, owner) in &st.held {
-                if r.start <= f.addr
-                    && f.addr < r.end
-                    && let Some(tx) = st.inboxes.get(owner)
+            for h in &st.held {
+                if h.pages.start <= f.addr
+                    && f.addr < h.pages.end
+                    && let Some(tx) = st.inboxes.get(&h.owner)
                 {
-                    told |= tx.try_send(f).is_ok();
+                    // Reported where the owner knows the page (an alias's
+                    // fault at the address the owner protected).
+                    let addr = h.known_as + (f.addr - h.pages.start);
+                    told |= tx.try_send(Fault { addr, ..f }).is_ok();
                 }
             }
             drop(st);
@@ -269,7 +295,10 @@ impl Process {
 
     /// Unregister the parts of `r` that nobody protects or arms.
     fn forget_registration(&self, st: &State, r: &Range<u64>) {
-        if st.wp.overlaps(r) || st.armed.overlaps(r) {
+        if st.wp.overlaps(r)
+            || st.armed.overlaps(r)
+            || st.held.iter().any(|h| crate::pages::overlaps(&h.pages, r))
+        {
             return;
         }
         let _ = self
@@ -304,6 +333,9 @@ pub struct UffdProtect {
     armed: HashMap<u64, Staging>,
     /// Staging mappings not in use, kept for the next arm.
     spare: Vec<Staging>,
+    /// Aliases protected along with this connection's pages: (alias pages,
+    /// the address they show).
+    aliases: Vec<(Range<u64>, u64)>,
 }
 
 impl std::fmt::Debug for UffdProtect {
@@ -356,7 +388,13 @@ impl UffdProtect {
             page,
             armed: HashMap::new(),
             spare: Vec::new(),
+            aliases: Vec::new(),
         })
+    }
+
+    /// Can shared memory be protected with all its aliases?
+    pub fn can_protect_aliases(&self) -> bool {
+        self.proc.wp_shmem
     }
 
     /// Does the kernel protect never-touched pages itself?
@@ -385,36 +423,51 @@ impl UffdProtect {
         }
     }
 
-    fn hold(&self, st: &mut State, r: Range<u64>) {
-        st.held.push((r, self.owner));
+    fn hold(&self, st: &mut State, r: Range<u64>, known_as: u64) {
+        st.held.push(Held {
+            pages: r,
+            owner: self.owner,
+            known_as,
+        });
     }
 
     /// Drop this owner's hold on `r` (splitting holds that extend past it).
     fn release(&self, st: &mut State, r: &Range<u64>) {
         let mut keep = Vec::new();
-        st.held.retain(|(h, o)| {
-            if *o != self.owner || !crate::pages::overlaps(h, r) {
+        st.held.retain(|h| {
+            if h.owner != self.owner || !crate::pages::overlaps(&h.pages, r) {
                 return true;
             }
-            if h.start < r.start {
-                keep.push((h.start..r.start, *o));
+            if h.pages.start < r.start {
+                keep.push(Held {
+                    pages: h.pages.start..r.start,
+                    owner: h.owner,
+                    known_as: h.known_as,
+                });
             }
-            if r.end < h.end {
-                keep.push((r.end..h.end, *o));
+            if r.end < h.pages.end {
+                keep.push(Held {
+                    pages: r.end..h.pages.end,
+                    owner: h.owner,
+                    known_as: h.known_as + (r.end - h.pages.start),
+                });
             }
             false
         });
         st.held.extend(keep);
     }
 
-    /// Write-protect whole pages `r`, registering them first if needed.
-    pub fn protect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
-        debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
-        let extent = registration_extent(&r);
-        let proc = Arc::clone(&self.proc);
-        let mut st = proc.lock();
-        if proc.ensure_registered(&st, &extent).is_err() {
-            proc.ensure_registered(&st, &r)?;
+    /// Write-protect `r` (registered, counted, held as `known_as`).
+    fn protect_one(
+        &self,
+        st: &mut State,
+        r: &Range<u64>,
+        known_as: u64,
+        extent: &Range<u64>,
+    ) -> Result<(), ProtectError> {
+        let proc = &self.proc;
+        if proc.ensure_registered(st, extent).is_err() {
+            proc.ensure_registered(st, r)?;
         }
         let fresh = st.wp.add(r.clone());
         for (i, f) in fresh.iter().enumerate() {
@@ -427,22 +480,23 @@ impl UffdProtect {
                     );
                 }
                 let _ = st.wp.remove(r.clone());
-                return Err(ProtectError::Ioctl { range: r, why });
+                return Err(ProtectError::Ioctl {
+                    range: r.clone(),
+                    why,
+                });
             }
         }
-        self.hold(&mut st, r);
+        self.hold(st, r.clone(), known_as);
         Ok(())
     }
 
-    /// Lift this connection's protection of `r`; the pages become writable
-    /// (and their writers are woken) when no connection protects them.
-    pub fn unprotect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
-        let proc = Arc::clone(&self.proc);
-        let mut st = proc.lock();
-        self.release(&mut st, &r);
+    /// Lift this connection's protection of `r` (its count).
+    fn unprotect_one(&self, st: &mut State, r: &Range<u64>) -> Result<(), ProtectError> {
+        self.release(st, r);
         let free = st.wp.remove(r.clone()).unwrap_or_else(|partial| partial);
         for f in free {
-            proc.uffd
+            self.proc
+                .uffd
                 .remove_write_protection(f.start as *mut _, (f.end - f.start) as usize, true)
                 .map_err(|e| ProtectError::Ioctl {
                     range: f.clone(),
@@ -452,12 +506,90 @@ impl UffdProtect {
         Ok(())
     }
 
-    /// Wake threads waiting on `r` (a fault that turned out to need nothing).
+    /// Write-protect whole pages `r`, registering them first if needed.
+    /// Shared memory is protected at every address it is mapped at in this
+    /// process (its aliases), or not at all.
+    pub fn protect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
+        debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
+        let mapping = crate::memory_map::mapping_of(r.start);
+        let shared = mapping
+            .as_ref()
+            .is_some_and(|v| v.kind == crate::memory_map::Kind::Shared);
+        let extent = match &mapping {
+            Some(v) if v.range.start <= r.start && r.end <= v.range.end => v.range.clone(),
+            _ => r.clone(),
+        };
+        let aliases = if shared {
+            crate::memory_map::MemoryMap::read()
+                .map(|m| m.aliases(&r))
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        self.protect_one(&mut st, &r, r.start, &extent)?;
+        for (i, (alias, shows)) in aliases.iter().enumerate() {
+            if let Err(e) = self.protect_one(&mut st, alias, *shows, alias) {
+                // All or nothing: an unprotected alias would let writes by.
+                for (done, _) in &aliases[..i] {
+                    let _ = self.unprotect_one(&mut st, done);
+                }
+                let _ = self.unprotect_one(&mut st, &r);
+                return Err(e);
+            }
+        }
+        self.aliases.extend(aliases);
+        Ok(())
+    }
+
+    /// Lift this connection's protection of `r` (and of the aliases that
+    /// show it); the pages become writable (and their writers are woken)
+    /// when no connection protects them.
+    pub fn unprotect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
+        let proc = Arc::clone(&self.proc);
+        let mut st = proc.lock();
+        let mut result = self.unprotect_one(&mut st, &r);
+        let mut keep = Vec::new();
+        for (alias, shows) in std::mem::take(&mut self.aliases) {
+            let shown = shows..shows + (alias.end - alias.start);
+            if !crate::pages::overlaps(&shown, &r) {
+                keep.push((alias, shows));
+                continue;
+            }
+            let lo = shown.start.max(r.start);
+            let hi = shown.end.min(r.end);
+            let part = alias.start + (lo - shows)..alias.start + (hi - shows);
+            if let Err(e) = self.unprotect_one(&mut st, &part) {
+                result = Err(e);
+            }
+            if shown.start < lo {
+                keep.push((alias.start..part.start, shows));
+            }
+            if hi < shown.end {
+                keep.push((part.end..alias.end, hi));
+            }
+        }
+        self.aliases = keep;
+        result
+    }
+
+    /// Wake threads waiting on `r` (a fault that turned out to need
+    /// nothing), and at the aliases that show it.
     pub fn wake(&self, r: Range<u64>) {
-        let _ = self
-            .proc
-            .uffd
-            .wake(r.start as *mut _, (r.end - r.start) as usize);
+        let wake = |a: &Range<u64>| {
+            let _ = self
+                .proc
+                .uffd
+                .wake(a.start as *mut _, (a.end - a.start) as usize);
+        };
+        wake(&r);
+        for (alias, shows) in &self.aliases {
+            let shown = *shows..*shows + (alias.end - alias.start);
+            if crate::pages::overlaps(&shown, &r) {
+                wake(alias);
+            }
+        }
     }
 
     /// `UFFDIO_MOVE` of `len` bytes from `src` to `dst` (both private
@@ -565,7 +697,7 @@ impl UffdProtect {
             return Err(fail(e));
         }
         st.armed.add(r.clone());
-        self.hold(&mut st, r.clone());
+        self.hold(&mut st, r.clone(), r.start);
         drop(st);
         // Holes (never-touched pages) stay holes in staging.
         let moved = self.move_pages(
@@ -677,23 +809,6 @@ impl UffdProtect {
     }
 }
 
-/// What to register for protecting `r`: the whole private anonymous
-/// mapping holding it, so that later sends from anywhere in it only toggle
-/// protection (and the mapping is not split into a piece per send). Just
-/// `r` when it spans mappings or the mapping is of another kind.
-fn registration_extent(r: &Range<u64>) -> Range<u64> {
-    match crate::memory_map::mapping_of(r.start) {
-        Some(v)
-            if v.kind == crate::memory_map::Kind::Private
-                && v.range.start <= r.start
-                && r.end <= v.range.end =>
-        {
-            v.range
-        }
-        _ => r.clone(),
-    }
-}
-
 fn unmap_staging(s: &Staging) {
     // SAFETY: unmapping a staging mapping we made, which nothing else uses.
     unsafe { libc::munmap(s.addr as *mut _, s.len as usize) };
@@ -712,8 +827,8 @@ impl Drop for UffdProtect {
         let mine: Vec<Range<u64>> = st
             .held
             .iter()
-            .filter(|(_, o)| *o == self.owner)
-            .map(|(r, _)| r.clone())
+            .filter(|h| h.owner == self.owner && h.known_as == h.pages.start)
+            .map(|h| h.pages.clone())
             .collect();
         drop(st);
         for r in mine {
@@ -775,6 +890,10 @@ impl crate::driver::Protector for UffdProtect {
 
     fn can_arm(&self) -> bool {
         self.proc.can_move
+    }
+
+    fn can_protect_aliases(&self) -> bool {
+        self.proc.wp_shmem
     }
 
     fn arm(&mut self, range: Range<u64>) -> Result<(), crate::conn::OpError> {
