@@ -522,3 +522,57 @@ fn writes_through_an_alias_are_caught() {
         libc::munmap(p.cast(), LEN);
     }
 }
+
+/// The receiver is killed with SIGKILL while AZ-SDP sends from protected
+/// pages are in flight: the sender's calls fail (EPIPE/ECONNRESET) within a
+/// second, its pages are unprotected (it can write its buffer), nothing
+/// hangs.
+#[test]
+fn peer_killed_with_sigkill_releases_protected_pages() {
+    let (a, b) = UnixStream::pair().unwrap();
+    // A slow reader: plenty of sends stay in flight.
+    let child = spawn(|| verifying_receiver(&b, Duration::from_secs(30), 1 << 20));
+    let _reaper = Reaper(child);
+    drop(b);
+    let (d, backend) = sender_with(&a, ProtectionMode::Auto, FaultPolicy::Block, 0);
+    if backend == Backend::None {
+        assert!(!nix::unistd::geteuid().is_root());
+        return;
+    }
+    let mut buf = vec![0u8; (1 << 20) + 4096];
+    let start = buf.as_ptr().align_offset(4096);
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: true,
+    };
+    // Fill the peer's window of advertisements (the reader sleeps).
+    for _ in 0..4 {
+        d.send(&buf[start..start + (1 << 20)], flags).unwrap();
+    }
+    assert!(!d.protected_ranges().is_empty(), "sends in flight");
+    nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL).unwrap();
+    let killed = Instant::now();
+    let failed = loop {
+        match d.send(&buf[start..start + (1 << 20)], flags) {
+            Ok(_) if killed.elapsed() < Duration::from_secs(5) => continue,
+            Ok(_) => panic!("sends still succeed after the peer was killed"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(failed, CallError::ConnReset | CallError::BrokenPipe),
+        "{failed:?}"
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "failed within {:?}",
+        killed.elapsed()
+    );
+    assert!(d.protected_ranges().is_empty(), "pages unprotected");
+    // The buffer is the program's again: writing it does not wait.
+    buf[start..start + (1 << 20)].fill(1);
+    assert_eq!(
+        reap(child, Duration::from_secs(5)),
+        WaitStatus::Signaled(child, nix::sys::signal::Signal::SIGKILL, false)
+    );
+}

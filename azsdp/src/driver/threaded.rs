@@ -265,6 +265,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.lock().connection().state().clone()
     }
 
+    /// Pages the connection holds write-protected now.
+    pub fn protected_ranges(&self) -> Vec<Range<u64>> {
+        if self.shared.orphaned() {
+            return Vec::new();
+        }
+        self.shared.lock().connection().protected_ranges()
+    }
+
     pub fn counters(&self) -> Counters {
         if self.shared.orphaned() {
             return Counters::default();

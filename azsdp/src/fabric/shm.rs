@@ -8,9 +8,12 @@
 //! waits polls for a while, then sleeps on a futex in the segment.
 //!
 //! Bootstrap ([`ShmEndpoint::offer`] / [`ShmEndpoint::accept`]) runs over a
-//! connected Unix socket: the creator passes the memfd with SCM_RIGHTS; both
-//! exchange pid, uid and page size, and each probes whether it may read the
-//! other's memory. If it may not (another user, no ptrace permission), the
+//! connected Unix or TCP socket: over Unix the creator passes the memfd with
+//! SCM_RIGHTS; over TCP the acceptor takes it from the creator with
+//! `pidfd_getfd` (which needs the permission reading its memory needs) and
+//! checks the segment's random key, so a peer lying about its pid gets
+//! nowhere. Both exchange pid, uid and page size, and each probes whether it
+//! may read the other's memory. If it may not (another user, no ptrace permission), the
 //! connection stays on the rings (BSDP) and [`ShmEndpoint::can_get`] says why.
 //!
 //! Keys are not enforced here: `process_vm_readv` can read any of the peer's
@@ -23,7 +26,7 @@
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -236,26 +239,36 @@ struct Intro {
     pid: u32,
     uid: u32,
     page_size: u32,
-    _pad: u32,
+    /// The creator's descriptor number of the segment (for a peer that
+    /// takes it with `pidfd_getfd`, over TCP); 0 from the acceptor.
+    seg_fd: u32,
     /// Address of a word in the sender's memory holding `canary`.
     probe_addr: u64,
     canary: u64,
+    /// The segment's key, which the acceptor checks in the segment it got
+    /// (a peer lying about its pid would name a process without it).
+    seg_key: u32,
 }
 
+/// Bytes of an [`Intro`] on the wire.
+const INTRO_LEN: usize = 48;
+
 impl Intro {
-    fn bytes(&self) -> [u8; 40] {
-        let mut b = [0u8; 40];
+    fn bytes(&self) -> [u8; INTRO_LEN] {
+        let mut b = [0u8; INTRO_LEN];
         b[0..8].copy_from_slice(&self.magic.to_le_bytes());
         b[8..12].copy_from_slice(&self.pid.to_le_bytes());
         b[12..16].copy_from_slice(&self.uid.to_le_bytes());
         b[16..20].copy_from_slice(&self.page_size.to_le_bytes());
+        b[20..24].copy_from_slice(&self.seg_fd.to_le_bytes());
         b[24..32].copy_from_slice(&self.probe_addr.to_le_bytes());
         b[32..40].copy_from_slice(&self.canary.to_le_bytes());
+        b[40..44].copy_from_slice(&self.seg_key.to_le_bytes());
         b
     }
 
     fn parse(b: &[u8]) -> Option<Intro> {
-        if b.len() != 40 {
+        if b.len() != INTRO_LEN || b[44..48] != [0; 4] {
             return None;
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -265,9 +278,10 @@ impl Intro {
             pid: u32_at(8),
             uid: u32_at(12),
             page_size: u32_at(16),
-            _pad: 0,
+            seg_fd: u32_at(20),
             probe_addr: u64_at(24),
             canary: u64_at(32),
+            seg_key: u32_at(40),
         };
         (intro.magic == MAGIC && intro.pid != 0).then_some(intro)
     }
@@ -305,8 +319,46 @@ fn io_err(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
 
-fn send_intro(sock: &UnixStream, intro: &Intro, fd: Option<&OwnedFd>) -> std::io::Result<()> {
+/// A connected stream socket the bootstrap runs over: Unix (the segment
+/// travels with SCM_RIGHTS) or TCP (the peer takes it with `pidfd_getfd`).
+pub trait BootstrapSocket: AsFd {}
+impl BootstrapSocket for UnixStream {}
+impl BootstrapSocket for std::net::TcpStream {}
+
+fn is_unix(sock: &impl AsFd) -> bool {
+    matches!(
+        nix::sys::socket::getsockname::<nix::sys::socket::UnixAddr>(sock.as_fd().as_raw_fd()),
+        Ok(_)
+    )
+}
+
+fn write_all(sock: &impl AsFd, mut b: &[u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        let n = nix::unistd::write(sock.as_fd(), b).map_err(io_err)?;
+        if n == 0 {
+            return Err(io_err("the bootstrap socket closed"));
+        }
+        b = &b[n..];
+    }
+    Ok(())
+}
+
+fn read_exact(sock: &impl AsFd, mut b: &mut [u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        let n = nix::unistd::read(sock.as_fd(), b).map_err(io_err)?;
+        if n == 0 {
+            return Err(io_err("the bootstrap socket closed"));
+        }
+        b = &mut b[n..];
+    }
+    Ok(())
+}
+
+fn send_intro(sock: &impl AsFd, intro: &Intro, fd: Option<&OwnedFd>) -> std::io::Result<()> {
     let bytes = intro.bytes();
+    if !is_unix(sock) {
+        return write_all(sock, &bytes);
+    }
     let iov = [IoSlice::new(&bytes)];
     let fds = fd.map(|f| [f.as_raw_fd()]);
     let cmsgs: Vec<ControlMessage<'_>> = fds
@@ -314,50 +366,77 @@ fn send_intro(sock: &UnixStream, intro: &Intro, fd: Option<&OwnedFd>) -> std::io
         .map(|f| ControlMessage::ScmRights(f))
         .into_iter()
         .collect();
-    let n = sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
-        .map_err(io_err)?;
-    if n != bytes.len() {
-        return Err(io_err("short write of the shm introduction"));
-    }
-    Ok(())
-}
-
-fn recv_intro(sock: &UnixStream) -> std::io::Result<(Intro, Option<OwnedFd>)> {
-    let mut bytes = [0u8; 40];
-    let mut iov = [IoSliceMut::new(&mut bytes)];
-    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let msg = recvmsg::<()>(
-        sock.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
+    let n = sendmsg::<()>(
+        sock.as_fd().as_raw_fd(),
+        &iov,
+        &cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
     )
     .map_err(io_err)?;
+    write_all(sock, &bytes[n..])
+}
+
+fn recv_intro(sock: &impl AsFd) -> std::io::Result<(Intro, Option<OwnedFd>)> {
+    let mut bytes = [0u8; INTRO_LEN];
     let mut fd = None;
-    for c in msg.cmsgs().map_err(io_err)? {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            for raw in fds {
-                // SAFETY: the kernel just installed this descriptor for us.
-                let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-                fd.get_or_insert(owned);
+    let mut n = 0;
+    if is_unix(sock) {
+        let mut iov = [IoSliceMut::new(&mut bytes)];
+        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+        let msg = recvmsg::<()>(
+            sock.as_fd().as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(io_err)?;
+        for c in msg.cmsgs().map_err(io_err)? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for raw in fds {
+                    // SAFETY: the kernel just installed this descriptor for us.
+                    let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+                    fd.get_or_insert(owned);
+                }
             }
         }
+        n = msg.bytes;
+        if n == 0 {
+            return Err(io_err("the bootstrap socket closed"));
+        }
     }
-    let n = msg.bytes;
-    let intro = Intro::parse(&bytes[..n]).ok_or_else(|| io_err("malformed shm introduction"))?;
+    read_exact(sock, &mut bytes[n..])?;
+    let intro = Intro::parse(&bytes).ok_or_else(|| io_err("malformed shm introduction"))?;
     Ok((intro, fd))
 }
 
 /// Both sides say they are done probing; then the canaries may go.
-fn handshake_done(sock: &UnixStream) -> std::io::Result<()> {
-    use std::io::{Read, Write};
-    (&*sock).write_all(&[1])?;
+fn handshake_done(sock: &impl AsFd) -> std::io::Result<()> {
+    write_all(sock, &[1])?;
     let mut b = [0u8; 1];
-    (&*sock).read_exact(&mut b)?;
+    read_exact(sock, &mut b)?;
     if b[0] != 1 {
         return Err(io_err("malformed shm handshake"));
     }
     Ok(())
+}
+
+/// Take descriptor `fd` of process `pid` (TCP bootstrap: needs the same
+/// permission as reading its memory).
+fn take_peer_fd(pid: u32, fd: u32) -> std::io::Result<OwnedFd> {
+    let pidfd = pidfd_open(Pid::from_raw(pid as i32))
+        .ok_or_else(|| io_err("pidfd_open of the peer failed"))?;
+    // SAFETY: plain syscall with integer arguments.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd as i32, 0) };
+    if got < 0 {
+        return Err(io_err(format!(
+            "cannot take the peer's shm segment (pidfd_getfd: {}); over TCP that needs \
+             permission to trace the peer",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: the kernel just installed this descriptor for us.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(got as i32) })
 }
 
 fn page_size() -> u32 {
@@ -390,20 +469,31 @@ fn read_remote(pid: Pid, src: u64, dst: *mut u8, len: usize) -> Result<(), nix::
 
 impl ShmEndpoint {
     /// Bootstrap as the creator of the segment (side 0).
-    pub fn offer(sock: &UnixStream, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+    pub fn offer(sock: &impl BootstrapSocket, params: ShmParams) -> std::io::Result<ShmEndpoint> {
         let seg = Segment::create(&params)?;
         let canary = Box::new(seg.key as u64 ^ 0x5a5a_5a5a_0000_0000);
-        let mine = Self::intro(&canary);
+        let mut mine = Self::intro(&canary);
+        mine.seg_fd = seg.fd.as_raw_fd() as u32;
+        mine.seg_key = seg.key;
         send_intro(sock, &mine, Some(&seg.fd))?;
         let (peer, _) = recv_intro(sock)?;
         Self::finish(sock, seg, 0, &mine, &peer, params)
     }
 
     /// Bootstrap as the side that maps the peer's segment (side 1).
-    pub fn accept(sock: &UnixStream, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+    pub fn accept(sock: &impl BootstrapSocket, params: ShmParams) -> std::io::Result<ShmEndpoint> {
         let (peer, fd) = recv_intro(sock)?;
-        let fd = fd.ok_or_else(|| io_err("the peer sent no shm segment"))?;
+        let fd = match fd {
+            Some(fd) => fd,
+            None if !is_unix(sock) => take_peer_fd(peer.pid, peer.seg_fd)?,
+            None => return Err(io_err("the peer sent no shm segment")),
+        };
         let seg = Segment::open(fd)?;
+        if seg.key != peer.seg_key {
+            return Err(io_err(
+                "the shm segment is not the one the peer announced (wrong pid or descriptor)",
+            ));
+        }
         let canary = Box::new(seg.key as u64 ^ 0xa5a5_a5a5_0000_0000);
         let mine = Self::intro(&canary);
         send_intro(sock, &mine, None)?;
@@ -421,14 +511,15 @@ impl ShmEndpoint {
             pid: std::process::id(),
             uid: nix::unistd::getuid().as_raw(),
             page_size: page_size(),
-            _pad: 0,
+            seg_fd: 0,
             probe_addr: std::ptr::from_ref(canary) as u64,
             canary: *canary,
+            seg_key: 0,
         }
     }
 
     fn finish(
-        sock: &UnixStream,
+        sock: &impl AsFd,
         seg: Segment,
         side: usize,
         mine: &Intro,

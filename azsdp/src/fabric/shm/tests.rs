@@ -164,8 +164,67 @@ fn full_ring_and_oversize_messages() {
 fn bootstrap_rejects_garbage() {
     let (a, b) = UnixStream::pair().unwrap();
     use std::io::Write;
-    (&a).write_all(&[0u8; 40]).unwrap();
+    (&a).write_all(&[0u8; INTRO_LEN]).unwrap();
     assert!(ShmEndpoint::accept(&b, params()).is_err());
+    // A peer that goes away in the middle of its introduction.
+    let (a, b) = UnixStream::pair().unwrap();
+    (&a).write_all(&[0u8; 20]).unwrap();
+    drop(a);
+    let e = ShmEndpoint::accept(&b, params()).unwrap_err();
+    assert!(e.to_string().contains("closed"), "{e}");
+}
+
+fn tcp_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    (c, s)
+}
+
+/// Over TCP the segment cannot travel with SCM_RIGHTS: the acceptor takes
+/// it from the creator with pidfd_getfd, and the rings and GETs work.
+#[test]
+fn bootstrap_over_tcp() {
+    let (a, b) = tcp_pair();
+    let t = std::thread::spawn(move || ShmEndpoint::accept(&b, params()).unwrap());
+    let mut e0 = ShmEndpoint::offer(&a, params()).unwrap();
+    let mut e1 = t.join().unwrap();
+    assert_eq!(e1.can_get(), None);
+    e0.post_message(b"over tcp").unwrap();
+    let got = drain(&mut e1);
+    assert!(matches!(&got[..], [Got::Msg(m)] if m == b"over tcp"));
+    let src = vec![9u8; 8192];
+    let mut dst = vec![0u8; 8192];
+    let key = e0.register(src.as_ptr() as u64, 8192).unwrap();
+    let remote = RemoteBuf {
+        addr: src.as_ptr() as u64,
+        key,
+    };
+    e1.post_get(OpId(1), remote, dst.as_mut_ptr() as u64, 8192, false)
+        .unwrap();
+    let got = drain(&mut e1);
+    assert!(matches!(
+        &got[..],
+        [Got::Done(OpId(1), OpResult::Get(Ok(())))]
+    ));
+    assert_eq!(dst, src);
+}
+
+/// A TCP peer that names a descriptor which is not its segment (a lie, or
+/// another process's pid) is refused.
+#[test]
+fn bootstrap_over_tcp_refuses_a_lying_peer() {
+    let (a, b) = tcp_pair();
+    let not_a_segment =
+        nix::sys::memfd::memfd_create(c"not-azsdp", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .unwrap();
+    let canary = 0u64;
+    let mut lie = ShmEndpoint::intro(&canary);
+    lie.seg_fd = not_a_segment.as_raw_fd() as u32;
+    lie.seg_key = 12345;
+    send_intro(&a, &lie, None).unwrap();
+    let e = ShmEndpoint::accept(&b, params()).unwrap_err();
+    assert!(e.to_string().contains("shm segment"), "{e}");
 }
 
 /// Two real processes: the child GETs from the parent and CASes its lock word.
