@@ -326,10 +326,7 @@ impl BootstrapSocket for UnixStream {}
 impl BootstrapSocket for std::net::TcpStream {}
 
 fn is_unix(sock: &impl AsFd) -> bool {
-    matches!(
-        nix::sys::socket::getsockname::<nix::sys::socket::UnixAddr>(sock.as_fd().as_raw_fd()),
-        Ok(_)
-    )
+    nix::sys::socket::getsockname::<nix::sys::socket::UnixAddr>(sock.as_fd().as_raw_fd()).is_ok()
 }
 
 fn write_all(sock: &impl AsFd, mut b: &[u8]) -> std::io::Result<()> {
