@@ -15,12 +15,12 @@
 //! page; a fault on a page nobody holds any more is woken at once. A forked
 //! child gets a userfaultfd of its own when it first protects something.
 //!
-//! Protecting registers the whole private mapping holding the pages
+//! Protecting registers the whole mapping holding the pages once
 //! (UFFDIO_REGISTER, write-protect mode), so the mapping is never split
 //! into a piece per send and later sends only toggle protection
-//! (UFFDIO_WRITEPROTECT). The registration is asked for every time rather
-//! than cached: the kernel skips what is already registered, and a cache
-//! would go stale when memory is unmapped behind our back (glibc's `free`). Pages
+//! (UFFDIO_WRITEPROTECT). The cache of registered mappings can go stale
+//! when memory is unmapped behind our back (glibc's `free` does that): a
+//! write-protect that then fails registers the whole mapping again. Pages
 //! never touched are protected too: with `UFFD_FEATURE_WP_UNPOPULATED` by the
 //! kernel, otherwise by reading each page first (which maps the zero page,
 //! which write-protection then covers).
@@ -104,6 +104,11 @@ struct Process {
 
 #[derive(Default)]
 struct State {
+    /// Mappings (their extents when registered) believed registered. A hit
+    /// skips the registration; an entry made stale by memory unmapped and
+    /// mapped again behind our back shows as a failed write-protect, after
+    /// which the mapping is registered again.
+    registered: Vec<Range<u64>>,
     /// Armed pages (registered in MISSING mode too while armed).
     armed: RangeCounter,
     /// Protections per page, over all connections.
@@ -266,12 +271,25 @@ impl Process {
             .map_err(|e| e.to_string())
     }
 
-    /// Register `r` in write-protect mode, except its armed parts (which
-    /// keep MISSING mode). Registering what is already registered the same
-    /// way changes nothing; doing it every time, rather than trusting a
-    /// cache, copes with memory unmapped and mapped again behind our back
-    /// (glibc's `free` unmaps without any hook seeing it).
-    fn ensure_registered(&self, st: &State, r: &Range<u64>) -> Result<(), ProtectError> {
+    /// Register `r` in write-protect mode (unless the cache says it is),
+    /// except its armed parts, which keep MISSING mode.
+    fn ensure_registered(&self, st: &mut State, r: &Range<u64>) -> Result<(), ProtectError> {
+        if st
+            .registered
+            .iter()
+            .any(|g| g.start <= r.start && r.end <= g.end)
+        {
+            return Ok(());
+        }
+        self.register(st, r)?;
+        st.registered.retain(|g| !crate::pages::overlaps(g, r));
+        st.registered.push(r.clone());
+        Ok(())
+    }
+
+    /// Register `r` in write-protect mode, except its armed parts.
+    /// Registering what is already registered the same way changes nothing.
+    fn register(&self, st: &State, r: &Range<u64>) -> Result<(), ProtectError> {
         let mut cur = r.start;
         let mut parts = Vec::new();
         for a in st.armed.intersect(r) {
@@ -294,7 +312,8 @@ impl Process {
     }
 
     /// Unregister the parts of `r` that nobody protects or arms.
-    fn forget_registration(&self, st: &State, r: &Range<u64>) {
+    fn forget_registration(&self, st: &mut State, r: &Range<u64>) {
+        st.registered.retain(|g| !crate::pages::overlaps(g, r));
         if st.wp.overlaps(r)
             || st.armed.overlaps(r)
             || st.held.iter().any(|h| crate::pages::overlaps(&h.pages, r))
@@ -471,7 +490,21 @@ impl UffdProtect {
         }
         let fresh = st.wp.add(r.clone());
         for (i, f) in fresh.iter().enumerate() {
-            if let Err(why) = proc.write_protect(f) {
+            let mut done = proc.write_protect(f);
+            if done.is_err() {
+                // The cached registration went with memory unmapped behind
+                // our back: register the mapping again and retry once.
+                let again = if proc.register(st, extent).is_ok() {
+                    extent
+                } else {
+                    r
+                };
+                done = proc
+                    .register(st, again)
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| proc.write_protect(f));
+            }
+            if let Err(why) = done {
                 for undo in &fresh[..i] {
                     let _ = proc.uffd.remove_write_protection(
                         undo.start as *mut _,
@@ -804,8 +837,8 @@ impl UffdProtect {
     /// Forget registrations in `r` (its memory is being unmapped).
     pub fn forget(&mut self, r: Range<u64>) {
         let proc = Arc::clone(&self.proc);
-        let st = proc.lock();
-        proc.forget_registration(&st, &r);
+        let mut st = proc.lock();
+        proc.forget_registration(&mut st, &r);
     }
 }
 

@@ -296,3 +296,45 @@ fn registration_takes_the_whole_mapping_once() {
         .unwrap();
     u.forget(r);
 }
+
+#[test]
+fn a_registration_gone_with_its_memory_is_redone() {
+    let Some(mut u) = uffd() else { return };
+    let p = Pages::new(8, true);
+    let r = p.range();
+    u.protect(r.start..r.start + 4096).unwrap();
+    u.unprotect(r.start..r.start + 4096).unwrap();
+    // Unmapped behind our back (as glibc's free does), and mapped again at
+    // the same place: the cached registration is stale.
+    let (addr, len) = (r.start, p.len);
+    drop(p);
+    // SAFETY: a fresh private anonymous mapping at the address just freed
+    // (MAP_FIXED_NOREPLACE: fails rather than clobber anything).
+    let q = unsafe {
+        libc::mmap(
+            addr as *mut _,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    };
+    if q as u64 != addr {
+        eprintln!("skipped: the address was taken meanwhile");
+        return;
+    }
+    // SAFETY: our new mapping.
+    unsafe { std::ptr::write_bytes(q.cast::<u8>(), 7, len) };
+    u.protect(addr..addr + 4096).unwrap();
+    let target = addr + 100;
+    let (h, done) = finishes_within(Duration::from_millis(100), move || {
+        // SAFETY: inside the new mapping, which outlives the thread.
+        unsafe { std::ptr::write_volatile(target as *mut u8, 1) };
+    });
+    assert!(!done.load(Ordering::SeqCst), "protected again");
+    u.unprotect(addr..addr + 4096).unwrap();
+    h.join().unwrap();
+    // SAFETY: unmapping our mapping.
+    unsafe { libc::munmap(q, len) };
+}
