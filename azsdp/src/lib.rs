@@ -15,6 +15,7 @@ pub mod config;
 pub mod conn;
 pub mod driver;
 pub mod fabric;
+pub mod futex;
 pub mod memory_map;
 pub mod pages;
 pub mod process;

@@ -276,10 +276,9 @@ pub enum Protectable {
 /// The verdict for one mapping.
 fn judge(v: &Vma) -> Result<Protectable, NotProtectable> {
     match v.kind {
-        Kind::Private if v.writable => Ok(Protectable::Private),
-        Kind::Shared if v.writable && process_private(v) => Ok(Protectable::Aliased),
         Kind::Private | Kind::Shared if !v.writable => Err(NotProtectable::ReadOnly),
-        Kind::Private => Err(NotProtectable::ReadOnly),
+        Kind::Private => Ok(Protectable::Private),
+        Kind::Shared if process_private(v) => Ok(Protectable::Aliased),
         Kind::MainStack => Err(NotProtectable::MainStack),
         Kind::File => Err(NotProtectable::File),
         Kind::Shared => Err(NotProtectable::Shared),

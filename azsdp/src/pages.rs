@@ -10,6 +10,17 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+/// This host's page size (read once).
+pub fn system_page_size() -> u64 {
+    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .map_or(4096, |v| v as u64)
+    })
+}
+
 /// Round `addr` down to a multiple of `page` (a power of two).
 pub fn page_down(addr: u64, page: u64) -> u64 {
     debug_assert!(page.is_power_of_two());

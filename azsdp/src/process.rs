@@ -154,17 +154,6 @@ pub fn inside() -> bool {
     INSIDE.try_with(|c| c.get()).unwrap_or(true)
 }
 
-/// Page size, for the "can it hold a whole page" test.
-fn page() -> u64 {
-    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *PAGE.get_or_init(|| {
-        nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-            .ok()
-            .flatten()
-            .map_or(4096, |v| v as u64)
-    })
-}
-
 /// Settle whatever holds `range`. Cheap when nothing can.
 fn settle(range: Range<u64>) {
     if COUNT.load(Ordering::SeqCst) == 0 || range.is_empty() || inside() {
@@ -172,7 +161,7 @@ fn settle(range: Range<u64>) {
     }
     // Protected and armed pages are whole pages inside one buffer: a range
     // without a whole page cannot hold one.
-    let p = page();
+    let p = crate::pages::system_page_size();
     if range.start.next_multiple_of(p) + p > range.end {
         return;
     }
@@ -233,11 +222,13 @@ pub fn after_remap(old: u64, old_len: u64) {
 pub fn advice_discards(advice: i32) -> bool {
     matches!(
         advice,
-        libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTFORK
-    ) || advice == MADV_WIPEONFORK
+        libc::MADV_DONTNEED
+            | libc::MADV_FREE
+            | libc::MADV_REMOVE
+            | libc::MADV_DONTFORK
+            | libc::MADV_WIPEONFORK
+    )
 }
-
-const MADV_WIPEONFORK: i32 = 18;
 
 /// Before `madvise(addr, len, advice)`.
 pub fn before_madvise(addr: u64, len: u64, advice: i32) {

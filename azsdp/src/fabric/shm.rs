@@ -437,10 +437,7 @@ fn take_peer_fd(pid: u32, fd: u32) -> std::io::Result<OwnedFd> {
 }
 
 fn page_size() -> u32 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .map_or(4096, |v| v as u32)
+    crate::pages::system_page_size() as u32
 }
 
 /// Read `len` bytes at `src` in process `pid` into `dst`, all or nothing.
@@ -597,7 +594,7 @@ impl ShmEndpoint {
     fn wake_peer(&self, force: bool) {
         let (published, sleeping) = self.tx.wait_words();
         if force || sleeping.load(Ordering::Acquire) != 0 {
-            futex_wake(published);
+            crate::futex::wake_all(published);
         }
     }
 
@@ -816,7 +813,7 @@ fn wait_ring(
     // A count, not a flag: several threads of this process may sleep here.
     sleeping.fetch_add(1, Ordering::SeqCst);
     if quiet() && seg.hdr().closed[peer].load(Ordering::Acquire) == 0 {
-        futex_wait(published, ticket, timeout.saturating_sub(start.elapsed()));
+        crate::futex::wait(published, ticket, timeout.saturating_sub(start.elapsed()));
     }
     sleeping.fetch_sub(1, Ordering::SeqCst);
 }
@@ -848,7 +845,7 @@ impl super::FabricWaiter for ShmWaiter {
         if published.load(Ordering::Acquire) == ticket
             && self.seg.hdr().closed[self.peer].load(Ordering::Acquire) == 0
         {
-            futex_wait(published, ticket, timeout);
+            crate::futex::wait(published, ticket, timeout);
         }
         sleeping.fetch_sub(1, Ordering::SeqCst);
     }
@@ -860,33 +857,8 @@ impl super::FabricWaiter for ShmWaiter {
         let (published, sleeping) = self.rx.wait_words();
         published.fetch_add(1, Ordering::Release);
         if sleeping.load(Ordering::SeqCst) != 0 {
-            futex_wake(published);
+            crate::futex::wake_all(published);
         }
-    }
-}
-
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-    };
-    // SAFETY: FUTEX_WAIT on a 4-byte aligned word in shared memory that
-    // stays mapped for the duration of the call; the timespec is valid.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-        );
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE on a 4-byte aligned word in shared memory.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
     }
 }
 

@@ -21,7 +21,7 @@
 //! application memory: atomics, `write(2)`, `futex(2)`.
 //!
 //! `unsafe` here: the signal handler and its installation, `mprotect`, and
-//! the raw pipe and futex calls.
+//! the raw pipe calls.
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
@@ -81,34 +81,9 @@ fn lookup(addr: u64) -> Option<u32> {
     })
 }
 
-fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-    };
-    // SAFETY: FUTEX_WAIT on a static word with a valid timespec.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
-            seen,
-            &ts as *const libc::timespec,
-        )
-    };
-}
-
 fn bump_and_wake() {
     GEN.fetch_add(1, Ordering::SeqCst);
-    // SAFETY: FUTEX_WAKE on a static word.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            GEN.as_ptr(),
-            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
-            i32::MAX,
-        )
-    };
+    crate::futex::wake_all(&GEN);
 }
 
 /// `si_code` of a fault on a page whose protection forbids the access.
@@ -143,7 +118,7 @@ extern "C" fn on_segv(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
             if lookup(addr).is_none() {
                 break;
             }
-            futex_wait(&GEN, seen, Duration::from_millis(50));
+            crate::futex::wait(&GEN, seen, Duration::from_millis(50));
         }
         // SAFETY: as above.
         unsafe { *libc::__errno_location() = errno };
@@ -314,10 +289,7 @@ impl MprotectProtect {
         };
         // The write end now belongs to the table (closed in Drop).
         std::mem::forget(wr);
-        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-            .ok()
-            .flatten()
-            .map_or(4096, |v| v as u64);
+        let page = crate::pages::system_page_size();
         Ok(MprotectProtect {
             owner: owner as u32,
             mine: Vec::new(),

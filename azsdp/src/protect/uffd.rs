@@ -235,7 +235,8 @@ impl Process {
                 write: rw == ReadWrite::Write,
                 wp: matches!(kind, FaultKind::WriteProtected),
             };
-            let page = f.addr & !4095;
+            let page_len = crate::pages::system_page_size();
+            let page = f.addr & !(page_len - 1);
             let st = self.lock();
             let mut told = false;
             for h in &st.held {
@@ -257,9 +258,9 @@ impl Process {
                 if !f.wp {
                     // SAFETY: fills a hole in a registered range with the
                     // zero page and wakes its waiters.
-                    let _ = unsafe { self.uffd.zeropage(page as *mut _, 4096, true) };
+                    let _ = unsafe { self.uffd.zeropage(page as *mut _, page_len as usize, true) };
                 }
-                let _ = self.uffd.wake(page as *mut _, 4096);
+                let _ = self.uffd.wake(page as *mut _, page_len as usize);
             }
         }
     }
@@ -333,7 +334,7 @@ impl Process {
                 // maps the zero page into a never-touched page (which
                 // write-protection then covers) and changes nothing else.
                 unsafe { std::ptr::read_volatile(a as *const u8) };
-                a += 4096;
+                a += crate::pages::system_page_size();
             }
         }
         self.uffd
@@ -396,10 +397,7 @@ impl UffdProtect {
             st.inboxes.insert(owner, tx);
             owner
         };
-        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-            .ok()
-            .flatten()
-            .map_or(4096, |v| v as u64);
+        let page = crate::pages::system_page_size();
         Ok(UffdProtect {
             proc,
             owner,
@@ -494,13 +492,9 @@ impl UffdProtect {
             if done.is_err() {
                 // The cached registration went with memory unmapped behind
                 // our back: register the mapping again and retry once.
-                let again = if proc.register(st, extent).is_ok() {
-                    extent
-                } else {
-                    r
-                };
                 done = proc
-                    .register(st, again)
+                    .register(st, extent)
+                    .or_else(|_| proc.register(st, r))
                     .map_err(|e| e.to_string())
                     .and_then(|()| proc.write_protect(f));
             }

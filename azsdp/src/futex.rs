@@ -1,0 +1,35 @@
+//! Futex wait and wake on a 32-bit word (shared memory or our own), used by
+//! the `shm` rings and the mprotect fault handler. Both are plain syscalls,
+//! safe in a signal handler.
+//!
+//! `unsafe` here: the raw `futex(2)` calls.
+
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+/// Sleep while `word` holds `expected`, at most `timeout` (may return early).
+pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: FUTEX_WAIT on a live, 4-byte aligned word (an atomic) with a
+    // valid timespec; not private, so it also works on shared memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Wake every thread sleeping on `word`.
+pub fn wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a live, 4-byte aligned word.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
