@@ -552,6 +552,21 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         }
     }
 
+    /// `shutdown(how)`.
+    pub fn shutdown(&mut self, how: crate::conn::Shutdown) {
+        let now = self.now();
+        self.conn.shutdown(now, how, &mut self.mem);
+        self.drive();
+    }
+
+    /// `close()` with SO_LINGER {on, 0}: the peer sees a reset.
+    pub fn abort(&mut self) {
+        let now = self.now();
+        self.conn
+            .close(now, crate::conn::Linger::Abort, &mut self.mem);
+        self.drive();
+    }
+
     /// Start `close()` (SO_LINGER off): the connection finishes in the background.
     pub fn submit_close(&mut self) {
         let now = self.now();

@@ -21,5 +21,6 @@ pub mod pages;
 pub mod process;
 pub mod protect;
 pub mod sim;
+pub mod stats;
 pub mod time;
 pub mod wire;

@@ -68,6 +68,7 @@ pub struct Tunables {
     pub peer_timeout: Option<Duration>,
     pub keepalive: Option<Duration>,
     pub linger: Option<Duration>,
+    pub pair_timeout: Option<Duration>,
 }
 
 /// Tunables with every field decided.
@@ -95,6 +96,9 @@ pub struct Settings {
     pub peer_timeout: Duration,
     pub keepalive: Duration,
     pub linger: Duration,
+    /// How long a client's `connect()` waits for the listener to accept
+    /// before the connection stays on TCP (a driver setting).
+    pub pair_timeout: Duration,
 }
 
 impl Default for Settings {
@@ -129,6 +133,7 @@ impl Default for Settings {
             peer_timeout: e.peer_timeout,
             keepalive: e.keepalive,
             linger: e.linger,
+            pair_timeout: Duration::from_millis(500),
         }
     }
 }
@@ -160,7 +165,8 @@ impl Settings {
             poll,
             peer_timeout,
             keepalive,
-            linger
+            linger,
+            pair_timeout
         );
         s
     }
@@ -286,6 +292,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "peer_timeout",
     "keepalive",
     "linger",
+    "pair_timeout",
 ];
 
 /// A raw value, whether from TOML or from the environment.
@@ -427,6 +434,7 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
         "peer_timeout" => t.peer_timeout = Some(duration(raw)?),
         "keepalive" => t.keepalive = Some(duration(raw)?),
         "linger" => t.linger = Some(duration(raw)?),
+        "pair_timeout" => t.pair_timeout = Some(duration(raw)?),
         _ => return Err(format!("unknown key (known: {})", TUNABLE_KEYS.join(", "))),
     }
     Ok(())

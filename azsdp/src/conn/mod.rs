@@ -319,6 +319,21 @@ impl Connection {
         }
     }
 
+    /// Bytes a `recv()` could take now without waiting for the peer
+    /// (FIONREAD): buffered DATA plus what is left of each advertisement.
+    pub fn readable_bytes(&self) -> u64 {
+        self.rxq
+            .iter()
+            .map(|item| match item {
+                RxItem::Data(n) => *n,
+                RxItem::Avail(id) => self
+                    .in_avails
+                    .get(id)
+                    .map_or(0, |a| u64::from(a.len.saturating_sub(a.taken))),
+            })
+            .sum()
+    }
+
     /// Does anything in flight hold `range` of application memory: pages
     /// write-protected for a send, or armed for a receive? (Memory-lifetime
     /// hooks ask before memory is freed, unmapped or discarded.)

@@ -24,7 +24,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{Driver, Protector};
-use crate::conn::{Access, CallError, CallId, Counters, RecvFlags, SendFlags, State};
+use crate::conn::{
+    Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State,
+};
 use crate::fabric::{Fabric, FabricWaiter};
 use crate::process::{self, Inside, Participant};
 use crate::protect::FaultSource;
@@ -41,7 +43,16 @@ struct Shared<F: Fabric, P: Protector> {
     /// The process that owns the threads; in a forked child this driver is
     /// the parent's, and inert.
     owner: u32,
+    /// Told whenever a turn delivered something (readiness may have changed).
+    notify: Option<Notify>,
+    /// `close()` was called: the progress thread ends once the connection
+    /// is finished or this deadline passes.
+    closing: Mutex<Option<Instant>>,
 }
+
+/// Called after the engine took in something from the fabric, a fault or a
+/// timer: whoever waits for readiness (poll, epoll) should look again.
+pub type Notify = Arc<dyn Fn() + Send + Sync>;
 
 /// The driver, locked, with the thread marked as inside azsdp (so memory
 /// hooks let its own frees pass instead of asking this very driver).
@@ -138,8 +149,13 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
                 break;
             }
         }
-        if total > 0 && self.in_calls.load(Ordering::SeqCst) > others {
-            self.waiter.kick();
+        if total > 0 {
+            if self.in_calls.load(Ordering::SeqCst) > others {
+                self.waiter.kick();
+            }
+            if let Some(n) = &self.notify {
+                n();
+            }
         }
         total
     }
@@ -169,12 +185,25 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         waiter: impl FabricWaiter + 'static,
         faults: Option<Box<dyn FaultSource>>,
     ) -> Self {
+        Self::start_with_notify(driver, waiter, faults, None)
+    }
+
+    /// [`ThreadedDriver::start`], calling `notify` whenever readiness may
+    /// have changed.
+    pub fn start_with_notify(
+        driver: Driver<F, P>,
+        waiter: impl FabricWaiter + 'static,
+        faults: Option<Box<dyn FaultSource>>,
+        notify: Option<Notify>,
+    ) -> Self {
         let shared = Arc::new(Shared {
             driver: Mutex::new(driver),
             waiter: Box::new(waiter),
             stop: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
             owner: std::process::id(),
+            notify,
+            closing: Mutex::new(None),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak);
@@ -203,6 +232,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                             s.turn_all(&mut d, 0);
                             d.submit_fault(f.addr, access);
                             drop(d);
+                            if let Some(n) = &s.notify {
+                                n();
+                            }
                             if s.in_calls.load(Ordering::SeqCst) > 0 {
                                 s.waiter.kick();
                             }
@@ -257,6 +289,51 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.forget(range);
     }
 
+    /// Readiness for poll/select/epoll (a forked child's inert copy is in
+    /// error: it cannot move data).
+    pub fn readiness(&self) -> Readiness {
+        if self.shared.orphaned() {
+            return Readiness {
+                readable: true,
+                writable: true,
+                hangup: true,
+                error: true,
+            };
+        }
+        let mut d = self.shared.lock();
+        self.shared.turn_all(&mut d, 0);
+        d.connection().readiness()
+    }
+
+    /// Bytes a `recv()` could take without waiting (FIONREAD).
+    pub fn readable_bytes(&self) -> u64 {
+        if self.shared.orphaned() {
+            return 0;
+        }
+        let mut d = self.shared.lock();
+        self.shared.turn_all(&mut d, 0);
+        d.connection().readable_bytes()
+    }
+
+    /// `shutdown(how)`; returns at once.
+    pub fn shutdown(&self, how: Shutdown) {
+        if !self.shared.orphaned() {
+            self.shared.lock().shutdown(how);
+            self.shared.waiter.kick();
+        }
+    }
+
+    /// Wait up to `timeout` for `ready` to hold (turning the engine while
+    /// waiting); false if it did not. For callers that wait for readiness
+    /// themselves (a blocking `send()` on a full buffer).
+    pub fn wait_readiness(&self, timeout: Duration, ready: impl Fn(&Readiness) -> bool) -> bool {
+        self.shared
+            .wait_until(Some(Instant::now() + timeout), |d| {
+                ready(&d.connection().readiness()).then_some(())
+            })
+            .is_some()
+    }
+
     /// The connection's state (why it ended, if it did).
     pub fn state(&self) -> State {
         if self.shared.orphaned() {
@@ -278,6 +355,53 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return Counters::default();
         }
         self.shared.lock().connection().counters().clone()
+    }
+
+    /// `close()` as a program sees it: returns at once (SO_LINGER off, or
+    /// `abort` for {on, 0}); the progress thread finishes the connection in
+    /// the background and ends once it is finished or `linger` passed.
+    /// [`ThreadedDriver::join_closed`] waits for that.
+    pub fn close_in_background(&self, abort: bool, linger: Duration) {
+        if self.shared.orphaned() {
+            return;
+        }
+        {
+            let mut d = self.shared.lock();
+            if abort {
+                d.abort();
+            } else {
+                d.submit_close();
+            }
+        }
+        *self
+            .shared
+            .closing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + linger);
+        self.shared.waiter.kick();
+    }
+
+    /// After [`ThreadedDriver::close_in_background`]: wait until the
+    /// progress thread is done (or `timeout`); whether it finished.
+    pub fn join_closed(&self, timeout: Duration) -> bool {
+        if self.shared.orphaned() {
+            return true;
+        }
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.threads.iter().all(|t| t.is_finished())
+                || self.shared.stop.load(Ordering::SeqCst)
+            {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    /// Is the connection finished (nothing left in flight)?
+    pub fn is_finished(&self) -> bool {
+        self.shared.orphaned() || self.shared.lock().is_finished()
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
@@ -326,6 +450,19 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 /// the lock is free (that caller turns for itself).
 fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
     while !s.stop.load(Ordering::Relaxed) {
+        let closing = *s.closing.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(deadline) = closing {
+            let mut d = s.lock();
+            if d.is_finished() || Instant::now() >= deadline {
+                if !d.is_finished() {
+                    d.abort();
+                }
+                drop(d);
+                // The fault thread ends with it.
+                s.stop.store(true, Ordering::SeqCst);
+                break;
+            }
+        }
         let ticket = s.waiter.prepare();
         let guard = if s.in_calls.load(Ordering::SeqCst) > 0 {
             s.try_lock()

@@ -59,6 +59,9 @@ struct SegHeader {
     revoked: [AtomicU32; 2],
     /// Per side: the side closed its end cleanly.
     closed: [AtomicU32; 2],
+    /// Free for whoever set the pair up to agree on it (the preload shim's
+    /// commit-or-withdraw word, see [`ShmEndpoint::agreement`]).
+    agreement: AtomicU32,
 }
 
 const _: () = assert!(std::mem::size_of::<SegHeader>() <= HEADER_LEN);
@@ -569,6 +572,13 @@ impl ShmEndpoint {
             peer: 1 - self.side,
             poll: self.params.poll,
         }
+    }
+
+    /// A word both sides share, 0 when the segment is made, that the code
+    /// pairing two connections uses to agree (by compare-and-swap) whether
+    /// the pair goes ahead. Waiters sleep on it with [`crate::futex`].
+    pub fn agreement(&self) -> &AtomicU32 {
+        &self.seg.hdr().agreement
     }
 
     /// `None` if this side may GET from the peer; otherwise why not.

@@ -1,0 +1,541 @@
+//! Per-process connection statistics in shared memory, for `azsdp stat`.
+//!
+//! Every process under azsdp that has a connection keeps one file,
+//! `<dir>/azsdp-stat.<pid>` (dir: `AZSDP_STAT_DIR`, else `/dev/shm`), of
+//! fixed-size slots, one per connection, each a row of 64-bit atomic words
+//! the process updates as it goes. `azsdp stat` maps the files read-only and
+//! copies the rows; no daemon and no locking (a row may be a few updates
+//! stale, never torn within a word). Files of processes that are gone are
+//! skipped and removed by the reader.
+//!
+//! `unsafe` here: the shared mapping viewed as atomics.
+
+use std::fs::{File, OpenOptions};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::{Mmap, MmapMut};
+
+use crate::conn::{Counters, FallbackReason, Role};
+
+const MAGIC: u64 = 0x617a_7364_7073_7431; // "azsdpst1"
+/// Connections one process file can show (more are counted, not shown).
+pub const SLOTS: usize = 512;
+const WORDS: usize = 32;
+const HEADER_WORDS: usize = 32;
+
+/// Word indices within a slot.
+mod w {
+    pub const STATE: usize = 0;
+    pub const ROLE: usize = 1;
+    pub const PATH: usize = 2;
+    pub const REASON: usize = 3;
+    pub const LOCAL_PORT: usize = 4;
+    pub const PEER_PORT: usize = 5;
+    pub const PEER_PID: usize = 6;
+    pub const LOCAL_IP: usize = 7; // and 8
+    pub const PEER_IP: usize = 9; // and 10
+    pub const ZC_REASON: usize = 11;
+    pub const SENT_BSDP: usize = 12;
+    pub const SENT_ASYNC: usize = 13;
+    pub const SENT_SYNC: usize = 14;
+    pub const RECV_BSDP: usize = 15;
+    pub const RECV_ZCOPY: usize = 16;
+    pub const SENT_TCP: usize = 17;
+    pub const RECV_TCP: usize = 18;
+    pub const AVAILS_OUT: usize = 19;
+    pub const AVAILS_SENT: usize = 20;
+    pub const GETS: usize = 21;
+    pub const GET_BYTES: usize = 22;
+    pub const SEND_FAULTS: usize = 23;
+    pub const RECV_FAULTS: usize = 24;
+    pub const COW_COPIES: usize = 25;
+    pub const COW_LOST: usize = 26;
+    pub const FALLBACKS: usize = 27;
+    pub const ARMED_RECVS: usize = 28;
+    pub const OPENED_MS: usize = 29;
+}
+
+/// Header word indices.
+mod h {
+    pub const MAGIC: usize = 0;
+    pub const PID: usize = 1;
+    pub const SLOTS: usize = 2;
+    pub const DROPPED: usize = 3;
+    pub const PROGRAM: usize = 4; // 8 words, NUL-padded
+}
+
+/// Which path a connection's bytes take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnPath {
+    /// Plain kernel TCP.
+    Tcp,
+    /// On the azsdp fabric, copied through the rings only.
+    Bsdp,
+    /// Zero-copy, synchronous.
+    Zsdp,
+    /// Zero-copy, asynchronous (AZ-SDP).
+    Azsdp,
+}
+
+impl ConnPath {
+    fn code(self) -> u64 {
+        match self {
+            ConnPath::Tcp => 1,
+            ConnPath::Bsdp => 2,
+            ConnPath::Zsdp => 3,
+            ConnPath::Azsdp => 4,
+        }
+    }
+    fn from_code(c: u64) -> ConnPath {
+        match c {
+            2 => ConnPath::Bsdp,
+            3 => ConnPath::Zsdp,
+            4 => ConnPath::Azsdp,
+            _ => ConnPath::Tcp,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ConnPath::Tcp => "tcp",
+            ConnPath::Bsdp => "bsdp",
+            ConnPath::Zsdp => "zsdp",
+            ConnPath::Azsdp => "azsdp",
+        }
+    }
+}
+
+/// Why a connection stayed on (or went back to) TCP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcpReason {
+    /// A config rule says `tcp` for it.
+    Rule,
+    /// No listener under azsdp answers for that address and port.
+    PeerNotAzsdp,
+    /// The peer is on another host (no remote fabric yet).
+    PeerRemote,
+    /// The listener did not accept the connection within `pair_timeout`.
+    PairTimeout,
+    /// The side channel or the shared segment could not be set up.
+    SetupFailed,
+    /// The configuration could not be loaded.
+    BadConfig,
+    /// The peer's address does not match what it claimed when pairing.
+    Mismatch,
+    /// Socket options the fabric does not emulate (e.g. OOB data).
+    Unsupported,
+}
+
+impl TcpReason {
+    pub const ALL: [TcpReason; 8] = [
+        TcpReason::Rule,
+        TcpReason::PeerNotAzsdp,
+        TcpReason::PeerRemote,
+        TcpReason::PairTimeout,
+        TcpReason::SetupFailed,
+        TcpReason::BadConfig,
+        TcpReason::Mismatch,
+        TcpReason::Unsupported,
+    ];
+    fn code(self) -> u64 {
+        TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
+    }
+    fn from_code(c: u64) -> Option<TcpReason> {
+        c.checked_sub(1)
+            .and_then(|i| TcpReason::ALL.get(i as usize))
+            .copied()
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TcpReason::Rule => "rule",
+            TcpReason::PeerNotAzsdp => "peer-not-azsdp",
+            TcpReason::PeerRemote => "peer-remote",
+            TcpReason::PairTimeout => "pair-timeout",
+            TcpReason::SetupFailed => "setup-failed",
+            TcpReason::BadConfig => "bad-config",
+            TcpReason::Mismatch => "mismatch",
+            TcpReason::Unsupported => "unsupported",
+        }
+    }
+}
+
+fn zc_code(r: Option<FallbackReason>) -> u64 {
+    match r {
+        None => 0,
+        Some(FallbackReason::FaultRate) => 1,
+        Some(FallbackReason::NoProtection) => 2,
+        Some(FallbackReason::NoCopyOnWrite) => 3,
+        Some(FallbackReason::NoZeroCopy) => 4,
+        Some(FallbackReason::PrepareFailed) => 5,
+    }
+}
+
+fn zc_name(c: u64) -> Option<&'static str> {
+    Some(match c {
+        1 => "fault-rate",
+        2 => "no-protection",
+        3 => "no-copy-on-write",
+        4 => "no-zero-copy",
+        5 => "prepare-failed",
+        _ => return None,
+    })
+}
+
+/// Directory of the stat files.
+pub fn dir() -> PathBuf {
+    std::env::var_os("AZSDP_STAT_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/dev/shm"))
+}
+
+fn file_of(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("azsdp-stat.{pid}"))
+}
+
+fn file_len() -> usize {
+    (HEADER_WORDS + SLOTS * WORDS) * 8
+}
+
+fn ip_words(ip: IpAddr) -> (u64, u64) {
+    let v6 = match ip {
+        IpAddr::V4(a) => a.to_ipv6_mapped(),
+        IpAddr::V6(a) => a,
+    };
+    let b = u128::from(v6);
+    ((b >> 64) as u64, b as u64)
+}
+
+fn ip_of(hi: u64, lo: u64) -> IpAddr {
+    let a = Ipv6Addr::from((u128::from(hi) << 64) | u128::from(lo));
+    match a.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(a),
+    }
+}
+
+/// This process's stat file, for writing.
+#[derive(Debug)]
+pub struct StatFile {
+    map: MmapMut,
+    path: PathBuf,
+    pid: u32,
+}
+
+impl StatFile {
+    /// Create (or take over, after exec) this process's file.
+    pub fn create(dir: &Path, program: &str) -> std::io::Result<StatFile> {
+        let pid = std::process::id();
+        let path = file_of(dir, pid);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)?;
+        f.set_len(file_len() as u64)?;
+        // SAFETY: a regular file we just sized; only this process writes it,
+        // and only through atomics.
+        let map = unsafe { MmapMut::map_mut(&f)? };
+        let s = StatFile { map, path, pid };
+        let hdr = s.words(0, HEADER_WORDS);
+        hdr[h::PID].store(u64::from(pid), Ordering::Relaxed);
+        hdr[h::SLOTS].store(SLOTS as u64, Ordering::Relaxed);
+        let name = program.as_bytes();
+        for (i, word) in hdr[h::PROGRAM..h::PROGRAM + 8].iter().enumerate() {
+            let mut b = [0u8; 8];
+            for (j, x) in b.iter_mut().enumerate() {
+                *x = name.get(i * 8 + j).copied().unwrap_or(0);
+            }
+            word.store(u64::from_le_bytes(b), Ordering::Relaxed);
+        }
+        hdr[h::MAGIC].store(MAGIC, Ordering::Release);
+        Ok(s)
+    }
+
+    fn words(&self, at: usize, n: usize) -> &[AtomicU64] {
+        assert!((at + n) * 8 <= self.map.len());
+        // SAFETY: in bounds (checked), 8-aligned (page-aligned map), and the
+        // memory is only ever accessed as atomics by every process.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>().add(at), n) }
+    }
+
+    fn slot_words(&self, slot: usize) -> &[AtomicU64] {
+        self.words(HEADER_WORDS + slot * WORDS, WORDS)
+    }
+
+    /// Take a free slot for a connection; `None` (counted) if all are used.
+    pub fn open_slot(&self, role: Role, local: SocketAddr, peer: SocketAddr) -> Option<usize> {
+        for slot in 0..SLOTS {
+            let s = self.slot_words(slot);
+            if s[w::STATE]
+                .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                for x in &s[1..] {
+                    x.store(0, Ordering::Relaxed);
+                }
+                s[w::ROLE].store(u64::from(role == Role::Server), Ordering::Relaxed);
+                s[w::PATH].store(ConnPath::Tcp.code(), Ordering::Relaxed);
+                s[w::LOCAL_PORT].store(u64::from(local.port()), Ordering::Relaxed);
+                s[w::PEER_PORT].store(u64::from(peer.port()), Ordering::Relaxed);
+                let (a, b) = ip_words(local.ip());
+                s[w::LOCAL_IP].store(a, Ordering::Relaxed);
+                s[w::LOCAL_IP + 1].store(b, Ordering::Relaxed);
+                let (a, b) = ip_words(peer.ip());
+                s[w::PEER_IP].store(a, Ordering::Relaxed);
+                s[w::PEER_IP + 1].store(b, Ordering::Relaxed);
+                let ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                s[w::OPENED_MS].store(ms, Ordering::Relaxed);
+                s[w::STATE].store(2, Ordering::Release);
+                return Some(slot);
+            }
+        }
+        self.words(0, HEADER_WORDS)[h::DROPPED].fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Set the connection's path, peer pid and why it is on TCP (if it is).
+    pub fn set_path(&self, slot: usize, path: ConnPath, reason: Option<TcpReason>, peer_pid: u32) {
+        let s = self.slot_words(slot);
+        s[w::PATH].store(path.code(), Ordering::Relaxed);
+        s[w::REASON].store(reason.map_or(0, TcpReason::code), Ordering::Relaxed);
+        s[w::PEER_PID].store(u64::from(peer_pid), Ordering::Relaxed);
+    }
+
+    /// Bytes moved over plain TCP.
+    pub fn add_tcp(&self, slot: usize, sent: u64, received: u64) {
+        let s = self.slot_words(slot);
+        if sent > 0 {
+            s[w::SENT_TCP].fetch_add(sent, Ordering::Relaxed);
+        }
+        if received > 0 {
+            s[w::RECV_TCP].fetch_add(received, Ordering::Relaxed);
+        }
+    }
+
+    /// Copy an engine's counters into the slot.
+    pub fn publish(&self, slot: usize, c: &Counters, outstanding_avails: u64, path: ConnPath) {
+        let s = self.slot_words(slot);
+        let set = |i: usize, v: u64| s[i].store(v, Ordering::Relaxed);
+        set(w::PATH, path.code());
+        set(w::ZC_REASON, zc_code(c.fallback_reason));
+        set(w::SENT_BSDP, c.bytes_sent_bsdp);
+        set(w::SENT_ASYNC, c.bytes_sent_async);
+        set(w::SENT_SYNC, c.bytes_sent_sync);
+        set(w::RECV_BSDP, c.bytes_recv_bsdp);
+        set(w::RECV_ZCOPY, c.bytes_recv_zcopy);
+        set(w::AVAILS_OUT, outstanding_avails);
+        set(w::AVAILS_SENT, c.avails_sent);
+        set(w::GETS, c.gets);
+        set(w::GET_BYTES, c.get_bytes);
+        set(w::SEND_FAULTS, c.send_faults);
+        set(w::RECV_FAULTS, c.recv_faults);
+        set(w::COW_COPIES, c.cow_copies);
+        set(w::COW_LOST, c.cow_lost);
+        set(w::FALLBACKS, c.fallbacks);
+        set(w::ARMED_RECVS, c.armed_recvs);
+    }
+
+    /// The connection is gone: free its slot.
+    pub fn close_slot(&self, slot: usize) {
+        self.slot_words(slot)[w::STATE].store(0, Ordering::Release);
+    }
+}
+
+impl Drop for StatFile {
+    fn drop(&mut self) {
+        if std::process::id() == self.pid {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// One connection as `azsdp stat` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnStat {
+    pub pid: u32,
+    pub program: String,
+    pub role: Role,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    pub peer_pid: u32,
+    pub path: ConnPath,
+    pub tcp_reason: Option<TcpReason>,
+    pub zcopy_fallback: Option<&'static str>,
+    pub sent_tcp: u64,
+    pub recv_tcp: u64,
+    pub sent_bsdp: u64,
+    pub sent_async: u64,
+    pub sent_sync: u64,
+    pub recv_bsdp: u64,
+    pub recv_zcopy: u64,
+    pub avails_outstanding: u64,
+    pub avails_sent: u64,
+    pub gets: u64,
+    pub get_bytes: u64,
+    pub send_faults: u64,
+    pub recv_faults: u64,
+    pub cow_copies: u64,
+    pub cow_lost: u64,
+    pub fallbacks: u64,
+    pub armed_recvs: u64,
+    pub opened_ms: u64,
+}
+
+/// Is `pid` a live process?
+fn alive(pid: u32) -> bool {
+    let Ok(p) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks for existence.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Read every live process's connections under `dir`; files of processes
+/// that are gone are removed. Unreadable or foreign files are skipped.
+pub fn read_all(dir: &Path) -> Vec<ConnStat> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("azsdp-stat."))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !alive(pid) {
+            let _ = std::fs::remove_file(e.path());
+            continue;
+        }
+        if let Some(rows) = read_file(&e.path(), pid) {
+            out.extend(rows);
+        }
+    }
+    out.sort_by_key(|c| (c.pid, c.opened_ms));
+    out
+}
+
+fn read_file(path: &Path, pid: u32) -> Option<Vec<ConnStat>> {
+    let f = File::open(path).ok()?;
+    if f.metadata().ok()?.len() < file_len() as u64 {
+        return None;
+    }
+    // SAFETY: read-only shared mapping, read only through atomics below.
+    let map = unsafe { Mmap::map(&f).ok()? };
+    // SAFETY: the file is at least file_len() bytes (checked) and the
+    // mapping page-aligned; its writer only stores whole words atomically.
+    let words =
+        unsafe { std::slice::from_raw_parts(map.as_ptr().cast::<AtomicU64>(), file_len() / 8) };
+    let get = |i: usize| words[i].load(Ordering::Relaxed);
+    if words[h::MAGIC].load(Ordering::Acquire) != MAGIC || get(h::PID) != u64::from(pid) {
+        return None;
+    }
+    let mut program = Vec::new();
+    for i in 0..8 {
+        program.extend_from_slice(&get(h::PROGRAM + i).to_le_bytes());
+    }
+    let program = String::from_utf8_lossy(&program)
+        .trim_end_matches('\0')
+        .to_string();
+    let mut rows = Vec::new();
+    for slot in 0..SLOTS {
+        let b = HEADER_WORDS + slot * WORDS;
+        let s = |i: usize| get(b + i);
+        if words[b + w::STATE].load(Ordering::Acquire) != 2 {
+            continue;
+        }
+        rows.push(ConnStat {
+            pid,
+            program: program.clone(),
+            role: if s(w::ROLE) == 1 {
+                Role::Server
+            } else {
+                Role::Client
+            },
+            local: SocketAddr::new(
+                ip_of(s(w::LOCAL_IP), s(w::LOCAL_IP + 1)),
+                s(w::LOCAL_PORT) as u16,
+            ),
+            peer: SocketAddr::new(
+                ip_of(s(w::PEER_IP), s(w::PEER_IP + 1)),
+                s(w::PEER_PORT) as u16,
+            ),
+            peer_pid: s(w::PEER_PID) as u32,
+            path: ConnPath::from_code(s(w::PATH)),
+            tcp_reason: TcpReason::from_code(s(w::REASON)),
+            zcopy_fallback: zc_name(s(w::ZC_REASON)),
+            sent_tcp: s(w::SENT_TCP),
+            recv_tcp: s(w::RECV_TCP),
+            sent_bsdp: s(w::SENT_BSDP),
+            sent_async: s(w::SENT_ASYNC),
+            sent_sync: s(w::SENT_SYNC),
+            recv_bsdp: s(w::RECV_BSDP),
+            recv_zcopy: s(w::RECV_ZCOPY),
+            avails_outstanding: s(w::AVAILS_OUT),
+            avails_sent: s(w::AVAILS_SENT),
+            gets: s(w::GETS),
+            get_bytes: s(w::GET_BYTES),
+            send_faults: s(w::SEND_FAULTS),
+            recv_faults: s(w::RECV_FAULTS),
+            cow_copies: s(w::COW_COPIES),
+            cow_lost: s(w::COW_LOST),
+            fallbacks: s(w::FALLBACKS),
+            armed_recvs: s(w::ARMED_RECVS),
+            opened_ms: s(w::OPENED_MS),
+        });
+    }
+    Some(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_round_trip_and_dead_files_are_removed() {
+        let dir = std::env::temp_dir().join(format!("azsdp-stat-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = StatFile::create(&dir, "prog-name").unwrap();
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let peer: SocketAddr = "[::1]:6000".parse().unwrap();
+        let slot = f.open_slot(Role::Server, local, peer).unwrap();
+        let other = f.open_slot(Role::Client, peer, local).unwrap();
+        f.set_path(slot, ConnPath::Azsdp, None, 4242);
+        f.set_path(other, ConnPath::Tcp, Some(TcpReason::PeerNotAzsdp), 0);
+        f.add_tcp(other, 10, 20);
+        let c = Counters {
+            bytes_sent_async: 1 << 30,
+            gets: 7,
+            fallback_reason: Some(FallbackReason::FaultRate),
+            ..Counters::default()
+        };
+        f.publish(slot, &c, 3, ConnPath::Zsdp);
+        f.close_slot(other);
+        // A file of a process that cannot exist.
+        std::fs::write(dir.join("azsdp-stat.4000000000"), b"x").unwrap();
+        let rows = read_all(&dir);
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(r.program, "prog-name");
+        assert_eq!((r.local, r.peer, r.peer_pid), (local, peer, 4242));
+        assert_eq!(r.role, Role::Server);
+        assert_eq!(r.path, ConnPath::Zsdp);
+        assert_eq!(
+            (r.sent_async, r.gets, r.avails_outstanding),
+            (1 << 30, 7, 3)
+        );
+        assert_eq!(r.zcopy_fallback, Some("fault-rate"));
+        assert!(!dir.join("azsdp-stat.4000000000").exists());
+        drop(f);
+        assert!(read_all(&dir).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
