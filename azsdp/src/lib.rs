@@ -18,6 +18,7 @@ pub mod fabric;
 pub mod futex;
 pub mod memory_map;
 pub mod pages;
+pub mod pairing;
 pub mod process;
 pub mod protect;
 pub mod sim;

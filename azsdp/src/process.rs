@@ -172,6 +172,12 @@ fn settle(range: Range<u64>) {
     }
 }
 
+/// Does any connection exist that memory hooks must ask? (Callers skip
+/// their own work, e.g. `malloc_usable_size`, when not.)
+pub fn active() -> bool {
+    COUNT.load(Ordering::Relaxed) > 0
+}
+
 /// Before `free(ptr)` of a chunk with `usable` bytes (`malloc_usable_size`).
 pub fn before_free(ptr: u64, usable: u64) {
     settle(ptr..ptr.saturating_add(usable));

@@ -264,8 +264,17 @@ impl StatFile {
         self.words(HEADER_WORDS + slot * WORDS, WORDS)
     }
 
+    /// Writes from a forked child, whose inherited mapping is the parent's
+    /// file, are dropped (it makes its own).
+    fn mine(&self) -> bool {
+        std::process::id() == self.pid
+    }
+
     /// Take a free slot for a connection; `None` (counted) if all are used.
     pub fn open_slot(&self, role: Role, local: SocketAddr, peer: SocketAddr) -> Option<usize> {
+        if !self.mine() {
+            return None;
+        }
         for slot in 0..SLOTS {
             let s = self.slot_words(slot);
             if s[w::STATE]
@@ -299,6 +308,9 @@ impl StatFile {
 
     /// Set the connection's path, peer pid and why it is on TCP (if it is).
     pub fn set_path(&self, slot: usize, path: ConnPath, reason: Option<TcpReason>, peer_pid: u32) {
+        if !self.mine() {
+            return;
+        }
         let s = self.slot_words(slot);
         s[w::PATH].store(path.code(), Ordering::Relaxed);
         s[w::REASON].store(reason.map_or(0, TcpReason::code), Ordering::Relaxed);
@@ -307,6 +319,9 @@ impl StatFile {
 
     /// Bytes moved over plain TCP.
     pub fn add_tcp(&self, slot: usize, sent: u64, received: u64) {
+        if !self.mine() {
+            return;
+        }
         let s = self.slot_words(slot);
         if sent > 0 {
             s[w::SENT_TCP].fetch_add(sent, Ordering::Relaxed);
@@ -318,6 +333,9 @@ impl StatFile {
 
     /// Copy an engine's counters into the slot.
     pub fn publish(&self, slot: usize, c: &Counters, outstanding_avails: u64, path: ConnPath) {
+        if !self.mine() {
+            return;
+        }
         let s = self.slot_words(slot);
         let set = |i: usize, v: u64| s[i].store(v, Ordering::Relaxed);
         set(w::PATH, path.code());
@@ -341,6 +359,9 @@ impl StatFile {
 
     /// The connection is gone: free its slot.
     pub fn close_slot(&self, slot: usize) {
+        if !self.mine() {
+            return;
+        }
         self.slot_words(slot)[w::STATE].store(0, Ordering::Release);
     }
 }

@@ -1,14 +1,19 @@
 //! The `azsdp` command.
 //!
-//! Today: `azsdp config check` and `azsdp config show`, to validate a
-//! configuration and see what it decides for a connection. `azsdp run` and
-//! `azsdp stat` arrive with the preload shim.
+//! - `azsdp run [--config FILE] -- PROGRAM ARGS...` runs a program with
+//!   `libazsdp.so` preloaded;
+//! - `azsdp stat [--json]` lists the host's live azsdp connections, from
+//!   the per-process stat files (no daemon);
+//! - `azsdp config check|show` validates a configuration and shows what it
+//!   decides for a connection.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+
+mod stat;
 
 use azsdp::config::{Config, Connection, Settings};
 use azsdp::conn::Role;
@@ -26,6 +31,23 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run PROGRAM with libazsdp.so preloaded: its TCP connections to and
+    /// from other programs under azsdp on this host use AZ-SDP.
+    Run {
+        /// Configuration file (default: AZSDP_CONFIG, else /etc/azsdp/azsdp.toml,
+        /// else built-in defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The program and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        program: Vec<std::ffi::OsString>,
+    },
+    /// List live azsdp connections on this host.
+    Stat {
+        /// One JSON object per connection, in an array.
+        #[arg(long)]
+        json: bool,
+    },
     /// Inspect the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -98,6 +120,8 @@ fn print_settings(s: &Settings) {
 
 fn run(cli: Cli) -> Result<(), ExitCode> {
     match cli.command {
+        Command::Run { config, program } => return Err(run_program(config, program)),
+        Command::Stat { json } => stat::print(json),
         Command::Config(ConfigCommand::Check { file }) => {
             let c = load(file.as_ref())?;
             match &c.source {
@@ -132,6 +156,54 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
         }
     }
     Ok(())
+}
+
+/// Where libazsdp.so is: AZSDP_SHIM, else next to this executable (a cargo
+/// target directory), else ../lib/azsdp/ from it (an installation).
+fn find_shim() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("AZSDP_SHIM") {
+        return Some(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    [
+        dir.join("libazsdp.so"),
+        dir.join("../lib/azsdp/libazsdp.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+}
+
+/// `azsdp run`: exec the program with the shim preloaded (returns only on
+/// failure).
+fn run_program(config: Option<PathBuf>, program: Vec<std::ffi::OsString>) -> ExitCode {
+    use std::os::unix::process::CommandExt;
+    let Some(shim) = find_shim() else {
+        eprintln!(
+            "azsdp: cannot find libazsdp.so (build it with `cargo build --release`, or set AZSDP_SHIM)"
+        );
+        return ExitCode::from(2);
+    };
+    let shim = shim.canonicalize().unwrap_or(shim);
+    let mut cmd = std::process::Command::new(&program[0]);
+    cmd.args(&program[1..]);
+    if let Some(c) = &config {
+        // A bad file is reported here and by the shim, which then keeps
+        // the program on plain TCP: the program runs either way.
+        if let Err(e) = Config::load(c) {
+            eprintln!("azsdp: {e}; the program runs on plain TCP");
+        }
+        cmd.env("AZSDP_CONFIG", c.canonicalize().unwrap_or(c.clone()));
+    }
+    let mut preload = shim.into_os_string();
+    if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|o| !o.is_empty()) {
+        preload.push(":");
+        preload.push(old);
+    }
+    cmd.env("LD_PRELOAD", preload);
+    let e = cmd.exec();
+    eprintln!("azsdp: cannot run {}: {e}", program[0].to_string_lossy());
+    ExitCode::from(127)
 }
 
 fn main() -> ExitCode {

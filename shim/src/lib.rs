@@ -1,8 +1,30 @@
-//! `libazsdp.so`, the preload library.
+//! `libazsdp.so`, the preload library: unmodified socket programs on AZ-SDP.
 //!
-//! Symbol interposition of the socket, readiness, descriptor and memory calls
-//! comes with the shim issue; until then the library only reports its version
-//! so that `azsdp run` can check what it preloads.
+//! The program's TCP sockets stay real kernel sockets. A listener under
+//! azsdp registers for pairing ([`listener`]); a client under azsdp that
+//! finds the registration pairs with it inside `connect()` ([`connect`]),
+//! and both move their byte stream to an AZ-SDP engine on the shm fabric
+//! ([`conn`]). Everything else (another host, a peer not under azsdp, a
+//! rule, any failure) stays plain TCP, with the reason in `azsdp stat`.
+//!
+//! Modules: [`real`] finds libc's own functions; [`hooks`] are the
+//! interposed ones; [`fdtable`] and [`sock`] track the sockets; [`ready`]
+//! and [`epoll`] emulate readiness of upgraded sockets; [`runtime`] holds
+//! the configuration, the stat file and exit handling; [`log`] is the log.
+//! See `docs/shim.md`.
+
+mod conn;
+mod connect;
+mod epoll;
+mod fdtable;
+mod hooks;
+mod listener;
+mod log;
+mod net;
+mod ready;
+mod real;
+mod runtime;
+mod sock;
 
 use std::ffi::c_char;
 

@@ -268,7 +268,15 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 /// Environment variables with the AZSDP_ prefix that are not tunables.
-const RESERVED_ENV: &[&str] = &["CONFIG", "LOG", "SIM_SEEDS"];
+const RESERVED_ENV: &[&str] = &[
+    "CONFIG",
+    "LOG",
+    "LOG_LEVEL",
+    "SIM_SEEDS",
+    "STAT_DIR",
+    "SHIM",
+    "DISABLE",
+];
 
 /// Every key a tunables table accepts, with its parser.
 const TUNABLE_KEYS: &[&str] = &[

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::{Driver, Protector};
 use crate::conn::{
-    Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State,
+    Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
 };
 use crate::fabric::{Fabric, FabricWaiter};
 use crate::process::{self, Inside, Participant};
@@ -348,6 +348,16 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return Vec::new();
         }
         self.shared.lock().connection().protected_ranges()
+    }
+
+    /// Counters, outstanding SRC_AVAILs and the send mode, in one look.
+    pub fn snapshot(&self) -> (Counters, usize, TxMode) {
+        if self.shared.orphaned() {
+            return (Counters::default(), 0, TxMode::Buffered);
+        }
+        let d = self.shared.lock();
+        let c = d.connection();
+        (c.counters().clone(), c.outstanding_avails(), c.tx_mode())
     }
 
     pub fn counters(&self) -> Counters {

@@ -1,0 +1,193 @@
+//! A connection as the shim holds it: upgraded ([`Conn`], an engine on the
+//! shm fabric) or plain TCP ([`TcpConn`], only counted).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use azsdp::config::Settings;
+use azsdp::conn::{CallError, Capabilities, LockRegion, Role, TxMode};
+use azsdp::driver::threaded::ThreadedDriver;
+use azsdp::driver::{Driver, Protector, capabilities};
+use azsdp::fabric::shm::ShmEndpoint;
+use azsdp::protect;
+use azsdp::stats::{ConnPath, StatFile, TcpReason};
+
+use crate::log::debug;
+
+type Engine = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
+
+/// An upgraded connection.
+pub struct Conn {
+    pub engine: Engine,
+    /// Bumped whenever the engine took something in (edge-triggered epoll
+    /// reports a ready socket again after it moved).
+    pub activity: Arc<AtomicU64>,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    pub peer_pid: u32,
+    linger: Duration,
+    closed: AtomicBool,
+    stat: Option<(Arc<StatFile>, usize)>,
+    /// Last path published (to log changes once).
+    path: Mutex<ConnPath>,
+}
+
+impl Conn {
+    /// Start the engine for a pair whose segment is set up and agreed on.
+    pub fn start(
+        ep: ShmEndpoint,
+        role: Role,
+        settings: &Settings,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Result<Arc<Conn>, CallError> {
+        let peer_pid = ep.peer_pid() as u32;
+        let p = protect::open(settings.protection);
+        let caps: Capabilities = capabilities(ep.can_get().is_none(), p.protector.as_ref());
+        let cfg = settings.engine_config(
+            role,
+            caps,
+            LockRegion {
+                addr: 0,
+                key: 0,
+                slots: 0,
+            },
+        );
+        let waiter = ep.waiter();
+        let mut d = Driver::new(cfg, ep, p.protector);
+        d.establish(settings.peer_timeout)?;
+        let activity = Arc::new(AtomicU64::new(0));
+        let a = Arc::clone(&activity);
+        let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
+            a.fetch_add(1, Ordering::Relaxed);
+            crate::ready::notify();
+        });
+        let engine = ThreadedDriver::start_with_notify(d, waiter, p.faults, Some(notify));
+        let stat = crate::runtime::stat_file().and_then(|f| {
+            let slot = f.open_slot(role, local, peer)?;
+            f.set_path(slot, ConnPath::Azsdp, None, peer_pid);
+            Some((f, slot))
+        });
+        crate::runtime::ensure_exit_handler();
+        let c = Arc::new(Conn {
+            engine,
+            activity,
+            local,
+            peer,
+            peer_pid,
+            linger: settings.linger,
+            closed: AtomicBool::new(false),
+            stat,
+            path: Mutex::new(ConnPath::Azsdp),
+        });
+        c.publish();
+        Ok(c)
+    }
+
+    /// Copy the engine's counters into the stat file.
+    pub fn publish(&self) {
+        let (counters, outstanding, mode) = self.engine.snapshot();
+        let path = match mode {
+            TxMode::Async => ConnPath::Azsdp,
+            TxMode::Sync => ConnPath::Zsdp,
+            TxMode::Buffered => ConnPath::Bsdp,
+        };
+        {
+            let mut last = self.path.lock().unwrap_or_else(|e| e.into_inner());
+            if *last != path {
+                debug!(
+                    "{} -> {}: sends now {} ({:?})",
+                    self.local,
+                    self.peer,
+                    path.name(),
+                    counters.fallback_reason
+                );
+                *last = path;
+            }
+        }
+        if let Some((f, slot)) = &self.stat {
+            f.publish(*slot, &counters, outstanding as u64, path);
+        }
+    }
+
+    /// The program closed its last descriptor: finish in the background.
+    pub fn close_with(self: &Arc<Self>, abort: bool) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.engine.close_in_background(abort, self.linger);
+        crate::runtime::closing(Arc::clone(self));
+        crate::ready::notify();
+    }
+
+    pub fn close(self: &Arc<Self>) {
+        self.close_with(false);
+    }
+
+    /// Wait (up to the linger time) for a background close to finish.
+    pub fn join_closed(&self) {
+        self.engine
+            .join_closed(self.linger + Duration::from_millis(100));
+    }
+
+    pub fn finished(&self) -> bool {
+        let done = self.closed.load(Ordering::SeqCst) && self.engine.is_finished();
+        if done {
+            if let Some((f, slot)) = &self.stat {
+                f.close_slot(*slot);
+            }
+        }
+        done
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some((f, slot)) = &self.stat {
+            f.close_slot(*slot);
+        }
+    }
+}
+
+/// A connection left on plain TCP: only counted, for `azsdp stat`.
+pub struct TcpConn {
+    stat: Option<(Arc<StatFile>, usize)>,
+}
+
+impl TcpConn {
+    pub fn new(
+        local: Option<SocketAddr>,
+        peer: Option<SocketAddr>,
+        reason: TcpReason,
+        server: bool,
+    ) -> Arc<TcpConn> {
+        let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+        let role = if server { Role::Server } else { Role::Client };
+        let stat = crate::runtime::stat_file().and_then(|f| {
+            let slot = f.open_slot(
+                role,
+                local.unwrap_or(unspecified),
+                peer.unwrap_or(unspecified),
+            )?;
+            f.set_path(slot, ConnPath::Tcp, Some(reason), 0);
+            Some((f, slot))
+        });
+        Arc::new(TcpConn { stat })
+    }
+
+    pub fn count(&self, sent: u64, received: u64) {
+        if let Some((f, slot)) = &self.stat {
+            f.add_tcp(*slot, sent, received);
+        }
+    }
+}
+
+impl Drop for TcpConn {
+    fn drop(&mut self) {
+        if let Some((f, slot)) = &self.stat {
+            f.close_slot(*slot);
+        }
+    }
+}

@@ -1,0 +1,1080 @@
+//! The interposed C functions.
+//!
+//! Each one first asks whether the descriptor is a socket the shim looks
+//! after (one relaxed load for the others) and otherwise calls libc's own
+//! function. No panic leaves these functions: [`guard`] turns one into
+//! `EIO`.
+//!
+//! `unsafe` here: the C calling convention and the program's pointers,
+//! which are passed on or read within the lengths given, as libc would.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use azsdp::config::{Connection as RuleInput, Settings};
+use azsdp::conn::{CallError, RecvFlags, Role as EngineRole, SendFlags, Shutdown};
+use azsdp::stats::TcpReason;
+use libc::{
+    c_int, c_ulong, c_void, epoll_event, fd_set, msghdr, nfds_t, off_t, pollfd, sigset_t, size_t,
+    sockaddr, socklen_t, ssize_t, timespec, timeval,
+};
+
+use crate::conn::Conn;
+use crate::connect::{self, Outcome};
+use crate::listener::Listener;
+use crate::log::{debug, info};
+use crate::sock::{EpollReg, Role, Sock};
+use crate::{epoll, fdtable, net, ready, real, runtime};
+
+/// Run `f`; a panic becomes `fail` with errno EIO.
+fn guard<T>(fail: T, f: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            real::set_errno(libc::EIO);
+            fail
+        }
+    }
+}
+
+fn settings_for(role: EngineRole, addr: std::net::IpAddr, port: u16) -> Option<Settings> {
+    let cfg = runtime::config()?;
+    Some(
+        cfg.decide(&RuleInput {
+            program: runtime::program(),
+            role,
+            addr,
+            port,
+        })
+        .settings,
+    )
+}
+
+// ----- connection set-up ---------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
+    // SAFETY: libc's socket with the program's arguments.
+    let fd = unsafe { real::socket(domain, ty, protocol) };
+    if fd >= 0
+        && (domain == libc::AF_INET || domain == libc::AF_INET6)
+        && ty & 0xf == libc::SOCK_STREAM
+        && (protocol == 0 || protocol == libc::IPPROTO_TCP)
+        && !azsdp::process::inside()
+    {
+        guard((), || {
+            if runtime::config().is_some() {
+                fdtable::insert(fd, Sock::new(domain, ty & libc::SOCK_NONBLOCK != 0));
+            }
+        });
+    }
+    fd
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    // SAFETY: libc's listen.
+    let r = unsafe { real::listen(fd, backlog) };
+    if r == 0 {
+        guard((), || {
+            let Some(sock) = fdtable::get(fd) else { return };
+            if !matches!(sock.role(), Role::Fresh) {
+                return;
+            }
+            let Some(local) = net::local_of(fd) else {
+                return;
+            };
+            let Some(s) = settings_for(EngineRole::Server, local.ip(), local.port()) else {
+                return;
+            };
+            if s.use_ == azsdp::config::Use::Tcp {
+                debug!("listener {local}: a rule keeps it on TCP");
+                return;
+            }
+            if let Some(l) = Listener::register(local, s) {
+                sock.set_role(Role::Listener(l));
+            }
+        });
+    }
+    r
+}
+
+unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+    let listener = fdtable::get(fd).and_then(|s| match s.role() {
+        Role::Listener(l) => Some((s, l)),
+        _ => None,
+    });
+    let Some((lsock, listener)) = listener else {
+        // SAFETY: libc's accept4 with the program's arguments.
+        return unsafe { real::accept4(fd, addr, len, flags) };
+    };
+    // SAFETY: plain data.
+    let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut sl = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+    // SAFETY: accept4 into our own buffer.
+    let nfd = unsafe { real::accept4(fd, (&raw mut st).cast(), &mut sl, flags) };
+    if nfd < 0 {
+        return nfd;
+    }
+    // SAFETY: the program's buffer, within its length.
+    unsafe { net::copy_out(&st, sl, addr, len) };
+    let e = real::errno();
+    guard((), || {
+        let sock = Sock::new(lsock.family, flags & libc::SOCK_NONBLOCK != 0);
+        // SAFETY: the kernel wrote `sl` bytes.
+        let peer = unsafe { net::from_raw((&raw const st).cast(), sl) };
+        let local = net::local_of(nfd);
+        match (local, peer) {
+            (Some(local), Some(peer)) => {
+                let s = settings_for(EngineRole::Server, peer.ip(), local.port())
+                    .unwrap_or_else(|| listener.settings.clone());
+                match listener.upgrade(local, peer, &s) {
+                    Ok(c) => {
+                        info!("{local} <- {peer}: azsdp (peer pid {})", c.peer_pid);
+                        sock.set_role(Role::Azsdp(c));
+                    }
+                    Err(reason) => {
+                        debug!("{local} <- {peer}: tcp ({})", reason.name());
+                        sock.stay_tcp(Some(local), Some(peer), reason, true);
+                    }
+                }
+            }
+            _ => sock.stay_tcp(local, peer, TcpReason::Unsupported, true),
+        }
+        if let Some(old) = fdtable::insert(nfd, sock) {
+            release(nfd, old);
+        }
+    });
+    real::set_errno(e);
+    nfd
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { accept_impl(fd, addr, len, 0) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { accept_impl(fd, addr, len, flags) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    let sock = fdtable::get(fd).filter(|s| matches!(s.role(), Role::Fresh));
+    // SAFETY: the program's address, within its length.
+    let dst = unsafe { net::from_raw(addr, len) };
+    let (Some(sock), Some(dst)) = (sock, dst) else {
+        // SAFETY: libc's connect.
+        return unsafe { real::connect(fd, addr, len) };
+    };
+    let Some(s) = settings_for(EngineRole::Client, net::canonical(dst.ip()), dst.port()) else {
+        // SAFETY: libc's connect.
+        return unsafe { real::connect(fd, addr, len) };
+    };
+    guard(-1, || {
+        match connect::connect(fd, sock.family, dst, sock.is_nonblocking(), &s) {
+            Outcome::Azsdp(c) => {
+                info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
+                sock.set_role(Role::Azsdp(c));
+                epoll::adopt(&sock);
+                0
+            }
+            Outcome::Tcp(r, e, reason) => {
+                if let Some(reason) = reason {
+                    debug!("-> {dst}: tcp ({})", reason.name());
+                    sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
+                    sock.kernel_epolls
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clear();
+                }
+                real::set_errno(e);
+                r
+            }
+        }
+    })
+}
+
+/// The last descriptor of `sock` in this process is gone.
+fn release(fd: c_int, sock: Arc<Sock>) {
+    if sock.fds.fetch_sub(1, Ordering::SeqCst) != 1 {
+        return;
+    }
+    if let Role::Azsdp(c) = sock.role() {
+        epoll::forget_fd(fd);
+        c.close_with(sock.opts().linger_abort);
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if let Some(sock) = fdtable::remove(fd) {
+        guard((), || release(fd, sock));
+    } else if epoll::has_sets() {
+        guard((), || epoll::forget_set(fd));
+    }
+    // SAFETY: libc's close.
+    unsafe { real::close(fd) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
+        let how = match how {
+            libc::SHUT_RD => Shutdown::Read,
+            libc::SHUT_WR => Shutdown::Write,
+            libc::SHUT_RDWR => Shutdown::Both,
+            _ => {
+                real::set_errno(libc::EINVAL);
+                return -1;
+            }
+        };
+        return guard(-1, || {
+            c.engine.shutdown(how);
+            ready::notify();
+            0
+        });
+    }
+    // SAFETY: libc's shutdown.
+    unsafe { real::shutdown(fd, how) }
+}
+
+// ----- data ----------------------------------------------------------------
+
+/// A connection's call failed: set errno (and raise SIGPIPE as TCP does).
+fn fail(e: CallError, nosignal: bool) -> ssize_t {
+    let errno = match e {
+        CallError::WouldBlock => libc::EAGAIN,
+        CallError::Interrupted => libc::EINTR,
+        CallError::BrokenPipe => {
+            if !nosignal {
+                // SAFETY: raise(3) delivers SIGPIPE to this thread, as TCP does.
+                unsafe { libc::raise(libc::SIGPIPE) };
+            }
+            libc::EPIPE
+        }
+        CallError::ConnReset => libc::ECONNRESET,
+        CallError::TimedOut => libc::ETIMEDOUT,
+    };
+    real::set_errno(errno);
+    -1
+}
+
+/// Send the buffers in order on `c`.
+fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        real::set_errno(libc::EOPNOTSUPP);
+        return -1;
+    }
+    let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
+    let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    let mut total: usize = 0;
+    for &(p, len) in bufs {
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: the program's buffer of `len` bytes, valid for the call.
+        let buf = unsafe { std::slice::from_raw_parts(p, len) };
+        match c.engine.send(
+            buf,
+            SendFlags {
+                nonblocking,
+                protectable: true,
+            },
+        ) {
+            Ok(n) => {
+                total += n as usize;
+                if (n as usize) < len {
+                    break;
+                }
+            }
+            Err(e) if total == 0 => return fail(e, nosignal),
+            Err(_) => break,
+        }
+    }
+    total as ssize_t
+}
+
+/// Receive into the buffers in order from `c`: the first call waits as
+/// the socket and flags say; later buffers take only what is there.
+fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        real::set_errno(libc::EINVAL);
+        return -1;
+    }
+    let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
+    let mut total: usize = 0;
+    for &(p, len) in bufs {
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: the program's buffer of `len` bytes, valid for the call.
+        let buf = unsafe { std::slice::from_raw_parts_mut(p, len) };
+        let first = total == 0;
+        let f = RecvFlags {
+            nonblocking: nonblocking || !first,
+            peek: flags & libc::MSG_PEEK != 0,
+            waitall: flags & libc::MSG_WAITALL != 0,
+            armable: true,
+        };
+        let r = match sock.opts().rcvtimeo {
+            Some(t) if first && !f.nonblocking => recv_with_timeout(c, buf, f, t),
+            _ => c.engine.recv(buf, f),
+        };
+        match r {
+            Ok(0) => break,
+            Ok(n) => {
+                total += n as usize;
+                if (n as usize) < len || f.peek {
+                    break;
+                }
+            }
+            Err(e) if first => return fail(e, true),
+            Err(_) => break,
+        }
+    }
+    total as ssize_t
+}
+
+/// A blocking receive bounded by SO_RCVTIMEO (EAGAIN when it passes).
+fn recv_with_timeout(
+    c: &Conn,
+    buf: &mut [u8],
+    f: RecvFlags,
+    t: std::time::Duration,
+) -> Result<u64, CallError> {
+    let deadline = std::time::Instant::now() + t;
+    let nb = RecvFlags {
+        nonblocking: true,
+        ..f
+    };
+    loop {
+        match c.engine.recv(buf, nb) {
+            Err(CallError::WouldBlock) => {}
+            r => return r,
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero()
+            || !c
+                .engine
+                .wait_readiness(left, |r| r.readable || r.error || r.hangup)
+        {
+            return Err(CallError::WouldBlock);
+        }
+    }
+}
+
+enum Target {
+    Azsdp(Arc<Sock>, Arc<Conn>),
+    Tcp(Arc<crate::conn::TcpConn>),
+    Other,
+}
+
+fn target(fd: c_int) -> Target {
+    match fdtable::get(fd) {
+        None => Target::Other,
+        Some(s) => match s.role() {
+            Role::Azsdp(c) => Target::Azsdp(s, c),
+            Role::Tcp(t) => Target::Tcp(t),
+            _ => Target::Other,
+        },
+    }
+}
+
+/// Count what a plain TCP call moved.
+fn counted(t: &crate::conn::TcpConn, r: ssize_t, sent: bool) -> ssize_t {
+    if r > 0 {
+        if sent {
+            t.count(r as u64, 0);
+        } else {
+            t.count(0, r as u64);
+        }
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, len: size_t, flags: c_int) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+        // SAFETY: libc's send, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::send(fd, buf, len, flags) }, true),
+        Target::Other => unsafe { real::send(fd, buf, len, flags) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    len: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    alen: socklen_t,
+) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+        // SAFETY: libc's sendto, in both arms.
+        Target::Tcp(t) => counted(
+            &t,
+            unsafe { real::sendto(fd, buf, len, flags, addr, alen) },
+            true,
+        ),
+        Target::Other => unsafe { real::sendto(fd, buf, len, flags, addr, alen) },
+    }
+}
+
+/// The program's iovec array as (pointer, length) pairs.
+unsafe fn iovs<T>(iov: *const libc::iovec, n: usize) -> Vec<(*mut T, usize)> {
+    if iov.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: the caller's array of n iovecs.
+    unsafe { std::slice::from_raw_parts(iov, n) }
+        .iter()
+        .map(|v| (v.iov_base.cast::<T>(), v.iov_len))
+        .collect()
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || {
+            // SAFETY: the program's msghdr and its iovecs.
+            let bufs: Vec<(*const u8, usize)> =
+                unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen as usize) }
+                    .into_iter()
+                    .map(|(p, l)| (p.cast_const(), l))
+                    .collect();
+            send_bufs(&s, &c, &bufs, flags)
+        }),
+        // SAFETY: libc's sendmsg, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::sendmsg(fd, msg, flags) }, true),
+        Target::Other => unsafe { real::sendmsg(fd, msg, flags) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, len: size_t) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+        // SAFETY: libc's write, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::write(fd, buf, len) }, true),
+        Target::Other => unsafe { real::write(fd, buf, len) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || {
+            // SAFETY: the program's iovecs.
+            let bufs: Vec<(*const u8, usize)> = unsafe { iovs::<u8>(iov, n.max(0) as usize) }
+                .into_iter()
+                .map(|(p, l)| (p.cast_const(), l))
+                .collect();
+            send_bufs(&s, &c, &bufs, 0)
+        }),
+        // SAFETY: libc's writev, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::writev(fd, iov, n) }, true),
+        Target::Other => unsafe { real::writev(fd, iov, n) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+        // SAFETY: libc's recv, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::recv(fd, buf, len, flags) }, false),
+        Target::Other => unsafe { real::recv(fd, buf, len, flags) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    len: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || {
+            if !alen.is_null() {
+                // SAFETY: the program's length word. A connected stream
+                // socket reports no source address.
+                unsafe { *alen = 0 };
+            }
+            recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
+        }),
+        // SAFETY: libc's recvfrom, in both arms.
+        Target::Tcp(t) => counted(
+            &t,
+            unsafe { real::recvfrom(fd, buf, len, flags, addr, alen) },
+            false,
+        ),
+        Target::Other => unsafe { real::recvfrom(fd, buf, len, flags, addr, alen) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || {
+            // SAFETY: the program's msghdr and its iovecs.
+            let bufs = unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen as usize) };
+            let r = recv_bufs(&s, &c, &bufs, flags);
+            // SAFETY: the program's msghdr.
+            unsafe {
+                (*msg).msg_namelen = 0;
+                (*msg).msg_controllen = 0;
+                (*msg).msg_flags = 0;
+            }
+            r
+        }),
+        // SAFETY: libc's recvmsg, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::recvmsg(fd, msg, flags) }, false),
+        Target::Other => unsafe { real::recvmsg(fd, msg, flags) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+        // SAFETY: libc's read, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::read(fd, buf, len) }, false),
+        Target::Other => unsafe { real::read(fd, buf, len) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
+    match target(fd) {
+        Target::Azsdp(s, c) => guard(-1, || {
+            // SAFETY: the program's iovecs.
+            let bufs = unsafe { iovs::<u8>(iov, n.max(0) as usize) };
+            recv_bufs(&s, &c, &bufs, 0)
+        }),
+        // SAFETY: libc's readv, in both arms.
+        Target::Tcp(t) => counted(&t, unsafe { real::readv(fd, iov, n) }, false),
+        Target::Other => unsafe { real::readv(fd, iov, n) },
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    let (s, c) = match target(out) {
+        Target::Azsdp(s, c) => (s, c),
+        // SAFETY: libc's sendfile, in both arms.
+        Target::Tcp(t) => {
+            return counted(&t, unsafe { real::sendfile(out, inp, off, count) }, true);
+        }
+        Target::Other => return unsafe { real::sendfile(out, inp, off, count) },
+    };
+    guard(-1, || {
+        // Read a chunk from the file, then send it: one copy more than the
+        // kernel's sendfile, the price of keeping the byte stream ours.
+        let chunk = count.min(1 << 20);
+        let mut buf = vec![0u8; chunk];
+        // SAFETY: reading into our own buffer; `off` is the program's.
+        let got = unsafe {
+            if off.is_null() {
+                real::read(inp, buf.as_mut_ptr().cast(), chunk)
+            } else {
+                libc::pread(inp, buf.as_mut_ptr().cast(), chunk, *off)
+            }
+        };
+        if got <= 0 {
+            return got;
+        }
+        let sent = send_bufs(&s, &c, &[(buf.as_ptr(), got as usize)], 0);
+        if sent > 0 {
+            // SAFETY: the program's offset, or put back what we did not send.
+            unsafe {
+                if off.is_null() {
+                    if sent < got {
+                        libc::lseek(inp, (sent - got) as off_t, libc::SEEK_CUR);
+                    }
+                } else {
+                    *off += sent as off_t;
+                }
+            }
+        }
+        sent
+    })
+}
+
+// ----- readiness -----------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
+    // SAFETY: the program's array of n entries, in both calls.
+    if unsafe { ready::involves_upgraded(fds, n as usize) } {
+        return guard(-1, || unsafe {
+            ready::poll(
+                fds,
+                n as usize,
+                ready::ms_timeout(timeout),
+                std::ptr::null(),
+            )
+        });
+    }
+    // SAFETY: libc's poll.
+    unsafe { real::poll(fds, n, timeout) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut pollfd,
+    n: nfds_t,
+    ts: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    // SAFETY: the program's array of n entries, in both calls.
+    if unsafe { ready::involves_upgraded(fds, n as usize) } {
+        return guard(-1, || unsafe {
+            ready::poll(fds, n as usize, ready::ts_timeout(ts), mask)
+        });
+    }
+    // SAFETY: libc's ppoll.
+    unsafe { real::ppoll(fds, n, ts, mask) }
+}
+
+/// Does any descriptor below `n` in these sets belong to an upgraded socket?
+unsafe fn sets_involve_upgraded(n: c_int, sets: [*mut fd_set; 3]) -> bool {
+    (0..n.max(0)).any(|fd| {
+        // SAFETY: FD_ISSET below n on the program's sets.
+        sets.iter()
+            .any(|s| !s.is_null() && unsafe { libc::FD_ISSET(fd, *s) })
+            && fdtable::get(fd).is_some_and(|s| s.conn().is_some())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn select(
+    n: c_int,
+    r: *mut fd_set,
+    w: *mut fd_set,
+    e: *mut fd_set,
+    tv: *mut timeval,
+) -> c_int {
+    // SAFETY: the program's sets, in all calls.
+    if unsafe { sets_involve_upgraded(n, [r, w, e]) } {
+        let timeout = (!tv.is_null()).then(|| {
+            // SAFETY: the program's timeval.
+            let t = unsafe { *tv };
+            std::time::Duration::new(
+                t.tv_sec.max(0) as u64,
+                (t.tv_usec.clamp(0, 999_999) * 1000) as u32,
+            )
+        });
+        return guard(-1, || unsafe {
+            ready::select(n, r, w, e, timeout, std::ptr::null())
+        });
+    }
+    // SAFETY: libc's select.
+    unsafe { real::select(n, r, w, e, tv) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pselect(
+    n: c_int,
+    r: *mut fd_set,
+    w: *mut fd_set,
+    e: *mut fd_set,
+    ts: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    // SAFETY: the program's sets, in all calls.
+    if unsafe { sets_involve_upgraded(n, [r, w, e]) } {
+        return guard(-1, || unsafe {
+            ready::select(n, r, w, e, ready::ts_timeout(ts), mask)
+        });
+    }
+    // SAFETY: libc's pselect.
+    unsafe { real::pselect(n, r, w, e, ts, mask) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut epoll_event,
+) -> c_int {
+    let Some(sock) = fdtable::get(fd) else {
+        // SAFETY: libc's epoll_ctl.
+        return unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+    };
+    guard(-1, || {
+        // SAFETY: the program's event, if any.
+        let event = (!ev.is_null()).then(|| unsafe { *ev });
+        if sock.conn().is_some() {
+            return epoll::ctl(epfd, op, fd, sock, event);
+        }
+        // SAFETY: libc's epoll_ctl.
+        let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+        if r == 0 && matches!(sock.role(), Role::Fresh) {
+            // Remember it: if the socket is upgraded, it moves to our part.
+            let mut regs = sock.kernel_epolls.lock().unwrap_or_else(|e| e.into_inner());
+            regs.retain(|x| !(x.epfd == epfd && x.fd == fd));
+            if let (true, Some(e)) = (op != libc::EPOLL_CTL_DEL, event) {
+                regs.push(EpollReg {
+                    epfd,
+                    fd,
+                    events: e.events,
+                    data: e.u64,
+                });
+            }
+        }
+        r
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    ev: *mut epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { epoll_pwait(epfd, ev, max, timeout, std::ptr::null()) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    ev: *mut epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const sigset_t,
+) -> c_int {
+    if epoll::has_sets() {
+        // SAFETY: the program's array of max entries.
+        let r = guard(Some(-1), || unsafe {
+            epoll::wait(epfd, ev, max, ready::ms_timeout(timeout), mask)
+        });
+        if let Some(r) = r {
+            return r;
+        }
+    }
+    // SAFETY: libc's epoll_pwait.
+    unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) }
+}
+
+// ----- descriptors and options ------------------------------------------------
+
+/// `newfd` now names `sock` too.
+fn dup_into(newfd: c_int, sock: Arc<Sock>) {
+    sock.fds.fetch_add(1, Ordering::SeqCst);
+    if let Some(old) = fdtable::insert(newfd, sock) {
+        release(newfd, old);
+    }
+}
+
+/// `fd` was closed implicitly (dup2 over it).
+fn replaced(fd: c_int) {
+    if let Some(old) = fdtable::remove(fd) {
+        release(fd, old);
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    // SAFETY: libc's fcntl with the program's argument word.
+    let r = unsafe { real::fcntl(fd, cmd, arg) };
+    if r >= 0 {
+        if let Some(sock) = fdtable::get(fd) {
+            guard((), || match cmd {
+                libc::F_SETFL => sock
+                    .nonblocking
+                    .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed),
+                libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => dup_into(r, sock),
+                _ => {}
+            });
+        }
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
+    if let Some(sock) = fdtable::get(fd) {
+        if req == libc::FIONREAD as c_ulong {
+            if let Some(c) = sock.conn() {
+                if arg == 0 {
+                    real::set_errno(libc::EFAULT);
+                    return -1;
+                }
+                let n = guard(0, || c.engine.readable_bytes());
+                // SAFETY: FIONREAD's argument is the program's int.
+                unsafe { *(arg as *mut c_int) = n.min(c_int::MAX as u64) as c_int };
+                return 0;
+            }
+        }
+        // SAFETY: libc's ioctl.
+        let r = unsafe { real::ioctl(fd, req, arg) };
+        if r == 0 && req == libc::FIONBIO as c_ulong && arg != 0 {
+            // SAFETY: FIONBIO's argument is the program's int.
+            let on = unsafe { *(arg as *const c_int) } != 0;
+            sock.nonblocking.store(on, Ordering::Relaxed);
+        }
+        return r;
+    }
+    // SAFETY: libc's ioctl.
+    unsafe { real::ioctl(fd, req, arg) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: libc's dup.
+    let r = unsafe { real::dup(fd) };
+    if r >= 0 {
+        if let Some(sock) = fdtable::get(fd) {
+            guard((), || dup_into(r, sock));
+        }
+    }
+    r
+}
+
+unsafe fn dup2_impl(fd: c_int, fd2: c_int, flags: Option<c_int>) -> c_int {
+    // SAFETY: libc's dup2/dup3.
+    let r = unsafe {
+        match flags {
+            None => real::dup2(fd, fd2),
+            Some(f) => real::dup3(fd, fd2, f),
+        }
+    };
+    if r >= 0 && fd != fd2 {
+        guard((), || {
+            replaced(fd2);
+            if let Some(sock) = fdtable::get(fd) {
+                dup_into(fd2, sock);
+            }
+        });
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dup2(fd: c_int, fd2: c_int) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { dup2_impl(fd, fd2, None) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dup3(fd: c_int, fd2: c_int, flags: c_int) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { dup2_impl(fd, fd2, Some(flags)) }
+}
+
+fn timeval_duration(val: *const c_void, len: socklen_t) -> Option<std::time::Duration> {
+    if val.is_null() || (len as usize) < std::mem::size_of::<timeval>() {
+        return None;
+    }
+    // SAFETY: a timeval of the program's, length checked.
+    let t = unsafe { std::ptr::read_unaligned(val.cast::<timeval>()) };
+    let d = std::time::Duration::new(
+        t.tv_sec.max(0) as u64,
+        (t.tv_usec.clamp(0, 999_999) * 1000) as u32,
+    );
+    (!d.is_zero()).then_some(d)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    // The kernel socket takes every option (buffer sizes, TCP_NODELAY,
+    // keepalive...): harmless for an upgraded one, and right if it stays TCP.
+    // SAFETY: libc's setsockopt.
+    let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+    if r == 0 && level == libc::SOL_SOCKET {
+        if let Some(sock) = fdtable::get(fd) {
+            guard((), || {
+                let mut o = sock.opts.lock().unwrap_or_else(|e| e.into_inner());
+                match name {
+                    libc::SO_RCVTIMEO => o.rcvtimeo = timeval_duration(val, len),
+                    libc::SO_SNDTIMEO => o.sndtimeo = timeval_duration(val, len),
+                    libc::SO_LINGER if (len as usize) >= std::mem::size_of::<libc::linger>() => {
+                        // SAFETY: a linger of the program's, length checked.
+                        let l = unsafe { std::ptr::read_unaligned(val.cast::<libc::linger>()) };
+                        o.linger_abort = l.l_onoff != 0 && l.l_linger == 0;
+                    }
+                    _ => {}
+                }
+            });
+        }
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
+        if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
+            if val.is_null() || len.is_null() {
+                real::set_errno(libc::EFAULT);
+                return -1;
+            }
+            let err = match c.engine.state() {
+                azsdp::conn::State::Aborted(r) => match r.call_error() {
+                    CallError::TimedOut => libc::ETIMEDOUT,
+                    _ => libc::ECONNRESET,
+                },
+                _ => 0,
+            };
+            // SAFETY: the program's int and length.
+            unsafe {
+                if (*len as usize) >= std::mem::size_of::<c_int>() {
+                    *(val.cast::<c_int>()) = err;
+                    *len = std::mem::size_of::<c_int>() as socklen_t;
+                }
+            }
+            return 0;
+        }
+    }
+    // SAFETY: libc's getsockopt.
+    unsafe { real::getsockopt(fd, level, name, val, len) }
+}
+
+// getsockname/getpeername: the kernel socket stays connected, so libc's
+// answers are right; they are listed here for completeness of the
+// interface and pass straight through.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: libc's getsockname.
+    unsafe { real::getsockname(fd, addr, len) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: libc's getpeername.
+    unsafe { real::getpeername(fd, addr, len) }
+}
+
+// ----- process and memory ------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    // The core's pthread_atfork handlers settle in-flight pages; the
+    // child's inherited connections are inert (see docs/shim.md).
+    // SAFETY: libc's fork.
+    unsafe { real::fork() }
+}
+
+/// vfork's child would share our address space (and its protected pages)
+/// with a parent whose threads keep running: a real fork is the safe
+/// reading of vfork's contract.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn vfork() -> libc::pid_t {
+    // SAFETY: libc's fork.
+    unsafe { real::fork() }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn free(p: *mut c_void) {
+    if !p.is_null() && azsdp::process::active() {
+        // SAFETY: p is a live malloc chunk (free's contract).
+        let n = unsafe { real::usable_size(p) };
+        let _ = std::panic::catch_unwind(|| azsdp::process::before_free(p as u64, n as u64));
+    }
+    // SAFETY: libc's free.
+    unsafe { real::free(p) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
+    if !p.is_null() && azsdp::process::active() {
+        // SAFETY: p is a live malloc chunk (realloc's contract).
+        let u = unsafe { real::usable_size(p) };
+        let _ = std::panic::catch_unwind(|| azsdp::process::before_realloc(p as u64, u as u64));
+    }
+    // SAFETY: libc's realloc.
+    unsafe { real::realloc(p, n) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    let _ = std::panic::catch_unwind(|| azsdp::process::before_unmap(addr as u64, len as u64));
+    // SAFETY: libc's munmap.
+    let r = unsafe { real::munmap(addr, len) };
+    if r == 0 {
+        let _ = std::panic::catch_unwind(|| azsdp::process::after_unmap(addr as u64, len as u64));
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    // SAFETY: libc's mmap.
+    let r = unsafe { real::mmap(addr, len, prot, flags, fd, off) };
+    if r != libc::MAP_FAILED {
+        let _ = std::panic::catch_unwind(|| azsdp::process::after_mmap(r as u64, flags));
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: size_t,
+    new_len: size_t,
+    flags: c_int,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    let _ = std::panic::catch_unwind(|| azsdp::process::before_remap(old as u64, old_len as u64));
+    // SAFETY: libc's mremap (new_addr is read only with MREMAP_FIXED).
+    let r = unsafe { real::mremap(old, old_len, new_len, flags, new_addr) };
+    if r != libc::MAP_FAILED {
+        let _ =
+            std::panic::catch_unwind(|| azsdp::process::after_remap(old as u64, old_len as u64));
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
+    let _ = std::panic::catch_unwind(|| {
+        azsdp::process::before_madvise(addr as u64, len as u64, advice)
+    });
+    // SAFETY: libc's madvise.
+    unsafe { real::madvise(addr, len, advice) }
+}

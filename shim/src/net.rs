@@ -1,0 +1,172 @@
+//! Socket addresses between C and Rust, and small socket helpers.
+//!
+//! `unsafe` here: reading and writing `sockaddr` buffers the program
+//! passed in, within the lengths it gave.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::time::Duration;
+
+use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_storage, socklen_t};
+
+/// Decode a socket address the program passed (`None` if not IPv4/IPv6).
+///
+/// # Safety
+/// `addr` must be null or point to `len` readable bytes.
+pub unsafe fn from_raw(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+    if addr.is_null() || (len as usize) < std::mem::size_of::<libc::sa_family_t>() {
+        return None;
+    }
+    // SAFETY: at least the family is readable (checked); each arm checks
+    // the length of its structure before reading it (unaligned reads, the
+    // program's buffer may be any alignment).
+    unsafe {
+        match c_int::from((*addr).sa_family) {
+            libc::AF_INET if len as usize >= std::mem::size_of::<sockaddr_in>() => {
+                let a = std::ptr::read_unaligned(addr.cast::<sockaddr_in>());
+                Some(SocketAddr::V4(SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                    u16::from_be(a.sin_port),
+                )))
+            }
+            libc::AF_INET6 if len as usize >= std::mem::size_of::<sockaddr_in6>() => {
+                let a = std::ptr::read_unaligned(addr.cast::<sockaddr_in6>());
+                Some(SocketAddr::V6(SocketAddrV6::new(
+                    Ipv6Addr::from(a.sin6_addr.s6_addr),
+                    u16::from_be(a.sin6_port),
+                    a.sin6_flowinfo,
+                    a.sin6_scope_id,
+                )))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Encode `a` as the kernel would.
+pub fn to_storage(a: SocketAddr) -> (sockaddr_storage, socklen_t) {
+    // SAFETY: sockaddr_storage is plain data; all-zero is valid.
+    let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match a {
+        SocketAddr::V4(v4) => {
+            let sin = sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*v4.ip()).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&raw mut st).cast::<sockaddr_in>(), sin) };
+            std::mem::size_of::<sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&raw mut st).cast::<sockaddr_in6>(), sin6) };
+            std::mem::size_of::<sockaddr_in6>()
+        }
+    };
+    (st, len as socklen_t)
+}
+
+/// Hand `a` back to the program as `accept`/`getpeername` do: copy at most
+/// `*len` bytes, and store the full length in `*len`.
+///
+/// # Safety
+/// `out` and `len` must be null or valid for the sizes `*len` gives.
+pub unsafe fn copy_out(
+    a: &sockaddr_storage,
+    alen: socklen_t,
+    out: *mut sockaddr,
+    len: *mut socklen_t,
+) {
+    if out.is_null() || len.is_null() {
+        return;
+    }
+    // SAFETY: the caller's contract; we copy no more than it has room for.
+    unsafe {
+        let room = (*len).min(alen) as usize;
+        std::ptr::copy_nonoverlapping(
+            (a as *const sockaddr_storage).cast::<u8>(),
+            out.cast::<u8>(),
+            room,
+        );
+        *len = alen;
+    }
+}
+
+fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
+    // SAFETY: plain data, written by the kernel within `len`.
+    let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<sockaddr_storage>() as socklen_t;
+    let p = (&raw mut st).cast::<sockaddr>();
+    // SAFETY: getsockname/getpeername into our own buffer.
+    let r = unsafe {
+        if peer {
+            crate::real::getpeername(fd, p, &mut len)
+        } else {
+            crate::real::getsockname(fd, p, &mut len)
+        }
+    };
+    // SAFETY: the kernel wrote `len` bytes.
+    (r == 0).then(|| unsafe { from_raw(p, len) }).flatten()
+}
+
+pub fn local_of(fd: c_int) -> Option<SocketAddr> {
+    name_of(fd, false)
+}
+
+/// Unwrap IPv4-mapped IPv6 addresses.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(a) => a.to_ipv4_mapped().map_or(IpAddr::V6(a), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Is `ip` an address of this host (this network namespace)?
+pub fn is_local(ip: IpAddr) -> bool {
+    let ip = canonical(ip);
+    if ip.is_loopback() {
+        return true;
+    }
+    if ip.is_unspecified() || ip.is_multicast() {
+        return false;
+    }
+    // Only a local address can be bound (without IP_FREEBIND).
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// Set a blocking socket's receive and send timeouts (for the side channel).
+pub fn set_timeouts(s: &std::os::unix::net::UnixStream, t: Duration) {
+    let t = Some(t.max(Duration::from_millis(1)));
+    let _ = s.set_read_timeout(t);
+    let _ = s.set_write_timeout(t);
+}
+
+/// The pid of the process at the other end of a Unix socket.
+pub fn peer_pid(s: &impl std::os::fd::AsRawFd) -> Option<u32> {
+    // SAFETY: plain data written by the kernel within `len`.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as socklen_t;
+    // SAFETY: SO_PEERCRED into our own buffer.
+    let r = unsafe {
+        crate::real::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(cred.pid as u32)
+}

@@ -1,0 +1,160 @@
+//! Process-wide state of the shim, set up on first use: the configuration,
+//! the program's name, the stat file and its publisher thread, and the
+//! connections still finishing after `close()`.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use azsdp::config::Config;
+use azsdp::stats::StatFile;
+
+use crate::conn::Conn;
+use crate::log::{debug, error};
+
+/// The configuration, or why it could not be loaded (then everything
+/// stays on TCP).
+pub fn config() -> Option<&'static Config> {
+    static CONFIG: OnceLock<Option<Config>> = OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            if std::env::var_os("AZSDP_DISABLE").is_some() {
+                return None;
+            }
+            match Config::from_environment(None, std::env::vars()) {
+                Ok(c) => {
+                    debug!(
+                        "configuration from {}",
+                        c.source
+                            .as_ref()
+                            .map_or("built-in defaults".into(), |p| p.display().to_string())
+                    );
+                    Some(c)
+                }
+                Err(e) => {
+                    error!("{e}; this program stays on plain TCP");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// The program's path, as rules match it.
+pub fn program() -> &'static str {
+    static PROGRAM: OnceLock<String> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        std::fs::read_link("/proc/self/exe")
+            .ok()
+            .and_then(|p: PathBuf| p.to_str().map(str::to_string))
+            .unwrap_or_default()
+    })
+}
+
+struct Stats {
+    pid: u32,
+    file: Option<Arc<StatFile>>,
+}
+
+static STATS: Mutex<Option<Stats>> = Mutex::new(None);
+
+/// This process's stat file (a forked child makes its own).
+pub fn stat_file() -> Option<Arc<StatFile>> {
+    let pid = std::process::id();
+    let mut g = STATS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(s) = g.as_ref() {
+        if s.pid == pid {
+            return s.file.clone();
+        }
+        // The parent's: keep its file (dropping it here would not remove
+        // it, the pid differs) and start ours.
+        if let Some(old) = g.take().and_then(|s| s.file) {
+            std::mem::forget(old);
+        }
+    }
+    let name = program().rsplit('/').next().unwrap_or("?");
+    let file = match StatFile::create(&azsdp::stats::dir(), name) {
+        Ok(f) => Some(Arc::new(f)),
+        Err(e) => {
+            debug!("no stat file ({e}): `azsdp stat` will not show this process");
+            None
+        }
+    };
+    *g = Some(Stats {
+        pid,
+        file: file.clone(),
+    });
+    start_publisher();
+    file
+}
+
+/// Connections closed by the program that still finish in the background.
+static CLOSING: Mutex<Vec<Arc<Conn>>> = Mutex::new(Vec::new());
+
+pub fn closing(c: Arc<Conn>) {
+    let mut v = CLOSING.lock().unwrap_or_else(|e| e.into_inner());
+    v.retain(|c| !c.finished());
+    v.push(c);
+}
+
+/// The publisher: copies live connections' counters into the stat file
+/// ten times a second, and retires finished background closes.
+fn start_publisher() {
+    static STARTED_IN: AtomicU32 = AtomicU32::new(0);
+    let pid = std::process::id();
+    if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
+        return;
+    }
+    let r = std::thread::Builder::new()
+        .name("azsdp-stats".into())
+        .spawn(|| {
+            loop {
+                std::thread::sleep(Duration::from_millis(100));
+                publish_all();
+            }
+        });
+    if let Err(e) = r {
+        debug!("no stats thread: {e}");
+    }
+}
+
+pub fn publish_all() {
+    let _inside = azsdp::process::Inside::enter();
+    for s in crate::fdtable::all() {
+        if let Some(c) = s.conn() {
+            c.publish();
+        }
+    }
+    let mut v = CLOSING.lock().unwrap_or_else(|e| e.into_inner());
+    v.retain(|c| {
+        c.publish();
+        !c.finished()
+    });
+}
+
+static AT_EXIT: AtomicBool = AtomicBool::new(false);
+
+/// At exit, let connections finish what the program sent (bounded by
+/// their linger time), as the kernel would for TCP.
+pub fn ensure_exit_handler() {
+    if !AT_EXIT.swap(true, Ordering::SeqCst) {
+        // SAFETY: registering a plain extern "C" function.
+        unsafe { libc::atexit(at_exit) };
+    }
+}
+
+extern "C" fn at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        for s in crate::fdtable::all() {
+            if let Some(c) = s.conn() {
+                c.close();
+            }
+        }
+        let v: Vec<Arc<Conn>> = CLOSING.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for c in v {
+            c.join_closed();
+            c.publish();
+        }
+    });
+}

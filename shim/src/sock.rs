@@ -1,0 +1,100 @@
+//! A TCP socket the shim looks after, and what it has become.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use azsdp::stats::TcpReason;
+
+use crate::conn::{Conn, TcpConn};
+use crate::listener::Listener;
+
+/// What a tracked socket is now.
+#[derive(Clone)]
+pub enum Role {
+    /// Created, not yet listening or connected.
+    Fresh,
+    /// Listening, registered for pairing.
+    Listener(Arc<Listener>),
+    /// Upgraded: data goes over the azsdp fabric.
+    Azsdp(Arc<Conn>),
+    /// Connected over plain TCP (counted for `azsdp stat`).
+    Tcp(Arc<TcpConn>),
+}
+
+/// A kernel epoll set this socket was added to while it was plain TCP.
+#[derive(Clone, Copy, Debug)]
+pub struct EpollReg {
+    pub epfd: i32,
+    pub fd: i32,
+    pub events: u32,
+    pub data: u64,
+}
+
+/// Options the shim itself honours.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Opts {
+    pub rcvtimeo: Option<Duration>,
+    pub sndtimeo: Option<Duration>,
+    /// SO_LINGER {on, 0}: close resets.
+    pub linger_abort: bool,
+}
+
+pub struct Sock {
+    pub family: i32,
+    /// O_NONBLOCK of the open file (shared by dup'd descriptors).
+    pub nonblocking: AtomicBool,
+    /// Descriptors of this process naming it.
+    pub fds: AtomicUsize,
+    role: RwLock<Role>,
+    pub opts: Mutex<Opts>,
+    pub kernel_epolls: Mutex<Vec<EpollReg>>,
+}
+
+impl Sock {
+    pub fn new(family: i32, nonblocking: bool) -> Arc<Sock> {
+        Arc::new(Sock {
+            family,
+            nonblocking: AtomicBool::new(nonblocking),
+            fds: AtomicUsize::new(1),
+            role: RwLock::new(Role::Fresh),
+            opts: Mutex::new(Opts::default()),
+            kernel_epolls: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn role(&self) -> Role {
+        self.role.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_role(&self, r: Role) {
+        *self.role.write().unwrap_or_else(|e| e.into_inner()) = r;
+    }
+
+    pub fn conn(&self) -> Option<Arc<Conn>> {
+        match &*self.role.read().unwrap_or_else(|e| e.into_inner()) {
+            Role::Azsdp(c) => Some(Arc::clone(c)),
+            _ => None,
+        }
+    }
+
+    pub fn is_nonblocking(&self) -> bool {
+        self.nonblocking.load(Ordering::Relaxed)
+    }
+
+    pub fn opts(&self) -> Opts {
+        *self.opts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The connection stays on plain TCP, for `reason`.
+    pub fn stay_tcp(
+        &self,
+        local: Option<SocketAddr>,
+        peer: Option<SocketAddr>,
+        reason: TcpReason,
+        server: bool,
+    ) {
+        self.set_role(Role::Tcp(TcpConn::new(local, peer, reason, server)));
+    }
+}
