@@ -192,6 +192,8 @@ pub struct Connection {
     armed: RangeCounter,
     rx_eof: bool,
     rx_shut: bool,
+    /// The peer left after closing cleanly (see `handle_peer_gone`).
+    peer_left: bool,
 
     // faults and lifetime
     waiters: Vec<Waiter>,
@@ -265,6 +267,7 @@ impl Connection {
             armed: RangeCounter::new(),
             rx_eof: false,
             rx_shut: false,
+            peer_left: false,
             waiters: Vec::new(),
             last_rx: now,
             ping_outstanding: false,
@@ -618,6 +621,15 @@ impl Connection {
         // done, nothing is owed either way) ends nothing: that is a clean
         // close seen from the fabric.
         if self.is_finished() {
+            return;
+        }
+        // A peer that closed its side cleanly and then left, owing nothing
+        // zero-copy, took nothing with it: what it sent is all here (as TCP
+        // data after a FIN outlives the sender). It can no longer receive:
+        // our sends fail with EPIPE, unless something of ours is in flight.
+        let tx_idle = self.send_calls.is_empty() && self.out_avails.is_empty();
+        if self.rx_eof && self.in_avails.is_empty() && tx_idle {
+            self.peer_left = true;
             return;
         }
         self.abort(AbortReason::PeerGone, None);

@@ -143,7 +143,7 @@ impl Connection {
             } else {
                 e.min_pipe()
             })
-        } else if self.tx_shutdown != TxShutdown::Open {
+        } else if self.tx_shutdown != TxShutdown::Open || self.peer_left {
             Some(CallError::BrokenPipe)
         } else {
             None

@@ -681,6 +681,8 @@ impl Fabric for ShmEndpoint {
                 self.wake_peer(false);
                 Ok(())
             }
+            // A full ring whose reader is gone never drains.
+            Ok(false) if self.gone_reported => Err(FabricError::Broken),
             Ok(false) => Err(FabricError::NoCredits),
             Err(_) => Err(FabricError::TooLarge),
         }
