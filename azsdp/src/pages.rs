@@ -100,6 +100,13 @@ impl RangeCounter {
     }
 
     /// Number of references held on the byte at `addr`.
+    /// The smallest range covering every counted interval.
+    pub fn bounds(&self) -> Option<Range<u64>> {
+        let lo = *self.map.keys().next()?;
+        let hi = self.map.values().next_back()?.0;
+        Some(lo..hi)
+    }
+
     pub fn count_at(&self, addr: u64) -> u32 {
         match self.map.range(..=addr).next_back() {
             Some((_, &(end, c))) if addr < end => c,

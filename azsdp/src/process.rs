@@ -43,11 +43,56 @@ pub trait Participant: Send + Sync {
     fn set_forking(&self, forking: bool);
 }
 
+/// Where a participant holds pages, readable without its lock and without
+/// allocating: memory hooks run inside allocators (jemalloc purges with
+/// `madvise`), where taking a driver's lock or calling `malloc` could
+/// deadlock or re-enter. The driver updates it under its own lock.
+#[derive(Debug)]
+pub struct HeldBounds {
+    lo: std::sync::atomic::AtomicU64,
+    hi: std::sync::atomic::AtomicU64,
+}
+
+impl Default for HeldBounds {
+    fn default() -> Self {
+        HeldBounds {
+            lo: std::sync::atomic::AtomicU64::new(u64::MAX),
+            hi: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl HeldBounds {
+    /// Record the covering range of what is held now (`None`: nothing).
+    /// Widened before the pages are held and narrowed after they are
+    /// released, by the driver's lock holder; a reader may see a range too
+    /// wide, never one missing a held page.
+    pub fn set(&self, r: Option<Range<u64>>) {
+        let (lo, hi) = r.map_or((u64::MAX, 0), |r| (r.start, r.end));
+        self.lo.store(lo, Ordering::SeqCst);
+        self.hi.store(hi, Ordering::SeqCst);
+    }
+
+    /// Widen to cover `r` too.
+    pub fn widen(&self, r: &Range<u64>) {
+        self.lo.fetch_min(r.start, Ordering::SeqCst);
+        self.hi.fetch_max(r.end, Ordering::SeqCst);
+    }
+
+    fn may_overlap(&self, r: &Range<u64>) -> bool {
+        let lo = self.lo.load(Ordering::SeqCst);
+        let hi = self.hi.load(Ordering::SeqCst);
+        lo < hi && r.start < hi && lo < r.end
+    }
+}
+
+type Entry = (Weak<dyn Participant>, Arc<HeldBounds>);
+
 /// The live participants, behind a lock the fork handlers can hold and
 /// release from different handlers (and release in the child).
 struct Registry {
     busy: AtomicBool,
-    list: UnsafeCell<Vec<Weak<dyn Participant>>>,
+    list: UnsafeCell<Vec<Entry>>,
 }
 
 // SAFETY: `list` is only accessed while `busy` is held (see `with`).
@@ -70,7 +115,7 @@ impl Registry {
 
     /// Run `f` on the list, under the lock. `f` must not call back into
     /// the registry.
-    fn with<R>(&self, f: impl FnOnce(&mut Vec<Weak<dyn Participant>>) -> R) -> R {
+    fn with<R>(&self, f: impl FnOnce(&mut Vec<Entry>) -> R) -> R {
         self.acquire();
         // SAFETY: we hold `busy`, so no one else has a reference to the list.
         let r = f(unsafe { &mut *self.list.get() });
@@ -89,11 +134,38 @@ static COUNT: AtomicUsize = AtomicUsize::new(0);
 static ATFORK: Once = Once::new();
 
 fn live() -> Vec<Arc<dyn Participant>> {
-    LIVE.with(|l| {
-        l.retain(|w| w.strong_count() > 0);
-        COUNT.store(l.len(), Ordering::SeqCst);
-        l.iter().filter_map(Weak::upgrade).collect()
-    })
+    LIVE.with(|l| l.iter().filter_map(|(w, _)| w.upgrade()).collect())
+}
+
+/// Participants that may hold pages of `range`, found without allocating
+/// (at most `N` per call; `visit` gets each).
+fn for_each_holding(range: &Range<u64>, mut visit: impl FnMut(&Arc<dyn Participant>)) {
+    const N: usize = 16;
+    let mut from = 0;
+    loop {
+        let mut found: [Option<Arc<dyn Participant>>; N] = Default::default();
+        let mut n = 0;
+        let mut more = false;
+        LIVE.with(|l| {
+            for (i, (w, b)) in l.iter().enumerate().skip(from) {
+                if b.may_overlap(range) {
+                    if n == N {
+                        from = i;
+                        more = true;
+                        break;
+                    }
+                    found[n] = w.upgrade();
+                    n += 1;
+                }
+            }
+        });
+        for p in found.iter().flatten() {
+            visit(p);
+        }
+        if !more {
+            return;
+        }
+    }
 }
 
 /// Install the fork handlers (once per process).
@@ -115,13 +187,20 @@ thread_local! {
 
 /// Make a connection visible to the memory hooks and to fork handling (it
 /// leaves by itself when dropped).
-pub fn register(p: Weak<dyn Participant>) {
+pub fn register(p: Weak<dyn Participant>, held: Arc<HeldBounds>) {
     ensure_atfork();
-    LIVE.with(|l| {
-        l.retain(|w| w.strong_count() > 0);
-        l.push(p);
+    // Entries of dropped participants are freed here, in an ordinary
+    // call, never in a memory hook.
+    let dead = LIVE.with(|l| {
+        let (keep, dead): (Vec<Entry>, Vec<Entry>) = std::mem::take(l)
+            .into_iter()
+            .partition(|(w, _)| w.strong_count() > 0);
+        *l = keep;
+        l.push((p, held));
         COUNT.store(l.len(), Ordering::SeqCst);
+        dead
     });
+    drop(dead);
 }
 
 thread_local! {
@@ -165,11 +244,11 @@ fn settle(range: Range<u64>) {
     if range.start.next_multiple_of(p) + p > range.end {
         return;
     }
-    for c in live() {
+    for_each_holding(&range, |c| {
         if c.holds(&range) {
             c.evacuate(range.clone());
         }
-    }
+    });
 }
 
 /// Does any connection exist that memory hooks must ask? (Callers skip
@@ -247,9 +326,9 @@ fn forget(range: Range<u64>) {
     if COUNT.load(Ordering::SeqCst) == 0 || inside() {
         return;
     }
-    for c in live() {
-        c.forget(range.clone());
-    }
+    // Only state of held pages needs dropping here; cached registrations
+    // are checked by the protector when next used.
+    for_each_holding(&range, |c| c.forget(range.clone()));
 }
 
 /// Settle everything in every connection, with arms stopped, so nothing is

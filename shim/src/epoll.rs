@@ -265,10 +265,10 @@ pub unsafe fn wait(
             left.map_or(100, |l| l.as_millis().min(100) as c_int)
         };
         let room = max - out.len();
-        // SAFETY: our own array of `max` entries (room <= max).
         let n = if room == 0 {
             0
         } else {
+            // SAFETY: our own array of `max` entries (room <= max).
             unsafe { real::epoll_pwait(epfd, kernel.as_mut_ptr(), room as c_int, wait_ms, mask) }
         };
         wake.disarm();

@@ -375,26 +375,32 @@ fn recv_with_timeout(
     }
 }
 
+/// Where a data call goes.
 enum Target {
     Azsdp(Arc<Sock>, Arc<Conn>),
-    Tcp(Arc<crate::conn::TcpConn>),
-    Other,
+    /// libc's call; counted when it is a connection left on TCP.
+    Plain(Option<Arc<crate::conn::TcpConn>>),
 }
 
 fn target(fd: c_int) -> Target {
     match fdtable::get(fd) {
-        None => Target::Other,
+        None => Target::Plain(None),
         Some(s) => match s.role() {
             Role::Azsdp(c) => Target::Azsdp(s, c),
-            Role::Tcp(t) => Target::Tcp(t),
-            _ => Target::Other,
+            Role::Tcp(t) => Target::Plain(Some(t)),
+            _ => Target::Plain(None),
         },
     }
 }
 
-/// Count what a plain TCP call moved.
-fn counted(t: &crate::conn::TcpConn, r: ssize_t, sent: bool) -> ssize_t {
-    if r > 0 {
+/// Make libc's `call`, counting what it moved on a TCP connection.
+fn plain(
+    t: Option<Arc<crate::conn::TcpConn>>,
+    sent: bool,
+    call: impl FnOnce() -> ssize_t,
+) -> ssize_t {
+    let r = call();
+    if let (Some(t), true) = (t, r > 0) {
         if sent {
             t.count(r as u64, 0);
         } else {
@@ -408,9 +414,8 @@ fn counted(t: &crate::conn::TcpConn, r: ssize_t, sent: bool) -> ssize_t {
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, len: size_t, flags: c_int) -> ssize_t {
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
-        // SAFETY: libc's send, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::send(fd, buf, len, flags) }, true),
-        Target::Other => unsafe { real::send(fd, buf, len, flags) },
+        // SAFETY: libc's send with the program's arguments.
+        Target::Plain(t) => plain(t, true, || unsafe { real::send(fd, buf, len, flags) }),
     }
 }
 
@@ -425,13 +430,10 @@ pub unsafe extern "C" fn sendto(
 ) -> ssize_t {
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
-        // SAFETY: libc's sendto, in both arms.
-        Target::Tcp(t) => counted(
-            &t,
-            unsafe { real::sendto(fd, buf, len, flags, addr, alen) },
-            true,
-        ),
-        Target::Other => unsafe { real::sendto(fd, buf, len, flags, addr, alen) },
+        // SAFETY: libc's sendto with the program's arguments.
+        Target::Plain(t) => plain(t, true, || unsafe {
+            real::sendto(fd, buf, len, flags, addr, alen)
+        }),
     }
 }
 
@@ -453,15 +455,14 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
         Target::Azsdp(s, c) => guard(-1, || {
             // SAFETY: the program's msghdr and its iovecs.
             let bufs: Vec<(*const u8, usize)> =
-                unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen as usize) }
+                unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen) }
                     .into_iter()
                     .map(|(p, l)| (p.cast_const(), l))
                     .collect();
             send_bufs(&s, &c, &bufs, flags)
         }),
-        // SAFETY: libc's sendmsg, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::sendmsg(fd, msg, flags) }, true),
-        Target::Other => unsafe { real::sendmsg(fd, msg, flags) },
+        // SAFETY: libc's sendmsg with the program's arguments.
+        Target::Plain(t) => plain(t, true, || unsafe { real::sendmsg(fd, msg, flags) }),
     }
 }
 
@@ -469,9 +470,8 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, len: size_t) -> ssize_t {
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], 0)),
-        // SAFETY: libc's write, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::write(fd, buf, len) }, true),
-        Target::Other => unsafe { real::write(fd, buf, len) },
+        // SAFETY: libc's write with the program's arguments.
+        Target::Plain(t) => plain(t, true, || unsafe { real::write(fd, buf, len) }),
     }
 }
 
@@ -486,9 +486,8 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
                 .collect();
             send_bufs(&s, &c, &bufs, 0)
         }),
-        // SAFETY: libc's writev, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::writev(fd, iov, n) }, true),
-        Target::Other => unsafe { real::writev(fd, iov, n) },
+        // SAFETY: libc's writev with the program's arguments.
+        Target::Plain(t) => plain(t, true, || unsafe { real::writev(fd, iov, n) }),
     }
 }
 
@@ -496,9 +495,8 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int) -> ssize_t {
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], flags)),
-        // SAFETY: libc's recv, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::recv(fd, buf, len, flags) }, false),
-        Target::Other => unsafe { real::recv(fd, buf, len, flags) },
+        // SAFETY: libc's recv with the program's arguments.
+        Target::Plain(t) => plain(t, false, || unsafe { real::recv(fd, buf, len, flags) }),
     }
 }
 
@@ -520,13 +518,10 @@ pub unsafe extern "C" fn recvfrom(
             }
             recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
         }),
-        // SAFETY: libc's recvfrom, in both arms.
-        Target::Tcp(t) => counted(
-            &t,
-            unsafe { real::recvfrom(fd, buf, len, flags, addr, alen) },
-            false,
-        ),
-        Target::Other => unsafe { real::recvfrom(fd, buf, len, flags, addr, alen) },
+        // SAFETY: libc's recvfrom with the program's arguments.
+        Target::Plain(t) => plain(t, false, || unsafe {
+            real::recvfrom(fd, buf, len, flags, addr, alen)
+        }),
     }
 }
 
@@ -535,7 +530,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || {
             // SAFETY: the program's msghdr and its iovecs.
-            let bufs = unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen as usize) };
+            let bufs = unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen) };
             let r = recv_bufs(&s, &c, &bufs, flags);
             // SAFETY: the program's msghdr.
             unsafe {
@@ -545,9 +540,8 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
             }
             r
         }),
-        // SAFETY: libc's recvmsg, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::recvmsg(fd, msg, flags) }, false),
-        Target::Other => unsafe { real::recvmsg(fd, msg, flags) },
+        // SAFETY: libc's recvmsg with the program's arguments.
+        Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
     }
 }
 
@@ -555,9 +549,8 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize_t {
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], 0)),
-        // SAFETY: libc's read, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::read(fd, buf, len) }, false),
-        Target::Other => unsafe { real::read(fd, buf, len) },
+        // SAFETY: libc's read with the program's arguments.
+        Target::Plain(t) => plain(t, false, || unsafe { real::read(fd, buf, len) }),
     }
 }
 
@@ -569,9 +562,8 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> 
             let bufs = unsafe { iovs::<u8>(iov, n.max(0) as usize) };
             recv_bufs(&s, &c, &bufs, 0)
         }),
-        // SAFETY: libc's readv, in both arms.
-        Target::Tcp(t) => counted(&t, unsafe { real::readv(fd, iov, n) }, false),
-        Target::Other => unsafe { real::readv(fd, iov, n) },
+        // SAFETY: libc's readv with the program's arguments.
+        Target::Plain(t) => plain(t, false, || unsafe { real::readv(fd, iov, n) }),
     }
 }
 
@@ -584,11 +576,10 @@ pub unsafe extern "C" fn sendfile(
 ) -> ssize_t {
     let (s, c) = match target(out) {
         Target::Azsdp(s, c) => (s, c),
-        // SAFETY: libc's sendfile, in both arms.
-        Target::Tcp(t) => {
-            return counted(&t, unsafe { real::sendfile(out, inp, off, count) }, true);
+        Target::Plain(t) => {
+            // SAFETY: libc's sendfile with the program's arguments.
+            return plain(t, true, || unsafe { real::sendfile(out, inp, off, count) });
         }
-        Target::Other => return unsafe { real::sendfile(out, inp, off, count) },
     };
     guard(-1, || {
         // Read a chunk from the file, then send it: one copy more than the
@@ -629,6 +620,7 @@ pub unsafe extern "C" fn sendfile(
 pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
     // SAFETY: the program's array of n entries, in both calls.
     if unsafe { ready::involves_upgraded(fds, n as usize) } {
+        // SAFETY: as above.
         return guard(-1, || unsafe {
             ready::poll(
                 fds,
@@ -651,6 +643,7 @@ pub unsafe extern "C" fn ppoll(
 ) -> c_int {
     // SAFETY: the program's array of n entries, in both calls.
     if unsafe { ready::involves_upgraded(fds, n as usize) } {
+        // SAFETY: as above.
         return guard(-1, || unsafe {
             ready::poll(fds, n as usize, ready::ts_timeout(ts), mask)
         });
@@ -687,6 +680,7 @@ pub unsafe extern "C" fn select(
                 (t.tv_usec.clamp(0, 999_999) * 1000) as u32,
             )
         });
+        // SAFETY: the program's sets and timeout.
         return guard(-1, || unsafe {
             ready::select(n, r, w, e, timeout, std::ptr::null())
         });
@@ -706,6 +700,7 @@ pub unsafe extern "C" fn pselect(
 ) -> c_int {
     // SAFETY: the program's sets, in all calls.
     if unsafe { sets_involve_upgraded(n, [r, w, e]) } {
+        // SAFETY: the program's sets and timeout.
         return guard(-1, || unsafe {
             ready::select(n, r, w, e, ready::ts_timeout(ts), mask)
         });

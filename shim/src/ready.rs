@@ -34,8 +34,9 @@ impl Wakeup {
             return None;
         }
         // SAFETY: a fresh descriptor, owned from here.
+        let efd = unsafe { OwnedFd::from_raw_fd(fd) };
         let w = Arc::new(Wakeup {
-            efd: unsafe { OwnedFd::from_raw_fd(fd) },
+            efd,
             asleep: AtomicBool::new(false),
         });
         SLEEPERS

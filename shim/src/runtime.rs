@@ -41,13 +41,21 @@ pub fn config() -> Option<&'static Config> {
         .as_ref()
 }
 
-/// The program's path, as rules match it.
+/// The program as it was invoked (argv[0], so `redis-server` rather than
+/// the binary it links to), else its executable's path; rules match it.
 pub fn program() -> &'static str {
     static PROGRAM: OnceLock<String> = OnceLock::new();
     PROGRAM.get_or_init(|| {
-        std::fs::read_link("/proc/self/exe")
-            .ok()
-            .and_then(|p: PathBuf| p.to_str().map(str::to_string))
+        let argv0 = std::fs::read("/proc/self/cmdline").ok().and_then(|c| {
+            let first = c.split(|b| *b == 0).next()?.to_vec();
+            String::from_utf8(first).ok().filter(|s| !s.is_empty())
+        });
+        argv0
+            .or_else(|| {
+                std::fs::read_link("/proc/self/exe")
+                    .ok()
+                    .and_then(|p: PathBuf| p.to_str().map(str::to_string))
+            })
             .unwrap_or_default()
     })
 }

@@ -344,6 +344,14 @@ impl Connection {
         self.send_prot.overlaps(range) || self.armed.overlaps(range)
     }
 
+    /// The smallest range covering every page held (protected or armed).
+    pub fn held_bounds(&self) -> Option<Range<u64>> {
+        match (self.send_prot.bounds(), self.armed.bounds()) {
+            (Some(a), Some(b)) => Some(a.start.min(b.start)..a.end.max(b.end)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// Nothing is left to do: the driver may drop the connection.
     pub fn is_finished(&self) -> bool {
         let drained = self.ops.is_empty()

@@ -28,7 +28,7 @@ use crate::conn::{
     Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
 };
 use crate::fabric::{Fabric, FabricWaiter};
-use crate::process::{self, Inside, Participant};
+use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
 
 /// Longest sleep of any thread between looks (bounds shutdown latency).
@@ -45,6 +45,8 @@ struct Shared<F: Fabric, P: Protector> {
     owner: u32,
     /// Told whenever a turn delivered something (readiness may have changed).
     notify: Option<Notify>,
+    /// Where the connection holds pages (for the memory hooks).
+    held: Arc<HeldBounds>,
     /// `close()` was called: the progress thread ends once the connection
     /// is finished or this deadline passes.
     closing: Mutex<Option<Instant>>,
@@ -58,7 +60,15 @@ pub type Notify = Arc<dyn Fn() + Send + Sync>;
 /// hooks let its own frees pass instead of asking this very driver).
 struct Locked<'a, F: Fabric, P: Protector> {
     guard: MutexGuard<'a, Driver<F, P>>,
+    held: &'a HeldBounds,
     _inside: Inside,
+}
+
+impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
+    fn drop(&mut self) {
+        // Publish where pages are held for the memory hooks' lock-free look.
+        self.held.set(self.guard.connection().held_bounds());
+    }
 }
 
 impl<F: Fabric, P: Protector> std::ops::Deref for Locked<'_, F, P> {
@@ -79,7 +89,11 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
         let _inside = Inside::enter();
         // A panic elsewhere must not wedge the connection: keep going.
         let guard = self.driver.lock().unwrap_or_else(|e| e.into_inner());
-        Locked { guard, _inside }
+        Locked {
+            guard,
+            held: &self.held,
+            _inside,
+        }
     }
 
     fn try_lock(&self) -> Option<Locked<'_, F, P>> {
@@ -89,7 +103,11 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
-        Some(Locked { guard, _inside })
+        Some(Locked {
+            guard,
+            held: &self.held,
+            _inside,
+        })
     }
 
     /// In a forked child: the parent's threads are gone, so is this driver.
@@ -203,10 +221,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             in_calls: AtomicUsize::new(0),
             owner: std::process::id(),
             notify,
+            held: Arc::new(HeldBounds::default()),
             closing: Mutex::new(None),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
-        process::register(weak);
+        process::register(weak, Arc::clone(&shared.held));
         let mut threads = Vec::new();
         let s = Arc::clone(&shared);
         threads.push(
