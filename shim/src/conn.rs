@@ -14,7 +14,7 @@ use azsdp::fabric::shm::ShmEndpoint;
 use azsdp::protect;
 use azsdp::stats::{ConnPath, StatFile, TcpReason};
 
-use crate::log::debug;
+use crate::log::{debug, info};
 
 type Engine = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
 
@@ -29,6 +29,7 @@ pub struct Conn {
     pub peer_pid: u32,
     linger: Duration,
     closed: AtomicBool,
+    reported: AtomicBool,
     stat: Option<(Arc<StatFile>, usize)>,
     /// Last path published (to log changes once).
     path: Mutex<ConnPath>,
@@ -79,6 +80,7 @@ impl Conn {
             peer_pid,
             linger: settings.linger,
             closed: AtomicBool::new(false),
+            reported: AtomicBool::new(false),
             stat,
             path: Mutex::new(ConnPath::Azsdp),
         });
@@ -135,11 +137,35 @@ impl Conn {
     pub fn finished(&self) -> bool {
         let done = self.closed.load(Ordering::SeqCst) && self.engine.is_finished();
         if done {
+            self.report();
             if let Some((f, slot)) = &self.stat {
                 f.close_slot(*slot);
             }
         }
         done
+    }
+
+    /// One line at the end: what moved over which path.
+    pub fn report(&self) {
+        if self.reported.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (c, _, _) = self.engine.snapshot();
+        info!(
+            "{} -> {}: closed; sent azsdp {} zsdp {} bsdp {} bytes, received zero-copy {} bsdp {} bytes; \
+             gets {}, faults {}, copy-on-writes {}, fallbacks {}",
+            self.local,
+            self.peer,
+            c.bytes_sent_async,
+            c.bytes_sent_sync,
+            c.bytes_sent_bsdp,
+            c.bytes_recv_zcopy,
+            c.bytes_recv_bsdp,
+            c.gets,
+            c.send_faults + c.recv_faults,
+            c.cow_copies,
+            c.fallbacks
+        );
     }
 }
 

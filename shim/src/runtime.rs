@@ -162,7 +162,7 @@ extern "C" fn at_exit() {
         let v: Vec<Arc<Conn>> = CLOSING.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for c in v {
             c.join_closed();
-            c.publish();
+            c.report();
         }
     });
 }

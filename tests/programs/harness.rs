@@ -1,0 +1,280 @@
+//! Running real, unmodified programs under `azsdp run` in tests.
+//!
+//! The first test to need them builds `libazsdp.so` and the `azsdp` command
+//! (release profile, as users run them). Each test gets its own stat
+//! directory, so `azsdp stat` shows only its own processes, and its own
+//! ports. Every wait is bounded and every child is killed on drop: a test
+//! fails, it never hangs.
+
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target"))
+}
+
+/// The `azsdp` command, built (with libazsdp.so next to it) on first use.
+pub fn azsdp() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let st = Command::new(cargo)
+            .current_dir(workspace())
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "azsdp-shim",
+                "-p",
+                "azsdp-daemon",
+            ])
+            .status()
+            .expect("run cargo build");
+        assert!(st.success(), "building libazsdp.so and azsdp failed");
+        let bin = target_dir().join("release/azsdp");
+        assert!(target_dir().join("release/libazsdp.so").exists());
+        bin
+    })
+}
+
+/// Path of a program the test needs; the CI installs them (see `.ci/run`).
+pub fn need(program: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join(program))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("`{program}` is not installed (the CI installs it with apt-get)"))
+}
+
+/// A scratch directory for one test, removed at the end.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!("azsdp-prog-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(p.join("stat")).expect("scratch dir");
+        Scratch(p)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    pub fn stat_dir(&self) -> PathBuf {
+        self.0.join("stat")
+    }
+
+    /// `azsdp run -- program args...`, with this test's stat directory and
+    /// the shim's log in `<name>.log`.
+    pub fn under_azsdp(&self, name: &str, program: &str, args: &[&str]) -> Command {
+        let mut c = Command::new(azsdp());
+        c.arg("run").arg("--").arg(need(program)).args(args);
+        self.setup(&mut c, name);
+        c
+    }
+
+    /// The same program without azsdp.
+    pub fn plain(&self, name: &str, program: &str, args: &[&str]) -> Command {
+        let mut c = Command::new(need(program));
+        c.args(args);
+        self.setup(&mut c, name);
+        c
+    }
+
+    fn setup(&self, c: &mut Command, name: &str) {
+        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
+        c.env("AZSDP_STAT_DIR", self.stat_dir())
+            .env("AZSDP_LOG_LEVEL", "debug")
+            .env_remove("AZSDP_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+    }
+
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.path(&format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// `azsdp stat --json` for this test's processes.
+    pub fn stat(&self) -> Vec<serde_json::Value> {
+        let out = Command::new(azsdp())
+            .args(["stat", "--json"])
+            .env("AZSDP_STAT_DIR", self.stat_dir())
+            .output()
+            .expect("azsdp stat");
+        assert!(out.status.success(), "azsdp stat failed");
+        match serde_json::from_slice(&out.stdout).expect("stat output is JSON") {
+            serde_json::Value::Array(v) => v,
+            other => panic!("stat output is not an array: {other}"),
+        }
+    }
+
+    /// Poll `azsdp stat` until `want` holds for some connection, or `t`.
+    pub fn stat_until(
+        &self,
+        t: Duration,
+        want: impl Fn(&serde_json::Value) -> bool,
+    ) -> Option<serde_json::Value> {
+        let deadline = Instant::now() + t;
+        while Instant::now() < deadline {
+            if let Some(c) = self.stat().into_iter().find(|c| want(c)) {
+                return Some(c);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A child process, killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn start(mut cmd: Command, name: &str) -> Proc {
+        Proc {
+            child: cmd.spawn().unwrap_or_else(|e| panic!("start {name}: {e}")),
+            name: name.into(),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Wait up to `t` for it to exit.
+    pub fn wait(&mut self, t: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + t;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Wait, failing the test if it takes longer than `t` or fails.
+    pub fn expect_success(&mut self, t: Duration, log: &str) {
+        match self.wait(t) {
+            Some(s) if s.success() => {}
+            Some(s) => panic!("{} failed ({s}); its log:\n{log}", self.name),
+            None => panic!("{} did not finish within {t:?}; its log:\n{log}", self.name),
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn stdout(&mut self) -> String {
+        let mut s = String::new();
+        if let Some(o) = self.child.stdout.as_mut() {
+            let _ = o.read_to_string(&mut s);
+        }
+        s
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Wait until something listens on TCP `port` (from /proc/net/tcp{,6},
+/// without connecting, which would take the server's one connection).
+pub fn wait_listening(port: u16, t: Duration) {
+    let deadline = Instant::now() + t;
+    let hex = format!(":{port:04X} ");
+    while Instant::now() < deadline {
+        for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            // local_address is the second column; state 0A is LISTEN.
+            if text.lines().any(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                cols.len() > 3 && format!("{} ", cols[1]).ends_with(&hex) && cols[3] == "0A"
+            }) {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("nothing listens on port {port} after {t:?}");
+}
+
+/// sha256 of a file (coreutils' sha256sum).
+pub fn sha256(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Write `len` pseudo-random bytes to `path` (fast, not cryptographic).
+pub fn random_file(path: &Path, len: u64, seed: u64) {
+    use std::io::Write;
+    let f = std::fs::File::create(path).expect("create");
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        for chunk in buf.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let b = x.to_le_bytes();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        }
+        let n = left.min(buf.len() as u64) as usize;
+        w.write_all(&buf[..n]).expect("write");
+        left -= n as u64;
+    }
+    w.flush().expect("flush");
+}
+
+/// A JSON field as u64 (0 if absent).
+pub fn num(v: &serde_json::Value, path: &[&str]) -> u64 {
+    let mut cur = v;
+    for p in path {
+        cur = &cur[*p];
+    }
+    cur.as_u64().unwrap_or(0)
+}
+
+pub fn text<'a>(v: &'a serde_json::Value, key: &str) -> &'a str {
+    v[key].as_str().unwrap_or("")
+}

@@ -1,0 +1,409 @@
+//! Real, unmodified programs from Debian packages under `azsdp run`:
+//! socat, iperf3, redis, python's http.server with curl; mixed pairs with
+//! a peer not under azsdp; and a peer killed mid-stream.
+
+mod harness;
+
+use std::io::Write;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use harness::*;
+
+const LISTEN: Duration = Duration::from_secs(15);
+
+/// Ports for this test binary's run (a different range per run, so runs
+/// on one host, or a test whose server lingers, do not collide).
+fn port(offset: u16) -> u16 {
+    20000 + (std::process::id() % 1500) as u16 * 16 + offset
+}
+
+/// The shim's closing line of a connection, with its byte counts.
+fn closing_line(log: &str) -> Option<&str> {
+    log.lines().find(|l| l.contains(": closed; sent azsdp"))
+}
+
+/// A number in `line` after `key ` (e.g. "sent azsdp 1234").
+fn count_after(line: &str, key: &str) -> u64 {
+    line.split(key)
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.trim_end_matches([',', ';']).parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn socat_sends_a_1gib_file_over_azsdp() {
+    let s = Scratch::new("socat");
+    let p = port(0);
+    let input = s.path("in.bin");
+    let output = s.path("out.bin");
+    random_file(&input, 1 << 30, 0x5eed);
+    let mut srv = Proc::start(
+        s.under_azsdp(
+            "server",
+            "socat",
+            &[
+                "-u",
+                "-b",
+                "262144",
+                &format!("TCP-LISTEN:{p},reuseaddr"),
+                &format!("OPEN:{},creat,trunc", output.display()),
+            ],
+        ),
+        "socat server",
+    );
+    wait_listening(p, LISTEN);
+    let mut cli = Proc::start(
+        s.under_azsdp(
+            "client",
+            "socat",
+            &[
+                "-u",
+                "-b",
+                "262144",
+                &format!("OPEN:{}", input.display()),
+                &format!("TCP:127.0.0.1:{p}"),
+            ],
+        ),
+        "socat client",
+    );
+    cli.expect_success(Duration::from_secs(120), &s.log("client"));
+    srv.expect_success(Duration::from_secs(60), &s.log("server"));
+    assert_eq!(sha256(&input), sha256(&output), "the file arrived changed");
+    let log = s.log("client");
+    assert!(
+        log.contains("-> 127.0.0.1:") && log.contains(": azsdp (peer pid"),
+        "{log}"
+    );
+    let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line in:\n{log}"));
+    let zero_copy = count_after(line, "sent azsdp") + count_after(line, " zsdp");
+    assert!(
+        zero_copy > (1 << 29),
+        "most of the file should go zero-copy: {line}"
+    );
+}
+
+#[test]
+fn iperf3_runs_over_azsdp_and_stat_shows_it() {
+    let s = Scratch::new("iperf3");
+    let p = port(1);
+    let ps = p.to_string();
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "iperf3", &["-s", "-1", "-p", &ps]),
+        "iperf3 server",
+    );
+    wait_listening(p, LISTEN);
+    let mut cmd = s.under_azsdp(
+        "client",
+        "iperf3",
+        &["-c", "127.0.0.1", "-p", &ps, "-t", "3", "-J"],
+    );
+    cmd.stdout(Stdio::piped());
+    let mut cli = Proc::start(cmd, "iperf3 client");
+    // During the run: the data connection is on the azsdp fabric, seen
+    // from both processes, with bytes flowing.
+    let seen = s.stat_until(Duration::from_secs(10), |c| {
+        text(c, "program") == "iperf3"
+            && text(c, "role") == "server"
+            && text(c, "path") != "tcp"
+            && num(c, &["bytes", "received", "bsdp"]) + num(c, &["bytes", "received", "zcopy"])
+                > (64 << 20)
+    });
+    let all = s.stat();
+    let out = cli.stdout();
+    cli.expect_success(Duration::from_secs(20), &s.log("client"));
+    srv.expect_success(Duration::from_secs(10), &s.log("server"));
+    let seen = seen.unwrap_or_else(|| panic!("azsdp stat never showed iperf3's bytes: {all:?}"));
+    assert_eq!(num(&seen, &["bytes", "received", "tcp"]), 0, "{seen}");
+    assert!(all.iter().any(|c| text(c, "role") == "client"), "{all:?}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("iperf3 -J output");
+    let received = report["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+    assert!(received > (256 << 20), "iperf3 moved only {received} bytes");
+}
+
+#[test]
+fn redis_benchmark_over_azsdp_has_no_errors() {
+    let s = Scratch::new("redis");
+    let p = port(2);
+    let ps = p.to_string();
+    let mut srv = Proc::start(
+        s.under_azsdp(
+            "server",
+            "redis-server",
+            &["--port", &ps, "--save", "", "--appendonly", "no"],
+        ),
+        "redis-server",
+    );
+    wait_listening(p, LISTEN);
+    let mut cmd = s.under_azsdp(
+        "bench",
+        "redis-benchmark",
+        &[
+            "-p",
+            &ps,
+            "-n",
+            "100000",
+            "-c",
+            "8",
+            "-P",
+            "16",
+            "-t",
+            "set,get,incr,lpush,lpop",
+            "-q",
+        ],
+    );
+    cmd.stdout(Stdio::piped());
+    let mut bench = Proc::start(cmd, "redis-benchmark");
+    let seen = s.stat_until(Duration::from_secs(20), |c| {
+        text(c, "program") == "redis-server" && text(c, "path") != "tcp"
+    });
+    let out = bench.stdout();
+    bench.expect_success(Duration::from_secs(120), &s.log("bench"));
+    assert!(
+        seen.is_some(),
+        "redis-server's connections never showed in azsdp stat"
+    );
+    let results: Vec<&str> = out
+        .lines()
+        .flat_map(|l| l.split('\r'))
+        .filter(|l| l.contains("requests per second"))
+        .collect();
+    assert_eq!(results.len(), 5, "redis-benchmark output:\n{out}");
+    assert!(!out.to_lowercase().contains("error"), "{out}");
+
+    // A 1 MiB value through one connection each way, checked byte for byte.
+    let value: String = (0..(1 << 20))
+        .map(|i| (b'a' + (i * 7 % 26) as u8) as char)
+        .collect();
+    let vfile = s.path("value.txt");
+    std::fs::write(&vfile, &value).expect("value file");
+    let mut set = s.under_azsdp("set", "redis-cli", &["-p", &ps, "-x", "SET", "big"]);
+    set.stdin(std::fs::File::open(&vfile).expect("value"));
+    Proc::start(set, "redis-cli SET").expect_success(Duration::from_secs(20), &s.log("set"));
+    let mut get = s.under_azsdp("get", "redis-cli", &["-p", &ps, "--raw", "GET", "big"]);
+    get.stdout(Stdio::piped());
+    let mut get = Proc::start(get, "redis-cli GET");
+    let got = get.stdout();
+    get.expect_success(Duration::from_secs(20), &s.log("get"));
+    assert_eq!(
+        got.trim_end_matches('\n'),
+        value,
+        "the value came back changed"
+    );
+    assert!(
+        s.log("get").contains(": azsdp (peer pid"),
+        "{}",
+        s.log("get")
+    );
+    srv.kill();
+}
+
+#[test]
+fn curl_downloads_256mib_from_python_http_server() {
+    let s = Scratch::new("http");
+    let p = port(3);
+    let dir = s.path("www");
+    std::fs::create_dir_all(&dir).expect("www");
+    let file = dir.join("file.bin");
+    random_file(&file, 256 << 20, 0xc0ffee);
+    let mut srv = Proc::start(
+        s.under_azsdp(
+            "server",
+            "python3",
+            &[
+                "-m",
+                "http.server",
+                &p.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--directory",
+                &dir.display().to_string(),
+            ],
+        ),
+        "python3 -m http.server",
+    );
+    wait_listening(p, LISTEN);
+    let got = s.path("got.bin");
+    let mut curl = Proc::start(
+        s.under_azsdp(
+            "curl",
+            "curl",
+            &[
+                "-sS",
+                "--fail",
+                "-o",
+                &got.display().to_string(),
+                &format!("http://127.0.0.1:{p}/file.bin"),
+            ],
+        ),
+        "curl",
+    );
+    curl.expect_success(Duration::from_secs(120), &s.log("curl"));
+    assert_eq!(sha256(&file), sha256(&got), "the download differs");
+    let log = s.log("curl");
+    assert!(log.contains(": azsdp (peer pid"), "{log}");
+    let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line in:\n{log}"));
+    let received = line.split("received").nth(1).unwrap_or_default();
+    assert!(
+        count_after(received, "zero-copy") + count_after(received, "bsdp") > (255 << 20),
+        "{line}"
+    );
+    srv.kill();
+}
+
+/// One side under azsdp, the other not: plain TCP, the data intact, and
+/// the azsdp side's `azsdp stat` names the reason while it is connected.
+fn mixed_pair(client_azsdp: bool, offset: u16) {
+    let s = Scratch::new(if client_azsdp { "mixed-c" } else { "mixed-s" });
+    let p = port(offset);
+    let output = s.path("out.bin");
+    let server_args = [
+        "-u".to_string(),
+        format!("TCP-LISTEN:{p},reuseaddr"),
+        format!("OPEN:{},creat,trunc", output.display()),
+    ];
+    let server_args: Vec<&str> = server_args.iter().map(String::as_str).collect();
+    let client_args = [
+        "-u".to_string(),
+        "STDIN".into(),
+        format!("TCP:127.0.0.1:{p}"),
+    ];
+    let client_args: Vec<&str> = client_args.iter().map(String::as_str).collect();
+    let srv_cmd = if client_azsdp {
+        s.plain("server", "socat", &server_args)
+    } else {
+        s.under_azsdp("server", "socat", &server_args)
+    };
+    let mut srv = Proc::start(srv_cmd, "socat server");
+    wait_listening(p, LISTEN);
+    let mut cli_cmd = if client_azsdp {
+        s.under_azsdp("client", "socat", &client_args)
+    } else {
+        s.plain("client", "socat", &client_args)
+    };
+    cli_cmd.stdin(Stdio::piped());
+    let mut cli = Proc::start(cli_cmd, "socat client");
+    let data: Vec<u8> = (0..(4u32 << 20))
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let mut stdin = cli.child.stdin.take().expect("client stdin");
+    stdin.write_all(&data[..1 << 20]).expect("feed the client");
+    stdin.flush().expect("flush");
+    let role = if client_azsdp { "client" } else { "server" };
+    let seen = s.stat_until(Duration::from_secs(10), |c| {
+        text(c, "role") == role
+            && text(c, "path") == "tcp"
+            && text(c, "tcp_reason") == "peer-not-azsdp"
+            && num(
+                c,
+                &[
+                    "bytes",
+                    if client_azsdp { "sent" } else { "received" },
+                    "tcp",
+                ],
+            ) > 0
+    });
+    stdin.write_all(&data[1 << 20..]).expect("feed the client");
+    drop(stdin);
+    cli.expect_success(Duration::from_secs(30), &s.log("client"));
+    srv.expect_success(Duration::from_secs(30), &s.log("server"));
+    assert!(
+        seen.is_some(),
+        "azsdp stat never showed the {role} on TCP with reason peer-not-azsdp: {:?}",
+        s.stat()
+    );
+    assert_eq!(
+        std::fs::read(&output).expect("output"),
+        data,
+        "data changed on TCP"
+    );
+    let log = s.log(role);
+    assert!(log.contains("tcp (peer-not-azsdp)"), "{log}");
+}
+
+#[test]
+fn azsdp_client_to_plain_server_stays_on_tcp() {
+    mixed_pair(true, 4);
+}
+
+#[test]
+fn plain_client_to_azsdp_server_stays_on_tcp() {
+    mixed_pair(false, 5);
+}
+
+/// Stream from /dev/zero, kill one side with SIGKILL mid-stream; the other
+/// must notice within a second, with the error (or end) TCP gives.
+fn killed_mid_stream(kill_receiver: bool, offset: u16) {
+    let s = Scratch::new(if kill_receiver { "kill-r" } else { "kill-s" });
+    let p = port(offset);
+    let mut srv = Proc::start(
+        s.under_azsdp(
+            "server",
+            "socat",
+            &["-u", &format!("TCP-LISTEN:{p},reuseaddr"), "OPEN:/dev/null"],
+        ),
+        "socat receiver",
+    );
+    wait_listening(p, LISTEN);
+    let mut cli = Proc::start(
+        s.under_azsdp(
+            "client",
+            "socat",
+            &[
+                "-u",
+                "-b",
+                "262144",
+                "/dev/zero",
+                &format!("TCP:127.0.0.1:{p}"),
+            ],
+        ),
+        "socat sender",
+    );
+    let flowing = s.stat_until(Duration::from_secs(10), |c| {
+        text(c, "path") != "tcp"
+            && num(c, &["bytes", "received", "zcopy"]) + num(c, &["bytes", "received", "bsdp"])
+                > (16 << 20)
+    });
+    assert!(
+        flowing.is_some(),
+        "the stream never got going: {:?}",
+        s.stat()
+    );
+    let (victim, survivor, name) = if kill_receiver {
+        (&mut srv, &mut cli, "client")
+    } else {
+        (&mut cli, &mut srv, "server")
+    };
+    victim.kill();
+    let t0 = Instant::now();
+    let status = survivor.wait(Duration::from_secs(5));
+    let took = t0.elapsed();
+    let log = s.log(name);
+    let status = status.unwrap_or_else(|| panic!("the {name} did not notice within 5 s:\n{log}"));
+    assert!(
+        took < Duration::from_secs(1),
+        "the {name} took {took:?} to notice"
+    );
+    if kill_receiver {
+        // TCP: the sender's write fails with ECONNRESET or EPIPE.
+        assert!(!status.success(), "{log}");
+        assert!(
+            log.contains("Connection reset by peer") || log.contains("Broken pipe"),
+            "{log}"
+        );
+    } else {
+        // The receiver's read ends (socat treats a reset as the end too).
+        assert!(status.success(), "{log}");
+    }
+}
+
+#[test]
+fn receiver_killed_mid_stream_fails_the_sender_within_a_second() {
+    killed_mid_stream(true, 6);
+}
+
+#[test]
+fn sender_killed_mid_stream_ends_the_receiver_within_a_second() {
+    killed_mid_stream(false, 7);
+}
