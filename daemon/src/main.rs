@@ -13,6 +13,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod demo;
 mod stat;
 
 use azsdp::config::{Config, Connection, Settings};
@@ -41,6 +42,34 @@ enum Command {
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         program: Vec<std::ffi::OsString>,
+    },
+    /// Run a program pair under azsdp, then on kernel TCP, and show what
+    /// moved over which path.
+    Demo {
+        /// Bytes to send.
+        #[arg(long, default_value_t = 1 << 30)]
+        bytes: u64,
+        /// Bytes per write.
+        #[arg(long, default_value_t = 1 << 20)]
+        buflen: usize,
+        /// Rewrite the buffer before each write (AZ-SDP's worst case: the
+        /// write faults on pages still in flight).
+        #[arg(long)]
+        touch: bool,
+    },
+    /// One side of the demo pair (an ordinary blocking-socket program).
+    #[command(hide = true)]
+    DemoPeer {
+        #[arg(long)]
+        listen: Option<u16>,
+        #[arg(long)]
+        connect: Option<u16>,
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long)]
+        buflen: usize,
+        #[arg(long)]
+        touch: bool,
     },
     /// List live azsdp connections on this host.
     Stat {
@@ -122,6 +151,18 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
     match cli.command {
         Command::Run { config, program } => return Err(run_program(config, program)),
         Command::Stat { json } => stat::print(json),
+        Command::Demo {
+            bytes,
+            buflen,
+            touch,
+        } => return Err(demo::demo(bytes, buflen.max(1), touch)),
+        Command::DemoPeer {
+            listen,
+            connect,
+            bytes,
+            buflen,
+            touch,
+        } => return Err(demo::peer(listen, connect, bytes, buflen.max(1), touch)),
         Command::Config(ConfigCommand::Check { file }) => {
             let c = load(file.as_ref())?;
             match &c.source {
@@ -160,18 +201,46 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
 
 /// Where libazsdp.so is: AZSDP_SHIM, else next to this executable (a cargo
 /// target directory), else ../lib/azsdp/ from it (an installation).
-fn find_shim() -> Option<PathBuf> {
+pub(crate) fn find_shim() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("AZSDP_SHIM") {
         return Some(PathBuf::from(p));
     }
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
-    [
-        dir.join("libazsdp.so"),
-        dir.join("../lib/azsdp/libazsdp.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
+    let found = || {
+        [
+            dir.join("libazsdp.so"),
+            dir.join("../lib/azsdp/libazsdp.so"),
+        ]
+        .into_iter()
+        .find(|p| p.exists())
+    };
+    found().or_else(|| {
+        build_shim_for_cargo_run(dir);
+        found()
+    })
+}
+
+/// Under `cargo run`, libazsdp.so may not be built yet (cargo builds only
+/// the package it runs): build it, in the same profile, next to us.
+fn build_shim_for_cargo_run(dir: &std::path::Path) {
+    let (Some(cargo), Some(manifest)) = (
+        std::env::var_os("CARGO"),
+        std::env::var_os("CARGO_MANIFEST_DIR"),
+    ) else {
+        return;
+    };
+    let workspace = PathBuf::from(manifest).join("..");
+    if !workspace.join("shim/Cargo.toml").exists() {
+        return;
+    }
+    let release = dir.file_name().is_some_and(|n| n == "release");
+    eprintln!("azsdp: building libazsdp.so (cargo build -p azsdp-shim)");
+    let _ = std::process::Command::new(cargo)
+        .current_dir(&workspace)
+        .args(["build", "-q", "-p", "azsdp-shim"])
+        .args(release.then_some("--release"))
+        .status();
 }
 
 /// `azsdp run`: exec the program with the shim preloaded (returns only on
