@@ -466,6 +466,14 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             }
     }
 
+    /// Interrupt a submitted call (a signal, or its socket timeout): it
+    /// completes with what it moved, or [`CallError::Interrupted`].
+    pub fn cancel(&mut self, call: CallId) {
+        let now = self.now();
+        self.conn.cancel(now, call, &mut self.mem);
+        self.drive();
+    }
+
     /// The result of a submitted call, once it is done.
     pub fn take_result(&mut self, call: CallId) -> Option<Result<u64, CallError>> {
         self.done.remove(&call)

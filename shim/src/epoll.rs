@@ -88,9 +88,14 @@ fn set_for(epfd: c_int) -> Option<Arc<Mutex<Set>>> {
 
 /// `epfd` was closed.
 pub fn forget_set(epfd: c_int) {
-    let mut sets = SETS.lock().unwrap_or_else(|e| e.into_inner());
-    sets.remove(&epfd);
-    COUNT.store(sets.len(), Ordering::Relaxed);
+    let gone = {
+        let mut sets = SETS.lock().unwrap_or_else(|e| e.into_inner());
+        let gone = sets.remove(&epfd);
+        COUNT.store(sets.len(), Ordering::Relaxed);
+        gone
+    };
+    // Dropped unlocked: its eventfd's close comes back through `close`.
+    drop(gone);
 }
 
 /// `fd` (upgraded) was closed: drop it from every set.

@@ -13,9 +13,11 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use azsdp::config::{Connection as RuleInput, Settings};
 use azsdp::conn::{CallError, RecvFlags, Role as EngineRole, SendFlags, Shutdown};
+use azsdp::driver::threaded::CallLimits;
 use azsdp::stats::TcpReason;
 use libc::{
     c_int, c_ulong, c_void, epoll_event, fd_set, msghdr, nfds_t, off_t, pollfd, sigset_t, size_t,
@@ -27,7 +29,7 @@ use crate::connect::{self, Outcome};
 use crate::listener::Listener;
 use crate::log::{debug, info};
 use crate::sock::{EpollReg, Role, Sock};
-use crate::{epoll, fdtable, net, ready, real, runtime};
+use crate::{epoll, fdtable, net, ready, real, runtime, signals};
 
 /// Run `f`; a panic becomes `fail` with errno EIO.
 fn guard<T>(fail: T, f: impl FnOnce() -> T) -> T {
@@ -286,13 +288,17 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
         }
         // SAFETY: the program's buffer of `len` bytes, valid for the call.
         let buf = unsafe { std::slice::from_raw_parts(p, len) };
-        match c.engine.send(
-            buf,
-            SendFlags {
-                nonblocking,
-                protectable: true,
-            },
-        ) {
+        let flags = SendFlags {
+            nonblocking,
+            protectable: true,
+        };
+        let r = if nonblocking {
+            c.engine.send(buf, flags)
+        } else {
+            let deadline = sock.opts().sndtimeo.map(|t| Instant::now() + t);
+            c.engine.send_bounded(buf, flags, &limits(deadline))
+        };
+        match r {
             Ok(n) => {
                 total += n as usize;
                 if (n as usize) < len {
@@ -328,9 +334,11 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
             waitall: flags & libc::MSG_WAITALL != 0,
             armable: true,
         };
-        let r = match sock.opts().rcvtimeo {
-            Some(t) if first && !f.nonblocking => recv_with_timeout(c, buf, f, t),
-            _ => c.engine.recv(buf, f),
+        let r = if f.nonblocking {
+            c.engine.recv(buf, f)
+        } else {
+            let deadline = sock.opts().rcvtimeo.map(|t| Instant::now() + t);
+            c.engine.recv_bounded(buf, f, &limits(deadline))
         };
         match r {
             Ok(0) => break,
@@ -347,31 +355,12 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
     total as ssize_t
 }
 
-/// A blocking receive bounded by SO_RCVTIMEO (EAGAIN when it passes).
-fn recv_with_timeout(
-    c: &Conn,
-    buf: &mut [u8],
-    f: RecvFlags,
-    t: std::time::Duration,
-) -> Result<u64, CallError> {
-    let deadline = std::time::Instant::now() + t;
-    let nb = RecvFlags {
-        nonblocking: true,
-        ..f
-    };
-    loop {
-        match c.engine.recv(buf, nb) {
-            Err(CallError::WouldBlock) => {}
-            r => return r,
-        }
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero()
-            || !c
-                .engine
-                .wait_readiness(left, |r| r.readable || r.error || r.hangup)
-        {
-            return Err(CallError::WouldBlock);
-        }
+/// Bounds of a blocking call: its socket timeout, and EINTR after a
+/// handler without SA_RESTART.
+fn limits(deadline: Option<Instant>) -> CallLimits<'static> {
+    CallLimits {
+        deadline,
+        on_signal: &signals::some_handler_without_restart,
     }
 }
 

@@ -24,6 +24,7 @@ mod net;
 mod ready;
 mod real;
 mod runtime;
+mod signals;
 mod sock;
 
 use std::ffi::c_char;

@@ -53,6 +53,9 @@ pub fn azsdp() -> &'static Path {
 
 /// Path of a program the test needs; the CI installs them (see `.ci/run`).
 pub fn need(program: &str) -> PathBuf {
+    if program.contains('/') {
+        return PathBuf::from(program);
+    }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .map(|d| d.join(program))
@@ -180,11 +183,17 @@ impl Proc {
     }
 
     /// Wait, failing the test if it takes longer than `t` or fails.
-    pub fn expect_success(&mut self, t: Duration, log: &str) {
+    /// Wait, failing the test (with `log()`, read then) if it takes longer
+    /// than `t` or fails.
+    pub fn expect_success(&mut self, t: Duration, log: impl FnOnce() -> String) {
         match self.wait(t) {
             Some(s) if s.success() => {}
-            Some(s) => panic!("{} failed ({s}); its log:\n{log}", self.name),
-            None => panic!("{} did not finish within {t:?}; its log:\n{log}", self.name),
+            Some(s) => panic!("{} failed ({s}); its log:\n{}", self.name, log()),
+            None => panic!(
+                "{} did not finish within {t:?}; its log:\n{}",
+                self.name,
+                log()
+            ),
         }
     }
 

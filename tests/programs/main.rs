@@ -15,7 +15,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide).
 fn port(offset: u16) -> u16 {
-    20000 + (std::process::id() % 1500) as u16 * 16 + offset
+    20000 + (std::process::id() % 600) as u16 * 64 + offset
 }
 
 /// The shim's closing line of a connection, with its byte counts.
@@ -68,8 +68,8 @@ fn socat_sends_a_1gib_file_over_azsdp() {
         ),
         "socat client",
     );
-    cli.expect_success(Duration::from_secs(120), &s.log("client"));
-    srv.expect_success(Duration::from_secs(60), &s.log("server"));
+    cli.expect_success(Duration::from_secs(120), || s.log("client"));
+    srv.expect_success(Duration::from_secs(60), || s.log("server"));
     assert_eq!(sha256(&input), sha256(&output), "the file arrived changed");
     let log = s.log("client");
     assert!(
@@ -112,8 +112,8 @@ fn iperf3_runs_over_azsdp_and_stat_shows_it() {
     });
     let all = s.stat();
     let out = cli.stdout();
-    cli.expect_success(Duration::from_secs(20), &s.log("client"));
-    srv.expect_success(Duration::from_secs(10), &s.log("server"));
+    cli.expect_success(Duration::from_secs(20), || s.log("client"));
+    srv.expect_success(Duration::from_secs(10), || s.log("server"));
     let seen = seen.unwrap_or_else(|| panic!("azsdp stat never showed iperf3's bytes: {all:?}"));
     assert_eq!(num(&seen, &["bytes", "received", "tcp"]), 0, "{seen}");
     assert!(all.iter().any(|c| text(c, "role") == "client"), "{all:?}");
@@ -159,7 +159,7 @@ fn redis_benchmark_over_azsdp_has_no_errors() {
         text(c, "program") == "redis-server" && text(c, "path") != "tcp"
     });
     let out = bench.stdout();
-    bench.expect_success(Duration::from_secs(120), &s.log("bench"));
+    bench.expect_success(Duration::from_secs(120), || s.log("bench"));
     assert!(
         seen.is_some(),
         "redis-server's connections never showed in azsdp stat"
@@ -180,12 +180,12 @@ fn redis_benchmark_over_azsdp_has_no_errors() {
     std::fs::write(&vfile, &value).expect("value file");
     let mut set = s.under_azsdp("set", "redis-cli", &["-p", &ps, "-x", "SET", "big"]);
     set.stdin(std::fs::File::open(&vfile).expect("value"));
-    Proc::start(set, "redis-cli SET").expect_success(Duration::from_secs(20), &s.log("set"));
+    Proc::start(set, "redis-cli SET").expect_success(Duration::from_secs(20), || s.log("set"));
     let mut get = s.under_azsdp("get", "redis-cli", &["-p", &ps, "--raw", "GET", "big"]);
     get.stdout(Stdio::piped());
     let mut get = Proc::start(get, "redis-cli GET");
     let got = get.stdout();
-    get.expect_success(Duration::from_secs(20), &s.log("get"));
+    get.expect_success(Duration::from_secs(20), || s.log("get"));
     assert_eq!(
         got.trim_end_matches('\n'),
         value,
@@ -239,7 +239,7 @@ fn curl_downloads_256mib_from_python_http_server() {
         ),
         "curl",
     );
-    curl.expect_success(Duration::from_secs(120), &s.log("curl"));
+    curl.expect_success(Duration::from_secs(120), || s.log("curl"));
     assert_eq!(sha256(&file), sha256(&got), "the download differs");
     let log = s.log("curl");
     assert!(log.contains(": azsdp (peer pid"), "{log}");
@@ -306,8 +306,8 @@ fn mixed_pair(client_azsdp: bool, offset: u16) {
     });
     stdin.write_all(&data[1 << 20..]).expect("feed the client");
     drop(stdin);
-    cli.expect_success(Duration::from_secs(30), &s.log("client"));
-    srv.expect_success(Duration::from_secs(30), &s.log("server"));
+    cli.expect_success(Duration::from_secs(30), || s.log("client"));
+    srv.expect_success(Duration::from_secs(30), || s.log("server"));
     assert!(
         seen.is_some(),
         "azsdp stat never showed the {role} on TCP with reason peer-not-azsdp: {:?}",
@@ -406,4 +406,104 @@ fn receiver_killed_mid_stream_fails_the_sender_within_a_second() {
 #[test]
 fn sender_killed_mid_stream_ends_the_receiver_within_a_second() {
     killed_mid_stream(false, 7);
+}
+
+// ----- socket semantics, checked by an ordinary libc program -------------------
+
+/// Run `azsdp-sockcheck SCENARIO` as server and client, first on kernel
+/// TCP (the expectations are TCP's), then both under azsdp (and upgraded).
+fn sockcheck(scenario: &str, offset: u16) {
+    let bin = env!("CARGO_BIN_EXE_azsdp-sockcheck");
+    for azsdp in [false, true] {
+        let s = Scratch::new(&format!("{scenario}-{azsdp}"));
+        let p = port(offset + 32 * u16::from(azsdp)).to_string();
+        let args = |role: &'static str| vec![scenario.to_string(), role.to_string(), p.clone()];
+        let run = |name: &str, role: &'static str| {
+            let a = args(role);
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            if azsdp {
+                s.under_azsdp(name, bin, &a)
+            } else {
+                s.plain(name, bin, &a)
+            }
+        };
+        let mut srv_cmd = run("server", "server");
+        srv_cmd.stdout(Stdio::piped());
+        let mut srv = Proc::start(srv_cmd, "sockcheck server");
+        let mut line = [0u8; 10];
+        let started = srv
+            .child
+            .stdout
+            .as_mut()
+            .map(|o| std::io::Read::read_exact(o, &mut line).is_ok())
+            .unwrap_or(false);
+        assert!(started, "the server did not start:\n{}", s.log("server"));
+        let mut cli = Proc::start(run("client", "client"), "sockcheck client");
+        let how = if azsdp {
+            "under azsdp"
+        } else {
+            "on kernel TCP"
+        };
+        let t = Duration::from_secs(60);
+        cli.expect_success(t, || {
+            format!("{how}: {}\nserver: {}", s.log("client"), s.log("server"))
+        });
+        srv.expect_success(t, || {
+            format!("{how}: {}\nclient: {}", s.log("server"), s.log("client"))
+        });
+        if azsdp {
+            for side in ["client", "server"] {
+                let log = s.log(side);
+                assert!(
+                    log.contains(": azsdp (peer pid"),
+                    "{scenario}: the {side} stayed on TCP:\n{log}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn sizes_and_alignments_with_msg_waitall() {
+    sockcheck("basic", 8);
+}
+
+#[test]
+fn nonblocking_eagain_poll_fionread_and_peek() {
+    sockcheck("nonblock", 9);
+}
+
+#[test]
+fn half_close_delivers_eof_after_all_data() {
+    sockcheck("halfclose", 10);
+}
+
+#[test]
+fn epipe_and_sigpipe_unless_msg_nosignal() {
+    sockcheck("sigpipe", 11);
+}
+
+#[test]
+fn epoll_level_and_edge_triggered_and_select() {
+    sockcheck("readiness", 12);
+}
+
+#[test]
+fn two_threads_send_and_receive_on_one_socket() {
+    sockcheck("threads", 13);
+}
+
+#[test]
+fn rcvtimeo_eintr_and_sa_restart() {
+    sockcheck("signals", 14);
+}
+
+#[test]
+fn dup_dup2_and_close_of_one_descriptor() {
+    sockcheck("descriptors", 15);
+}
+
+#[test]
+fn pre_fork_server_children_accept_on_the_inherited_listener() {
+    sockcheck("prefork", 16);
 }

@@ -52,6 +52,22 @@ struct Shared<F: Fabric, P: Protector> {
     closing: Mutex<Option<Instant>>,
 }
 
+/// Bounds of a blocking call (see [`ThreadedDriver::send_bounded`]).
+pub struct CallLimits<'a> {
+    /// Give up (with what moved, or EAGAIN) at this time.
+    pub deadline: Option<Instant>,
+    /// A signal handler ran while waiting: should the call end with EINTR?
+    pub on_signal: &'a dyn Fn() -> bool,
+}
+
+impl std::fmt::Debug for CallLimits<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallLimits")
+            .field("deadline", &self.deadline)
+            .finish()
+    }
+}
+
 /// Called after the engine took in something from the fabric, a fault or a
 /// timer: whoever waits for readiness (poll, epoll) should look again.
 pub type Notify = Arc<dyn Fn() + Send + Sync>;
@@ -269,6 +285,71 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared
             .wait_until(None, |d| d.take_result(call))
             .unwrap_or(Err(CallError::ConnReset))
+    }
+
+    /// Wait for `call` within `limits`: past the deadline, or after a
+    /// signal handler ran and `limits.on_signal` says the call must not
+    /// restart, it is cancelled (it then ends with what it moved, or with
+    /// `WouldBlock` for a deadline and `Interrupted` for a signal, as
+    /// SO_RCVTIMEO/SO_SNDTIMEO and EINTR).
+    fn wait_bounded(&self, call: CallId, limits: &CallLimits<'_>) -> Result<u64, CallError> {
+        let mut cut: Option<CallError> = None;
+        crate::futex::take_interrupted();
+        let r = self.shared.wait_until(None, |d| {
+            if let Some(r) = d.take_result(call) {
+                return Some(r);
+            }
+            if cut.is_none() {
+                if limits.deadline.is_some_and(|t| Instant::now() >= t) {
+                    cut = Some(CallError::WouldBlock);
+                    d.cancel(call);
+                } else if crate::futex::take_interrupted() && (limits.on_signal)() {
+                    cut = Some(CallError::Interrupted);
+                    d.cancel(call);
+                }
+                return d.take_result(call);
+            }
+            None
+        });
+        match (r, cut) {
+            (Some(Err(CallError::Interrupted)), Some(why)) => Err(why),
+            (Some(r), _) => r,
+            (None, _) => Err(CallError::ConnReset),
+        }
+    }
+
+    /// `send()` that a deadline or a signal may cut short.
+    pub fn send_bounded(
+        &self,
+        buf: &[u8],
+        flags: SendFlags,
+        limits: &CallLimits<'_>,
+    ) -> Result<u64, CallError> {
+        if self.shared.orphaned() {
+            return Err(CallError::ConnReset);
+        }
+        let call = self
+            .shared
+            .lock()
+            .submit_send(buf.as_ptr() as u64, buf.len() as u64, flags);
+        self.wait_bounded(call, limits)
+    }
+
+    /// `recv()` that a deadline or a signal may cut short.
+    pub fn recv_bounded(
+        &self,
+        buf: &mut [u8],
+        flags: RecvFlags,
+        limits: &CallLimits<'_>,
+    ) -> Result<u64, CallError> {
+        if self.shared.orphaned() {
+            return Err(CallError::ConnReset);
+        }
+        let call = self
+            .shared
+            .lock()
+            .submit_recv(buf.as_mut_ptr() as u64, buf.len() as u64, flags);
+        self.wait_bounded(call, limits)
     }
 
     /// Blocking `send()`; returns when the engine says the buffer is

@@ -1,0 +1,764 @@
+//! `azsdp-sockcheck SCENARIO server|client PORT`: an ordinary program that
+//! checks, through plain libc socket calls, the socket semantics programs
+//! rely on. It knows nothing of azsdp: the tests run it on kernel TCP (to
+//! prove the expectations are TCP's) and under `azsdp run`.
+//!
+//! Exit status 0 when every check holds; otherwise the failed check is
+//! printed and the status is 1.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use libc::{c_int, c_void};
+
+type R = Result<(), String>;
+
+macro_rules! check {
+    ($cond:expr, $($msg:tt)*) => {
+        if !$cond {
+            return Err(format!("{}:{}: {}", file!(), line!(), format!($($msg)*)));
+        }
+    };
+}
+
+fn errno() -> c_int {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn err_name(e: c_int) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}
+
+fn addr(port: u16) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+fn tcp_socket() -> Result<c_int, String> {
+    // SAFETY: socket(2).
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+    if fd < 0 {
+        return Err(format!("socket: {}", err_name(errno())));
+    }
+    Ok(fd)
+}
+
+fn listen_on(port: u16) -> Result<c_int, String> {
+    let fd = tcp_socket()?;
+    let one: c_int = 1;
+    let a = addr(port);
+    // SAFETY: plain socket calls on our own descriptor and structures.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&raw const one).cast(),
+            4,
+        );
+        if libc::bind(fd, (&raw const a).cast(), std::mem::size_of_val(&a) as u32) != 0 {
+            return Err(format!("bind: {}", err_name(errno())));
+        }
+        if libc::listen(fd, 16) != 0 {
+            return Err(format!("listen: {}", err_name(errno())));
+        }
+    }
+    println!("listening");
+    Ok(fd)
+}
+
+fn accept_one(l: c_int) -> Result<c_int, String> {
+    // SAFETY: accept(2) without an address.
+    let fd = unsafe { libc::accept(l, std::ptr::null_mut(), std::ptr::null_mut()) };
+    if fd < 0 {
+        return Err(format!("accept: {}", err_name(errno())));
+    }
+    Ok(fd)
+}
+
+fn connect_to(port: u16) -> Result<c_int, String> {
+    let fd = tcp_socket()?;
+    let a = addr(port);
+    // SAFETY: connect(2) to our own address structure.
+    if unsafe { libc::connect(fd, (&raw const a).cast(), std::mem::size_of_val(&a) as u32) } != 0 {
+        return Err(format!("connect: {}", err_name(errno())));
+    }
+    Ok(fd)
+}
+
+fn send_all(fd: c_int, mut b: &[u8]) -> R {
+    while !b.is_empty() {
+        // SAFETY: send(2) from our own buffer.
+        let n = unsafe { libc::send(fd, b.as_ptr().cast(), b.len(), 0) };
+        check!(n > 0, "send: {}", err_name(errno()));
+        b = &b[n as usize..];
+    }
+    Ok(())
+}
+
+fn recv_some(fd: c_int, b: &mut [u8], flags: c_int) -> isize {
+    // SAFETY: recv(2) into our own buffer.
+    unsafe { libc::recv(fd, b.as_mut_ptr().cast(), b.len(), flags) }
+}
+
+fn recv_exact(fd: c_int, len: usize) -> Result<Vec<u8>, String> {
+    let mut v = vec![0u8; len];
+    let mut at = 0;
+    while at < len {
+        let n = recv_some(fd, &mut v[at..], 0);
+        check!(
+            n > 0,
+            "recv after {at} of {len}: {}",
+            if n == 0 {
+                "EOF".into()
+            } else {
+                err_name(errno())
+            }
+        );
+        at += n as usize;
+    }
+    Ok(v)
+}
+
+fn expect_eof(fd: c_int) -> R {
+    let mut b = [0u8; 16];
+    let n = recv_some(fd, &mut b, 0);
+    check!(
+        n == 0,
+        "expected EOF, recv gave {n} ({})",
+        err_name(errno())
+    );
+    Ok(())
+}
+
+fn close(fd: c_int) {
+    // SAFETY: close(2) of our own descriptor.
+    unsafe { libc::close(fd) };
+}
+
+fn data(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).rotate_left(7) as u8)
+        .collect()
+}
+
+fn set_nonblocking(fd: c_int) {
+    // SAFETY: fcntl(2) flags of our own descriptor.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+}
+
+fn fionread(fd: c_int) -> c_int {
+    let mut n: c_int = -1;
+    // SAFETY: FIONREAD into our own int.
+    unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+    n
+}
+
+fn poll1(fd: c_int, events: i16, ms: c_int) -> i16 {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: poll(2) of one entry.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    if n <= 0 { 0 } else { p.revents }
+}
+
+fn sleep_ms(ms: u64) {
+    std::thread::sleep(Duration::from_millis(ms));
+}
+
+// ----- scenarios ---------------------------------------------------------------
+
+/// Sizes and alignments through blocking calls, with MSG_WAITALL.
+fn basic(server: bool, port: u16) -> R {
+    let sizes = [1usize, 64, 4095, 65536 + 3, (1 << 20) + 17, 4 << 20];
+    let total: usize = sizes.iter().sum();
+    let all = data(total + 4096, 1);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        let mut got = vec![0u8; total];
+        // SAFETY: MSG_WAITALL recv into our own buffer.
+        let n = unsafe { libc::recv(c, got.as_mut_ptr().cast(), total, libc::MSG_WAITALL) };
+        check!(n as usize == total, "MSG_WAITALL gave {n} of {total}");
+        let mut off = 0;
+        for s in sizes {
+            check!(
+                got[off..off + s] == all[off + 1..off + 1 + s],
+                "bytes of the {s}-byte send differ"
+            );
+            off += s;
+        }
+        send_all(c, b"done")?;
+        expect_eof(c)?;
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        let mut off = 0;
+        for s in sizes {
+            // Unaligned by one byte: heads and tails go through the rings.
+            send_all(c, &all[off + 1..off + 1 + s])?;
+            off += s;
+        }
+        check!(recv_exact(c, 4)? == b"done", "reply");
+        close(c);
+    }
+    Ok(())
+}
+
+/// O_NONBLOCK, EAGAIN, poll, FIONREAD, MSG_PEEK, and POLLOUT once the
+/// peer drains a full connection.
+fn nonblock(server: bool, port: u16) -> R {
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        set_nonblocking(c);
+        let mut b = [0u8; 2048];
+        check!(
+            recv_some(c, &mut b, 0) == -1 && errno() == libc::EAGAIN,
+            "empty recv: {}",
+            err_name(errno())
+        );
+        check!(fionread(c) == 0, "FIONREAD on empty: {}", fionread(c));
+        check!(poll1(c, libc::POLLIN, 100) == 0, "POLLIN with nothing sent");
+        send_all(c, b"go")?;
+        check!(
+            poll1(c, libc::POLLIN, 5000) & libc::POLLIN != 0,
+            "no POLLIN after the peer sent"
+        );
+        let t = Instant::now();
+        while fionread(c) < 1000 && t.elapsed() < Duration::from_secs(5) {
+            sleep_ms(1);
+        }
+        check!(
+            fionread(c) == 1000,
+            "FIONREAD {} after 1000 sent",
+            fionread(c)
+        );
+        check!(recv_some(c, &mut b[..10], libc::MSG_PEEK) == 10, "MSG_PEEK");
+        check!(b[..10] == data(1000, 2)[..10], "peeked bytes");
+        check!(fionread(c) == 1000, "MSG_PEEK consumed");
+        check!(recv_some(c, &mut b, 0) == 1000, "recv after peek");
+        check!(b[..1000] == data(1000, 2)[..], "received bytes");
+        check!(
+            recv_some(c, &mut b, libc::MSG_DONTWAIT) == -1 && errno() == libc::EAGAIN,
+            "drained recv"
+        );
+        // Fill the connection: the peer does not read yet.
+        let chunk = vec![7u8; 65536];
+        let mut sent = 0usize;
+        loop {
+            // SAFETY: send(2) from our own buffer.
+            let n = unsafe { libc::send(c, chunk.as_ptr().cast(), chunk.len(), 0) };
+            if n < 0 {
+                check!(errno() == libc::EAGAIN, "full send: {}", err_name(errno()));
+                break;
+            }
+            sent += n as usize;
+            check!(
+                sent < (1 << 30),
+                "a non-blocking send never filled the connection"
+            );
+        }
+        check!(
+            poll1(c, libc::POLLOUT, 50) & libc::POLLOUT == 0,
+            "POLLOUT while full"
+        );
+        check!(
+            poll1(c, libc::POLLOUT, 10_000) & libc::POLLOUT != 0,
+            "no POLLOUT after the peer drained"
+        );
+        // Tell the peer how much to expect, then close.
+        let mut left = sent.to_le_bytes().to_vec();
+        while !left.is_empty() {
+            // SAFETY: as above.
+            let n = unsafe { libc::send(c, left.as_ptr().cast(), left.len(), 0) };
+            if n > 0 {
+                left.drain(..n as usize);
+            } else {
+                poll1(c, libc::POLLOUT, 1000);
+            }
+        }
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        check!(recv_exact(c, 2)? == b"go", "go");
+        send_all(c, &data(1000, 2))?;
+        sleep_ms(300);
+        let mut total = Vec::new();
+        let mut b = vec![0u8; 1 << 16];
+        loop {
+            let n = recv_some(c, &mut b, 0);
+            check!(n >= 0, "recv: {}", err_name(errno()));
+            if n == 0 {
+                break;
+            }
+            total.extend_from_slice(&b[..n as usize]);
+        }
+        check!(total.len() >= 8, "short stream");
+        let tail: [u8; 8] = total[total.len() - 8..].try_into().unwrap_or_default();
+        let sent = usize::from_le_bytes(tail);
+        check!(
+            sent == total.len() - 8,
+            "got {} bytes, peer sent {sent}",
+            total.len() - 8
+        );
+        check!(total[..sent].iter().all(|x| *x == 7), "flood bytes");
+        close(c);
+    }
+    Ok(())
+}
+
+/// shutdown(SHUT_WR): the peer reads everything, then EOF, and can still
+/// answer.
+fn halfclose(server: bool, port: u16) -> R {
+    let msg = data(1 << 20, 3);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        check!(recv_exact(c, msg.len())? == msg, "data before EOF");
+        expect_eof(c)?;
+        expect_eof(c)?;
+        send_all(c, b"reply after your EOF")?;
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        send_all(c, &msg)?;
+        // SAFETY: shutdown(2) of our own socket.
+        check!(unsafe { libc::shutdown(c, libc::SHUT_WR) } == 0, "shutdown");
+        // SAFETY: send(2) after SHUT_WR must fail with EPIPE.
+        let n = unsafe { libc::send(c, b"x".as_ptr().cast(), 1, libc::MSG_NOSIGNAL) };
+        check!(
+            n == -1 && errno() == libc::EPIPE,
+            "send after SHUT_WR: {n} {}",
+            err_name(errno())
+        );
+        check!(recv_exact(c, 20)? == b"reply after your EOF", "reply");
+        expect_eof(c)?;
+        close(c);
+    }
+    Ok(())
+}
+
+static PIPES: AtomicUsize = AtomicUsize::new(0);
+static ALARMS: AtomicUsize = AtomicUsize::new(0);
+
+extern "C" fn on_sigpipe(_: c_int) {
+    PIPES.fetch_add(1, Ordering::SeqCst);
+}
+
+extern "C" fn on_alarm(_: c_int) {
+    ALARMS.fetch_add(1, Ordering::SeqCst);
+}
+
+fn handle(sig: c_int, f: extern "C" fn(c_int), restart: bool) {
+    // SAFETY: installing a plain handler that only touches an atomic.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = f as usize;
+        sa.sa_flags = if restart { libc::SA_RESTART } else { 0 };
+        libc::sigaction(sig, &sa, std::ptr::null_mut());
+    }
+}
+
+/// Writing to a closed peer: EPIPE, SIGPIPE unless MSG_NOSIGNAL.
+fn sigpipe(server: bool, port: u16) -> R {
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        recv_exact(c, 1)?;
+        close(c);
+    } else {
+        handle(libc::SIGPIPE, on_sigpipe, true);
+        let c = connect_to(port)?;
+        send_all(c, b"x")?;
+        sleep_ms(300);
+        let chunk = vec![1u8; 65536];
+        let mut failed = None;
+        for _ in 0..1000 {
+            // SAFETY: send(2) from our own buffer.
+            let n =
+                unsafe { libc::send(c, chunk.as_ptr().cast(), chunk.len(), libc::MSG_NOSIGNAL) };
+            if n < 0 {
+                failed = Some(errno());
+                break;
+            }
+            sleep_ms(1);
+        }
+        let e = failed.ok_or("sends to a closed peer kept succeeding")?;
+        check!(
+            e == libc::EPIPE || e == libc::ECONNRESET,
+            "errno {}",
+            err_name(e)
+        );
+        check!(
+            PIPES.load(Ordering::SeqCst) == 0,
+            "SIGPIPE despite MSG_NOSIGNAL"
+        );
+        // SAFETY: as above, now without MSG_NOSIGNAL.
+        let n = unsafe { libc::send(c, chunk.as_ptr().cast(), chunk.len(), 0) };
+        check!(
+            n == -1 && errno() == libc::EPIPE,
+            "second send: {n} {}",
+            err_name(errno())
+        );
+        check!(
+            PIPES.load(Ordering::SeqCst) == 1,
+            "SIGPIPE count {}",
+            PIPES.load(Ordering::SeqCst)
+        );
+        close(c);
+    }
+    Ok(())
+}
+
+fn epoll_wait1(ep: c_int, ms: c_int) -> Option<u32> {
+    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+    // SAFETY: epoll_wait(2) for one event into our own structure.
+    let n = unsafe { libc::epoll_wait(ep, &mut ev, 1, ms) };
+    (n == 1).then_some(ev.events)
+}
+
+fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, events: u32) -> R {
+    let mut ev = libc::epoll_event {
+        events,
+        u64: fd as u64,
+    };
+    // SAFETY: epoll_ctl(2) with our own event.
+    let r = unsafe { libc::epoll_ctl(ep, op, fd, &mut ev) };
+    check!(r == 0, "epoll_ctl: {}", err_name(errno()));
+    Ok(())
+}
+
+/// epoll level- and edge-triggered, EPOLLOUT, and select.
+fn readiness(server: bool, port: u16) -> R {
+    let m = |i: u32| data(100, 10 + i);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        set_nonblocking(c);
+        // SAFETY: epoll_create1(2).
+        let ep = unsafe { libc::epoll_create1(0) };
+        let inn = libc::EPOLLIN as u32;
+        epoll_ctl(ep, libc::EPOLL_CTL_ADD, c, inn)?;
+        check!(
+            epoll_wait1(ep, 5000).is_some_and(|e| e & inn != 0),
+            "LT: first message"
+        );
+        check!(
+            epoll_wait1(ep, 0).is_some_and(|e| e & inn != 0),
+            "LT: still readable"
+        );
+        epoll_ctl(ep, libc::EPOLL_CTL_MOD, c, inn | libc::EPOLLET as u32)?;
+        check!(epoll_wait1(ep, 1000).is_some(), "ET: report after MOD");
+        check!(
+            epoll_wait1(ep, 100).is_none(),
+            "ET: reported again without new data"
+        );
+        send_all(c, b"a")?;
+        check!(
+            epoll_wait1(ep, 5000).is_some_and(|e| e & inn != 0),
+            "ET: second message"
+        );
+        let t = Instant::now();
+        let mut got = Vec::new();
+        let mut b = [0u8; 512];
+        while got.len() < 200 && t.elapsed() < Duration::from_secs(5) {
+            let n = recv_some(c, &mut b, 0);
+            if n > 0 {
+                got.extend_from_slice(&b[..n as usize]);
+            } else {
+                sleep_ms(1);
+            }
+        }
+        check!(got == [m(1), m(2)].concat(), "messages 1 and 2");
+        epoll_ctl(ep, libc::EPOLL_CTL_MOD, c, libc::EPOLLOUT as u32)?;
+        check!(
+            epoll_wait1(ep, 1000).is_some_and(|e| e & libc::EPOLLOUT as u32 != 0),
+            "EPOLLOUT"
+        );
+        epoll_ctl(ep, libc::EPOLL_CTL_DEL, c, 0)?;
+        send_all(c, b"b")?;
+        // select() for the third message.
+        // SAFETY: fd_set manipulation and select(2) on our own sets.
+        let ready = unsafe {
+            let mut r: libc::fd_set = std::mem::zeroed();
+            libc::FD_ZERO(&mut r);
+            libc::FD_SET(c, &mut r);
+            let mut tv = libc::timeval {
+                tv_sec: 5,
+                tv_usec: 0,
+            };
+            let n = libc::select(
+                c + 1,
+                &mut r,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut tv,
+            );
+            n == 1 && libc::FD_ISSET(c, &r)
+        };
+        check!(ready, "select: third message");
+        let mut b = [0u8; 100];
+        check!(
+            recv_some(c, &mut b, 0) == 100 && b[..] == m(3)[..],
+            "message 3"
+        );
+        send_all(c, b"c")?;
+        close(ep);
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        send_all(c, &m(1))?;
+        check!(recv_exact(c, 1)? == b"a", "a");
+        send_all(c, &m(2))?;
+        check!(recv_exact(c, 1)? == b"b", "b");
+        send_all(c, &m(3))?;
+        check!(recv_exact(c, 1)? == b"c", "c");
+        close(c);
+    }
+    Ok(())
+}
+
+/// One thread sends while another receives on the same socket.
+fn threads(server: bool, port: u16) -> R {
+    const TOTAL: usize = 64 << 20;
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        let mut b = vec![0u8; 256 << 10];
+        let mut echoed = 0;
+        while echoed < TOTAL {
+            let n = recv_some(c, &mut b, 0);
+            check!(n > 0, "echo recv: {n}");
+            send_all(c, &b[..n as usize])?;
+            echoed += n as usize;
+        }
+        expect_eof(c)?;
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        let src = data(TOTAL, 4);
+        let sender = {
+            let src = src.clone();
+            std::thread::spawn(move || -> R {
+                for chunk in src.chunks(300_001) {
+                    send_all(c, chunk)?;
+                }
+                Ok(())
+            })
+        };
+        let got = recv_exact(c, TOTAL)?;
+        sender.join().map_err(|_| "sender panicked")??;
+        check!(got == src, "echoed bytes differ");
+        // SAFETY: shutdown(2).
+        unsafe { libc::shutdown(c, libc::SHUT_WR) };
+        expect_eof(c)?;
+        close(c);
+    }
+    Ok(())
+}
+
+fn arm_alarm(ms: u64) {
+    let t = libc::itimerval {
+        it_interval: libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        },
+        it_value: libc::timeval {
+            tv_sec: 0,
+            tv_usec: (ms * 1000) as libc::suseconds_t,
+        },
+    };
+    // SAFETY: setitimer(2) with our own structure.
+    unsafe { libc::setitimer(libc::ITIMER_REAL, &t, std::ptr::null_mut()) };
+}
+
+/// SO_RCVTIMEO, EINTR without SA_RESTART, restart with it.
+fn signals(server: bool, port: u16) -> R {
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        let mut b = [0u8; 16];
+        let tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 100_000,
+        };
+        // SAFETY: SO_RCVTIMEO from our own timeval.
+        unsafe {
+            libc::setsockopt(
+                c,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const tv).cast::<c_void>(),
+                16,
+            )
+        };
+        let t = Instant::now();
+        check!(
+            recv_some(c, &mut b, 0) == -1 && errno() == libc::EAGAIN,
+            "SO_RCVTIMEO: {}",
+            err_name(errno())
+        );
+        check!(
+            t.elapsed() >= Duration::from_millis(90),
+            "SO_RCVTIMEO returned after {:?}",
+            t.elapsed()
+        );
+        let off = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        };
+        // SAFETY: as above (zero: no timeout).
+        unsafe {
+            libc::setsockopt(
+                c,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const off).cast::<c_void>(),
+                16,
+            )
+        };
+        handle(libc::SIGALRM, on_alarm, false);
+        arm_alarm(150);
+        check!(
+            recv_some(c, &mut b, 0) == -1 && errno() == libc::EINTR,
+            "no EINTR: {}",
+            err_name(errno())
+        );
+        check!(ALARMS.load(Ordering::SeqCst) == 1, "alarm did not fire");
+        handle(libc::SIGALRM, on_alarm, true);
+        arm_alarm(150);
+        let n = recv_some(c, &mut b, 0);
+        check!(
+            n == 1 && b[0] == b'x',
+            "restarted recv gave {n} ({})",
+            err_name(errno())
+        );
+        check!(
+            ALARMS.load(Ordering::SeqCst) == 2,
+            "second alarm did not fire"
+        );
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        sleep_ms(1000);
+        send_all(c, b"x")?;
+        expect_eof(c)?;
+        close(c);
+    }
+    Ok(())
+}
+
+/// dup, dup2 and close of one of the descriptors.
+fn descriptors(server: bool, port: u16) -> R {
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        // SAFETY: dup(2)/dup2(2) of our own descriptors.
+        let d = unsafe { libc::dup(c) };
+        check!(d >= 0, "dup");
+        close(c);
+        check!(recv_exact(d, 5)? == b"hello", "recv on the dup");
+        // SAFETY: as above.
+        check!(unsafe { libc::dup2(d, 100) } == 100, "dup2");
+        close(d);
+        send_all(100, b"world")?;
+        expect_eof(100)?;
+        close(100);
+    } else {
+        let c = connect_to(port)?;
+        send_all(c, b"hello")?;
+        check!(recv_exact(c, 5)? == b"world", "world");
+        close(c);
+    }
+    Ok(())
+}
+
+/// A pre-fork server: the children accept on the inherited listener.
+fn prefork(server: bool, port: u16) -> R {
+    let msg = data(1 << 20, 5);
+    if server {
+        let l = listen_on(port)?;
+        let mut kids = Vec::new();
+        for _ in 0..2 {
+            // SAFETY: fork(2); the child only runs the loop below and _exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let r = (|| -> R {
+                    let c = accept_one(l)?;
+                    let got = recv_exact(c, msg.len())?;
+                    check!(got == msg, "child got changed bytes");
+                    send_all(c, b"ok")?;
+                    expect_eof(c)?;
+                    close(c);
+                    Ok(())
+                })();
+                if let Err(e) = &r {
+                    eprintln!("child: {e}");
+                }
+                // SAFETY: leave the child without unwinding.
+                unsafe { libc::_exit(i32::from(r.is_err())) };
+            }
+            kids.push(pid);
+        }
+        for pid in kids {
+            let mut st = 0;
+            // SAFETY: waitpid(2) on our own child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            check!(
+                libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+                "child {pid} failed"
+            );
+        }
+    } else {
+        for _ in 0..2 {
+            let c = connect_to(port)?;
+            send_all(c, &msg)?;
+            check!(recv_exact(c, 2)? == b"ok", "ok");
+            close(c);
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let usage = "usage: azsdp-sockcheck SCENARIO server|client PORT";
+    let (Some(scenario), Some(role), Some(port)) = (
+        args.get(1),
+        args.get(2),
+        args.get(3).and_then(|p| p.parse::<u16>().ok()),
+    ) else {
+        eprintln!("{usage}");
+        std::process::exit(2);
+    };
+    let server = role == "server";
+    let r = match scenario.as_str() {
+        "basic" => basic(server, port),
+        "nonblock" => nonblock(server, port),
+        "halfclose" => halfclose(server, port),
+        "sigpipe" => sigpipe(server, port),
+        "readiness" => readiness(server, port),
+        "threads" => threads(server, port),
+        "signals" => signals(server, port),
+        "descriptors" => descriptors(server, port),
+        "prefork" => prefork(server, port),
+        _ => Err(format!("unknown scenario {scenario}; {usage}")),
+    };
+    if let Err(e) = r {
+        eprintln!("azsdp-sockcheck {scenario} {role}: {e}");
+        std::process::exit(1);
+    }
+}
