@@ -137,6 +137,7 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
                     Ok(c) => {
                         info!("{local} <- {peer}: azsdp (peer pid {})", c.peer_pid);
                         sock.set_role(Role::Azsdp(c));
+                        seal(nfd);
                     }
                     Err(reason) => {
                         debug!("{local} <- {peer}: tcp ({})", reason.name());
@@ -189,6 +190,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             Outcome::Azsdp(c) => {
                 info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
                 sock.set_role(Role::Azsdp(c));
+                seal(fd);
                 epoll::adopt(&sock);
                 0
             }
@@ -206,6 +208,15 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             }
         }
     })
+}
+
+/// An upgraded connection's kernel socket carries nothing from now on:
+/// shut its sending side, so that a program that inherits the descriptor
+/// across `exec` (and so without the shim's state) reads EOF and gets EPIPE,
+/// instead of waiting for ever or writing into a stream nobody reads.
+fn seal(fd: c_int) {
+    // SAFETY: shutdown(2) of the kernel socket behind `fd`.
+    unsafe { real::shutdown(fd, libc::SHUT_WR) };
 }
 
 /// The last descriptor of `sock` in this process is gone.
@@ -952,17 +963,34 @@ pub unsafe extern "C" fn getsockopt(
     unsafe { real::getsockopt(fd, level, name, val, len) }
 }
 
-// getsockname/getpeername: the kernel socket stays connected, so libc's
-// answers are right; they are listed here for completeness of the
-// interface and pass straight through.
+/// An upgraded socket's name, as the kernel would give it: the kernel
+/// socket itself was shut down at the upgrade (see [`seal`]).
+fn upgraded_name(fd: c_int, peer: bool, addr: *mut sockaddr, len: *mut socklen_t) -> Option<c_int> {
+    let c = fdtable::get(fd)?.conn()?;
+    if addr.is_null() || len.is_null() {
+        real::set_errno(libc::EFAULT);
+        return Some(-1);
+    }
+    let (st, sl) = net::to_storage(if peer { c.peer } else { c.local });
+    // SAFETY: the program's buffer and length.
+    unsafe { net::copy_out(&st, sl, addr, len) };
+    Some(0)
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    if let Some(r) = guard(Some(-1), || upgraded_name(fd, false, addr, len)) {
+        return r;
+    }
     // SAFETY: libc's getsockname.
     unsafe { real::getsockname(fd, addr, len) }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    if let Some(r) = guard(Some(-1), || upgraded_name(fd, true, addr, len)) {
+        return r;
+    }
     // SAFETY: libc's getpeername.
     unsafe { real::getpeername(fd, addr, len) }
 }

@@ -413,8 +413,12 @@ fn sender_killed_mid_stream_ends_the_receiver_within_a_second() {
 /// Run `azsdp-sockcheck SCENARIO` as server and client, first on kernel
 /// TCP (the expectations are TCP's), then both under azsdp (and upgraded).
 fn sockcheck(scenario: &str, offset: u16) {
+    sockcheck_on(scenario, offset, &[false, true]);
+}
+
+fn sockcheck_on(scenario: &str, offset: u16, modes: &[bool]) {
     let bin = env!("CARGO_BIN_EXE_azsdp-sockcheck");
-    for azsdp in [false, true] {
+    for &azsdp in modes {
         let s = Scratch::new(&format!("{scenario}-{azsdp}"));
         let p = port(offset + 32 * u16::from(azsdp)).to_string();
         let args = |role: &'static str| vec![scenario.to_string(), role.to_string(), p.clone()];
@@ -506,4 +510,14 @@ fn dup_dup2_and_close_of_one_descriptor() {
 #[test]
 fn pre_fork_server_children_accept_on_the_inherited_listener() {
     sockcheck("prefork", 16);
+}
+
+#[test]
+fn an_execed_program_reads_eof_from_an_inherited_upgraded_socket() {
+    sockcheck_on("exec", 17, &[true]);
+}
+
+#[test]
+fn getsockname_and_getpeername_of_upgraded_sockets() {
+    sockcheck("names", 18);
 }

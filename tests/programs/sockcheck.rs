@@ -733,6 +733,120 @@ fn prefork(server: bool, port: u16) -> R {
     Ok(())
 }
 
+fn name_of(fd: c_int, peer: bool) -> Result<(u32, u16), String> {
+    // SAFETY: plain data written by the kernel (or the shim) within len.
+    let mut a: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of_val(&a) as libc::socklen_t;
+    // SAFETY: get{sock,peer}name into our own structure.
+    let r = unsafe {
+        if peer {
+            libc::getpeername(fd, (&raw mut a).cast(), &mut len)
+        } else {
+            libc::getsockname(fd, (&raw mut a).cast(), &mut len)
+        }
+    };
+    check!(
+        r == 0,
+        "get{}name: {}",
+        if peer { "peer" } else { "sock" },
+        err_name(errno())
+    );
+    check!(
+        len as usize == std::mem::size_of_val(&a),
+        "name length {len}"
+    );
+    Ok((u32::from_be(a.sin_addr.s_addr), u16::from_be(a.sin_port)))
+}
+
+/// Each side's names agree with the other's, after data moved.
+fn names(server: bool, port: u16) -> R {
+    let c = if server {
+        let l = listen_on(port)?;
+        accept_one(l)?
+    } else {
+        connect_to(port)?
+    };
+    send_all(c, b"n")?;
+    recv_exact(c, 1)?;
+    let (local, peer) = (name_of(c, false)?, name_of(c, true)?);
+    check!(
+        local.0 == 0x7f00_0001 && peer.0 == 0x7f00_0001,
+        "addresses {local:?} {peer:?}"
+    );
+    if server {
+        check!(local.1 == port, "server's own port {}", local.1);
+    } else {
+        check!(peer.1 == port, "client's peer port {}", peer.1);
+    }
+    // Exchange what each side sees: mine must be the other's peer.
+    send_all(c, &local.1.to_le_bytes())?;
+    send_all(c, &peer.1.to_le_bytes())?;
+    let theirs = recv_exact(c, 4)?;
+    check!(
+        u16::from_le_bytes([theirs[0], theirs[1]]) == peer.1,
+        "their local is not my peer"
+    );
+    check!(
+        u16::from_le_bytes([theirs[2], theirs[3]]) == local.1,
+        "their peer is not my local"
+    );
+    close(c);
+    Ok(())
+}
+
+/// A child that execs with an upgraded connection open: the new image,
+/// which knows nothing of it, reads EOF and gets EPIPE; the parent's
+/// connection goes on. (Under azsdp only: on plain TCP the probe would
+/// read the live stream.)
+fn exec(server: bool, port: u16) -> R {
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let status = std::process::Command::new(exe)
+            .args(["exec-probe", &c.to_string(), "0"])
+            .status()
+            .map_err(|e| format!("exec: {e}"))?;
+        check!(status.success(), "the exec'd probe failed: {status}");
+        send_all(c, b"parent still works")?;
+        expect_eof(c)?;
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        check!(
+            recv_exact(c, 18)? == b"parent still works",
+            "parent's message"
+        );
+        close(c);
+    }
+    Ok(())
+}
+
+/// The exec'd side of [`exec`]: descriptor `fd` was inherited.
+fn exec_probe(fd: c_int) -> R {
+    // SAFETY: ignoring SIGPIPE in this fresh process.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    check!(
+        poll1(fd, libc::POLLIN, 5000) & libc::POLLIN != 0,
+        "the inherited socket never became readable"
+    );
+    let mut b = [0u8; 16];
+    let n = recv_some(fd, &mut b, 0);
+    check!(
+        n == 0,
+        "inherited socket read gave {n} ({})",
+        err_name(errno())
+    );
+    // SAFETY: send(2) from a static buffer.
+    let n = unsafe { libc::send(fd, b"x".as_ptr().cast(), 1, 0) };
+    check!(
+        n == -1 && errno() == libc::EPIPE,
+        "inherited socket write gave {n} ({})",
+        err_name(errno())
+    );
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "usage: azsdp-sockcheck SCENARIO server|client PORT";
@@ -744,6 +858,14 @@ fn main() {
         eprintln!("{usage}");
         std::process::exit(2);
     };
+    if scenario == "exec-probe" {
+        let fd = role.parse::<c_int>().unwrap_or(-1);
+        if let Err(e) = exec_probe(fd) {
+            eprintln!("azsdp-sockcheck exec-probe: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let server = role == "server";
     let r = match scenario.as_str() {
         "basic" => basic(server, port),
@@ -755,6 +877,8 @@ fn main() {
         "signals" => signals(server, port),
         "descriptors" => descriptors(server, port),
         "prefork" => prefork(server, port),
+        "exec" => exec(server, port),
+        "names" => names(server, port),
         _ => Err(format!("unknown scenario {scenario}; {usage}")),
     };
     if let Err(e) = r {
