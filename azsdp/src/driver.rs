@@ -466,6 +466,23 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             }
     }
 
+    /// A forked child adopts this copy of the connection: the calls in it
+    /// belong to threads of the parent that do not exist here. Cancel them
+    /// (what they consumed is lost to the child, as when two processes
+    /// read one TCP socket) and forget their results.
+    pub fn forget_calls(&mut self) {
+        for call in self.conn.pending_calls() {
+            self.cancel(call);
+        }
+        self.done.clear();
+    }
+
+    /// Use `p` from now on (a forked child's own protection); nothing may be
+    /// protected or armed when this is called.
+    pub fn replace_protector(&mut self, p: P) {
+        drop(std::mem::replace(&mut self.protector, p));
+    }
+
     /// Interrupt a submitted call (a signal, or its socket timeout): it
     /// completes with what it moved, or [`CallError::Interrupted`].
     pub fn cancel(&mut self, call: CallId) {

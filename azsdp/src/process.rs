@@ -41,6 +41,10 @@ pub trait Participant: Send + Sync {
     /// A fork is about to happen (`true`) or is over in the parent (`false`):
     /// while it is pending, receives are not armed.
     fn set_forking(&self, forking: bool);
+    /// Freeze the connection for the fork and hold its lock until the
+    /// returned value is dropped (after `fork()`, in parent and child), so
+    /// the child's copy is consistent and unlocked.
+    fn hold_for_fork(self: Arc<Self>) -> Box<dyn std::any::Any>;
 }
 
 /// Where a participant holds pages, readable without its lock and without
@@ -349,8 +353,11 @@ extern "C" fn fork_prepare() {
     // The child maps the process's shared memory too from now on.
     let _ = std::panic::catch_unwind(crate::memory_map::forget_process_private);
     // Held across fork(): released by the parent and child handlers.
+    // Drivers first (their code takes the memory-map lock inside theirs).
     let _ = std::panic::catch_unwind(|| {
-        let mut guards = crate::memory_map::fork_guards();
+        let mut guards: Vec<Box<dyn std::any::Any>> =
+            live().into_iter().map(|c| c.hold_for_fork()).collect();
+        guards.extend(crate::memory_map::fork_guards());
         guards.extend(crate::protect::fork_guards());
         let _ = HELD_OVER_FORK.try_with(|h| h.borrow_mut().extend(guards));
     });

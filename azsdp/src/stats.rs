@@ -264,6 +264,11 @@ impl StatFile {
         self.words(HEADER_WORDS + slot * WORDS, WORDS)
     }
 
+    /// The process that made the file.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// Writes from a forked child, whose inherited mapping is the parent's
     /// file, are dropped (it makes its own).
     fn mine(&self) -> bool {

@@ -27,10 +27,11 @@ pub struct Conn {
     pub local: SocketAddr,
     pub peer: SocketAddr,
     pub peer_pid: u32,
+    role: Role,
     linger: Duration,
     closed: AtomicBool,
     reported: AtomicBool,
-    stat: Option<(Arc<StatFile>, usize)>,
+    stat: Mutex<Option<(Arc<StatFile>, usize)>>,
     /// Last path published (to log changes once).
     path: Mutex<ConnPath>,
 }
@@ -66,6 +67,13 @@ impl Conn {
             crate::ready::notify();
         });
         let engine = ThreadedDriver::start_with_notify(d, waiter, p.faults, Some(notify));
+        // A forked child that takes the connection over protects its own
+        // memory with its own userfaultfd.
+        let mode = settings.protection;
+        engine.set_fork_protection(Box::new(move || {
+            let p = protect::open(mode);
+            (p.protector, p.faults)
+        }));
         let stat = crate::runtime::stat_file().and_then(|f| {
             let slot = f.open_slot(role, local, peer)?;
             f.set_path(slot, ConnPath::Azsdp, None, peer_pid);
@@ -78,10 +86,11 @@ impl Conn {
             local,
             peer,
             peer_pid,
+            role,
             linger: settings.linger,
             closed: AtomicBool::new(false),
             reported: AtomicBool::new(false),
-            stat,
+            stat: Mutex::new(stat),
             path: Mutex::new(ConnPath::Azsdp),
         });
         c.publish();
@@ -109,7 +118,18 @@ impl Conn {
                 *last = path;
             }
         }
-        if let Some((f, slot)) = &self.stat {
+        let mut stat = self.stat.lock().unwrap_or_else(|e| e.into_inner());
+        let me = std::process::id();
+        if stat.as_ref().is_some_and(|(f, _)| f.pid() != me) && self.engine.is_mine() {
+            // A forked child took the connection over: its own slot.
+            let role = self.role;
+            *stat = crate::runtime::stat_file().and_then(|f| {
+                let slot = f.open_slot(role, self.local, self.peer)?;
+                f.set_path(slot, path, None, self.peer_pid);
+                Some((f, slot))
+            });
+        }
+        if let Some((f, slot)) = stat.as_ref() {
             f.publish(*slot, &counters, outstanding as u64, path);
         }
     }
@@ -138,11 +158,15 @@ impl Conn {
         let done = self.closed.load(Ordering::SeqCst) && self.engine.is_finished();
         if done {
             self.report();
-            if let Some((f, slot)) = &self.stat {
-                f.close_slot(*slot);
-            }
+            self.close_slot();
         }
         done
+    }
+
+    fn close_slot(&self) {
+        if let Some((f, slot)) = self.stat.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            f.close_slot(*slot);
+        }
     }
 
     /// One line at the end: what moved over which path.
@@ -171,9 +195,7 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        if let Some((f, slot)) = &self.stat {
-            f.close_slot(*slot);
-        }
+        self.close_slot();
     }
 }
 

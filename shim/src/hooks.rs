@@ -999,10 +999,15 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fork() -> libc::pid_t {
-    // The core's pthread_atfork handlers settle in-flight pages; the
-    // child's inherited connections are inert (see docs/shim.md).
+    // The core's pthread_atfork handlers settle in-flight pages and freeze
+    // every connection; whichever process uses one first takes it (see
+    // docs/shim.md).
     // SAFETY: libc's fork.
-    unsafe { real::fork() }
+    let pid = unsafe { real::fork() };
+    if pid == 0 {
+        guard((), runtime::after_fork_in_child);
+    }
+    pid
 }
 
 /// vfork's child would share our address space (and its protected pages)
@@ -1010,8 +1015,8 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
 /// reading of vfork's contract.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn vfork() -> libc::pid_t {
-    // SAFETY: libc's fork.
-    unsafe { real::fork() }
+    // SAFETY: our fork, above.
+    unsafe { fork() }
 }
 
 #[unsafe(no_mangle)]

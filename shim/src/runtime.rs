@@ -97,6 +97,14 @@ pub fn stat_file() -> Option<Arc<StatFile>> {
     file
 }
 
+/// In a forked child that inherited upgraded connections: its own stat
+/// file and publisher, which also give connections it takes over a slot.
+pub fn after_fork_in_child() {
+    if crate::fdtable::all().iter().any(|s| s.conn().is_some()) {
+        let _ = stat_file();
+    }
+}
+
 /// Connections closed by the program that still finish in the background.
 static CLOSING: Mutex<Vec<Arc<Conn>>> = Mutex::new(Vec::new());
 

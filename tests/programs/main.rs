@@ -521,3 +521,201 @@ fn an_execed_program_reads_eof_from_an_inherited_upgraded_socket() {
 fn getsockname_and_getpeername_of_upgraded_sockets() {
     sockcheck("names", 18);
 }
+
+// ----- bad input ------------------------------------------------------------------
+
+/// A PING over plain TCP from the test itself, bound to `local_port` if
+/// given; the reply.
+fn redis_ping(port: u16, local_port: Option<u16>) -> String {
+    use std::io::{BufRead, BufReader};
+    use std::net::TcpStream;
+    let s = match local_port {
+        Some(lp) => bind_and_connect(lp, port),
+        None => TcpStream::connect(("127.0.0.1", port)).expect("connect"),
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    (&s).write_all(b"PING\r\n").expect("send PING");
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line).expect("read reply");
+    line.trim_end().to_string()
+}
+
+/// A TCP connection from 127.0.0.1:`from` to 127.0.0.1:`to`.
+fn bind_and_connect(from: u16, to: u16) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a descriptor we own, then handed to std.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0);
+        let one: libc::c_int = 1;
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&raw const one).cast(),
+            4,
+        );
+        let a = |port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let (src, dst) = (a(from), a(to));
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        assert_eq!(
+            libc::bind(fd, (&raw const src).cast(), len),
+            0,
+            "bind {from}"
+        );
+        assert_eq!(
+            libc::connect(fd, (&raw const dst).cast(), len),
+            0,
+            "connect {to}"
+        );
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
+/// The listener's registration, as a would-be client sees it.
+fn registration(port: u16) -> std::os::unix::net::UnixStream {
+    use std::os::linux::net::SocketAddrExt;
+    let name = format!("azsdp/v1/tcp/0.0.0.0/{port}");
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).expect("name");
+    std::os::unix::net::UnixStream::connect_addr(&a).expect("the listener registered")
+}
+
+#[test]
+fn garbage_and_lies_on_the_pairing_channel_leave_connections_on_tcp() {
+    use azsdp::pairing::{PairRequest, REQUEST_LEN};
+    let s = Scratch::new("lies");
+    let p = port(19);
+    let ps = p.to_string();
+    let mut srv = Proc::start(
+        s.under_azsdp(
+            "server",
+            "redis-server",
+            &["--port", &ps, "--save", "", "--appendonly", "no"],
+        ),
+        "redis-server",
+    );
+    wait_listening(p, LISTEN);
+    // Garbage, then a short request, then nothing at all.
+    (&registration(p))
+        .write_all(&[0xa5; REQUEST_LEN])
+        .expect("garbage");
+    (&registration(p)).write_all(b"AZPR").expect("short");
+    drop(registration(p));
+    // A request that lies about its pid, for a port we then connect from.
+    let liar_port = port(20);
+    let mut b = [0u8; REQUEST_LEN];
+    PairRequest {
+        dst: format!("127.0.0.1:{p}").parse().expect("addr"),
+        client_port: liar_port,
+        client_pid: 1,
+    }
+    .emit(&mut b);
+    let liar = registration(p);
+    (&liar).write_all(&b).expect("request");
+    assert_eq!(redis_ping(p, Some(liar_port)), "+PONG");
+    // A truthful request whose client then never sets up the segment: the
+    // listener gives up after pair_timeout and serves TCP.
+    let silent_port = port(21);
+    PairRequest {
+        dst: format!("127.0.0.1:{p}").parse().expect("addr"),
+        client_port: silent_port,
+        client_pid: std::process::id(),
+    }
+    .emit(&mut b);
+    let silent = registration(p);
+    (&silent).write_all(&b).expect("request");
+    let t0 = Instant::now();
+    assert_eq!(redis_ping(p, Some(silent_port)), "+PONG");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    drop((liar, silent));
+    // A real client under azsdp still gets the upgrade.
+    let mut cli = s.under_azsdp("cli", "redis-cli", &["-p", &ps, "PING"]);
+    cli.stdout(Stdio::piped());
+    let mut cli = Proc::start(cli, "redis-cli");
+    let out = cli.stdout();
+    cli.expect_success(Duration::from_secs(20), || s.log("cli"));
+    assert_eq!(out.trim(), "PONG");
+    assert!(
+        s.log("cli").contains(": azsdp (peer pid"),
+        "{}",
+        s.log("cli")
+    );
+    let log = s.log("server");
+    assert!(log.contains("which is not the sender's"), "{log}");
+    srv.kill();
+}
+
+#[test]
+fn a_bad_configuration_is_reported_and_the_program_runs_on_tcp() {
+    let s = Scratch::new("badcfg");
+    let cfg = s.path("bad.toml");
+    std::fs::write(&cfg, "zcopy_threshold = \"lots\"\n").expect("config");
+    let p = port(22);
+    let output = s.path("out.bin");
+    let run = |name: &str, args: &[&str]| {
+        let mut c = std::process::Command::new(azsdp());
+        c.arg("run")
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--")
+            .arg(need("socat"))
+            .args(args)
+            .env("AZSDP_STAT_DIR", s.stat_dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(s.path(&format!("{name}.log"))).expect("log"));
+        c
+    };
+    let mut srv = Proc::start(
+        run(
+            "server",
+            &[
+                "-u",
+                &format!("TCP-LISTEN:{p},reuseaddr"),
+                &format!("OPEN:{},creat,trunc", output.display()),
+            ],
+        ),
+        "socat server",
+    );
+    wait_listening(p, LISTEN);
+    let input = s.path("in.bin");
+    random_file(&input, 1 << 20, 9);
+    let mut cli = Proc::start(
+        run(
+            "client",
+            &[
+                "-u",
+                &format!("OPEN:{}", input.display()),
+                &format!("TCP:127.0.0.1:{p}"),
+            ],
+        ),
+        "socat client",
+    );
+    cli.expect_success(Duration::from_secs(30), || s.log("client"));
+    srv.expect_success(Duration::from_secs(30), || s.log("server"));
+    assert_eq!(sha256(&input), sha256(&output));
+    let log = s.log("client");
+    assert!(
+        log.contains("bad.toml") && log.contains("zcopy_threshold") && log.contains("plain TCP"),
+        "{log}"
+    );
+    assert!(!log.contains(": azsdp (peer pid"), "{log}");
+}
+
+#[test]
+fn a_forked_child_serves_the_connection_its_parent_accepted() {
+    sockcheck("fork-child-serves", 23);
+}
+
+#[test]
+fn a_forked_child_closes_and_the_parent_serves() {
+    sockcheck("fork-parent-serves", 24);
+}

@@ -794,6 +794,67 @@ fn names(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// Fork after accept: in `child_serves`, the child uses the connection
+/// and the parent closes its descriptor at once (fork-per-connection
+/// servers); otherwise the child closes it and the parent goes on.
+fn fork_after_accept(server: bool, port: u16, child_serves: bool) -> R {
+    let msg = data(1 << 20, 6);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        let serve = |c: c_int| -> R {
+            check!(recv_exact(c, msg.len())? == msg, "bytes changed");
+            send_all(c, b"ok")?;
+            expect_eof(c)?;
+            close(c);
+            Ok(())
+        };
+        // SAFETY: fork(2); the child runs `serve` or closes, then _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let r = if child_serves {
+                serve(c)
+            } else {
+                close(c);
+                Ok(())
+            };
+            if let Err(e) = &r {
+                eprintln!("child: {e}");
+            }
+            // SAFETY: leave the child without unwinding.
+            unsafe { libc::_exit(i32::from(r.is_err())) };
+        }
+        if child_serves {
+            close(c);
+        } else {
+            // The child is gone before the parent touches the connection.
+            let mut st = 0;
+            // SAFETY: waitpid(2) on our own child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            serve(c)?;
+        }
+        let mut st = 0;
+        // SAFETY: as above (ECHILD if already reaped).
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        check!(
+            child_serves || st == 0 || libc::WIFEXITED(st),
+            "child status {st}"
+        );
+        if child_serves {
+            check!(
+                libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+                "the child failed"
+            );
+        }
+    } else {
+        let c = connect_to(port)?;
+        send_all(c, &msg)?;
+        check!(recv_exact(c, 2)? == b"ok", "ok");
+        close(c);
+    }
+    Ok(())
+}
+
 /// A child that execs with an upgraded connection open: the new image,
 /// which knows nothing of it, reads EOF and gets EPIPE; the parent's
 /// connection goes on. (Under azsdp only: on plain TCP the probe would
@@ -878,6 +939,8 @@ fn main() {
         "descriptors" => descriptors(server, port),
         "prefork" => prefork(server, port),
         "exec" => exec(server, port),
+        "fork-child-serves" => fork_after_accept(server, port, true),
+        "fork-parent-serves" => fork_after_accept(server, port, false),
         "names" => names(server, port),
         _ => Err(format!("unknown scenario {scenario}; {usage}")),
     };

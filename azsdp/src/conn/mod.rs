@@ -322,6 +322,15 @@ impl Connection {
         }
     }
 
+    /// Calls not yet completed (their threads are blocked in them).
+    pub fn pending_calls(&self) -> Vec<CallId> {
+        self.send_calls
+            .iter()
+            .map(|c| c.call)
+            .chain(self.recv_calls.iter().map(|c| c.call))
+            .collect()
+    }
+
     /// Bytes a `recv()` could take now without waiting for the peer
     /// (FIONREAD): buffered DATA plus what is left of each advertisement.
     pub fn readable_bytes(&self) -> u64 {

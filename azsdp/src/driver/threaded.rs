@@ -18,7 +18,7 @@
 //! GET_COMPLETEs that unprotect an AZ-SDP sender's pages, credits, timers.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use super::{Driver, Protector};
 use crate::conn::{
     Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
 };
-use crate::fabric::{Fabric, FabricWaiter};
+use crate::fabric::{Fabric, FabricWaiter, Ownership};
 use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
 
@@ -40,9 +40,18 @@ struct Shared<F: Fabric, P: Protector> {
     stop: AtomicBool,
     /// Application threads blocked in a call (sleeping on the fabric).
     in_calls: AtomicUsize,
-    /// The process that owns the threads; in a forked child this driver is
-    /// the parent's, and inert.
-    owner: u32,
+    /// The process that runs the threads; in a forked child this driver is
+    /// the parent's copy, inert until the child adopts it.
+    owner: AtomicU32,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Makes a protector for a forked child that adopts the connection
+    /// (the parent's is bound to the parent's memory).
+    refresh: Mutex<Option<Refresh<P>>>,
+    /// When a fork froze the connection (see [`Fabric::ownership`]).
+    frozen_since: Mutex<Option<Instant>>,
+    /// `close()` came while the connection was frozen: done once claimed.
+    close_pending: Mutex<Option<bool>>,
+    this: std::sync::OnceLock<Weak<Shared<F, P>>>,
     /// Told whenever a turn delivered something (readiness may have changed).
     notify: Option<Notify>,
     /// Where the connection holds pages (for the memory hooks).
@@ -67,6 +76,13 @@ impl std::fmt::Debug for CallLimits<'_> {
             .finish()
     }
 }
+
+/// How long after a fork a connection waits for one of the processes to
+/// claim it before the one that made it takes it back.
+const FORK_GRACE: Duration = Duration::from_secs(1);
+
+/// Makes the protection of a forked child that adopts a connection.
+pub type Refresh<P> = Box<dyn Fn() -> (P, Option<Box<dyn FaultSource>>) + Send + Sync>;
 
 /// Called after the engine took in something from the fabric, a fault or a
 /// timer: whoever waits for readiness (poll, epoll) should look again.
@@ -100,7 +116,7 @@ impl<F: Fabric, P: Protector> std::ops::DerefMut for Locked<'_, F, P> {
     }
 }
 
-impl<F: Fabric, P: Protector> Shared<F, P> {
+impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     fn lock(&self) -> Locked<'_, F, P> {
         let _inside = Inside::enter();
         // A panic elsewhere must not wedge the connection: keep going.
@@ -126,9 +142,73 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
         })
     }
 
-    /// In a forked child: the parent's threads are gone, so is this driver.
+    /// In a forked child, before adopting: the threads are the parent's.
     fn orphaned(&self) -> bool {
-        std::process::id() != self.owner
+        std::process::id() != self.owner.load(Ordering::SeqCst)
+    }
+
+    /// May this process use the connection? A connection a fork froze is
+    /// claimed here (and adopted, with threads of its own, by a child);
+    /// false if the other process has it.
+    fn make_mine(&self) -> bool {
+        let own = self.lock().fabric().ownership();
+        match own {
+            Ownership::Mine => !self.orphaned(),
+            Ownership::Other => false,
+            Ownership::Unclaimed => {
+                if self.orphaned()
+                    && self
+                        .refresh
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .is_none()
+                {
+                    return false;
+                }
+                if !self.lock().fabric().claim() {
+                    return false;
+                }
+                *self.frozen_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                if self.orphaned() {
+                    self.adopt();
+                }
+                true
+            }
+        }
+    }
+
+    /// A forked child took the connection: fresh protection, the calls of
+    /// the parent's threads dropped, threads of its own.
+    fn adopt(&self) {
+        let Some(me) = self.this.get().and_then(Weak::upgrade) else {
+            return;
+        };
+        let fresh = self
+            .refresh
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|f| f());
+        let faults = {
+            let mut d = self.lock();
+            d.forget_calls();
+            match fresh {
+                Some((p, faults)) => {
+                    d.replace_protector(p);
+                    faults
+                }
+                None => None,
+            }
+        };
+        self.owner.store(std::process::id(), Ordering::SeqCst);
+        self.in_calls.store(0, Ordering::SeqCst);
+        self.stop.store(false, Ordering::SeqCst);
+        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        // The parent's threads do not exist here: nothing to join or detach.
+        for t in threads.drain(..) {
+            std::mem::forget(t);
+        }
+        *threads = spawn_threads(&me, faults);
     }
 
     /// Wait until `ready` finds what it looks for, or `deadline` passes;
@@ -139,11 +219,14 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
         deadline: Option<Instant>,
         mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
     ) -> Option<T> {
-        if self.orphaned() {
+        if !self.make_mine() {
             return None;
         }
         self.in_calls.fetch_add(1, Ordering::SeqCst);
         let r = loop {
+            if self.frozen() && !self.make_mine() {
+                break None;
+            }
             let ticket = self.waiter.prepare();
             let nap = {
                 let mut d = self.lock();
@@ -172,6 +255,14 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
         r
     }
 
+    /// Has a fork frozen the connection (and no one claimed it yet)?
+    fn frozen(&self) -> bool {
+        self.frozen_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
     /// Turn until nothing more arrives; kick sleeping callers if anything
     /// did and `others` of them may be waiting for it.
     fn turn_all(&self, d: &mut Driver<F, P>, others: usize) -> usize {
@@ -198,7 +289,6 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
 /// The threads and the shared driver. Dropping it stops the threads.
 pub struct ThreadedDriver<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
     shared: Arc<Shared<F, P>>,
-    threads: Vec<JoinHandle<()>>,
 }
 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
@@ -206,7 +296,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ThreadedDriver")
-            .field("threads", &self.threads.len())
+            .field("owner", &self.shared.owner.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -235,50 +325,42 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             waiter: Box::new(waiter),
             stop: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
-            owner: std::process::id(),
+            owner: AtomicU32::new(std::process::id()),
+            threads: Mutex::new(Vec::new()),
+            refresh: Mutex::new(None),
+            frozen_since: Mutex::new(None),
+            close_pending: Mutex::new(None),
+            this: std::sync::OnceLock::new(),
             notify,
             held: Arc::new(HeldBounds::default()),
             closing: Mutex::new(None),
         });
+        let _ = shared.this.set(Arc::downgrade(&shared));
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
-        let mut threads = Vec::new();
-        let s = Arc::clone(&shared);
-        threads.push(
-            std::thread::Builder::new()
-                .name("azsdp-progress".into())
-                .spawn(move || progress(&s))
-                .expect("spawn progress thread"),
-        );
-        if let Some(reader) = faults {
-            let s = Arc::clone(&shared);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("azsdp-faults".into())
-                    .spawn(move || {
-                        while !s.stop.load(Ordering::Relaxed) {
-                            let Some(f) = reader.next_timeout(MAX_NAP) else {
-                                continue;
-                            };
-                            let access = if f.write { Access::Write } else { Access::Read };
-                            let mut d = s.lock();
-                            // Completions already in the ring may have
-                            // settled the page: deliver them first.
-                            s.turn_all(&mut d, 0);
-                            d.submit_fault(f.addr, access);
-                            drop(d);
-                            if let Some(n) = &s.notify {
-                                n();
-                            }
-                            if s.in_calls.load(Ordering::SeqCst) > 0 {
-                                s.waiter.kick();
-                            }
-                        }
-                    })
-                    .expect("spawn fault thread"),
-            );
-        }
-        ThreadedDriver { shared, threads }
+        *shared.threads.lock().unwrap_or_else(|e| e.into_inner()) = spawn_threads(&shared, faults);
+        ThreadedDriver { shared }
+    }
+
+    /// How a forked child that adopts this connection protects its pages
+    /// (without it, a child cannot adopt the connection).
+    pub fn set_fork_protection(&self, refresh: Refresh<P>) {
+        *self
+            .shared
+            .refresh
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(refresh);
+    }
+
+    /// Does this process run the connection now (without claiming it)?
+    pub fn is_mine(&self) -> bool {
+        !self.shared.orphaned() && self.shared.lock().fabric().ownership() == Ownership::Mine
+    }
+
+    /// May this process use the connection now? Claims one a fork froze
+    /// (adopting it in a child); false if another process has it.
+    pub fn claim(&self) -> bool {
+        self.shared.make_mine()
     }
 
     fn wait_for(&self, call: CallId) -> Result<u64, CallError> {
@@ -325,7 +407,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         flags: SendFlags,
         limits: &CallLimits<'_>,
     ) -> Result<u64, CallError> {
-        if self.shared.orphaned() {
+        if !self.shared.make_mine() {
             return Err(CallError::ConnReset);
         }
         let call = self
@@ -342,7 +424,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         flags: RecvFlags,
         limits: &CallLimits<'_>,
     ) -> Result<u64, CallError> {
-        if self.shared.orphaned() {
+        if !self.shared.make_mine() {
             return Err(CallError::ConnReset);
         }
         let call = self
@@ -355,7 +437,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Blocking `send()`; returns when the engine says the buffer is
     /// reusable (at once under AZ-SDP).
     pub fn send(&self, buf: &[u8], flags: SendFlags) -> Result<u64, CallError> {
-        if self.shared.orphaned() {
+        if !self.shared.make_mine() {
             return Err(CallError::ConnReset);
         }
         let call = self
@@ -367,7 +449,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// Blocking `recv()`.
     pub fn recv(&self, buf: &mut [u8], flags: RecvFlags) -> Result<u64, CallError> {
-        if self.shared.orphaned() {
+        if !self.shared.make_mine() {
             return Err(CallError::ConnReset);
         }
         let call = self
@@ -392,7 +474,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Readiness for poll/select/epoll (a forked child's inert copy is in
     /// error: it cannot move data).
     pub fn readiness(&self) -> Readiness {
-        if self.shared.orphaned() {
+        if !self.shared.make_mine() {
             return Readiness {
                 readable: true,
                 writable: true,
@@ -407,7 +489,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// Bytes a `recv()` could take without waiting (FIONREAD).
     pub fn readable_bytes(&self) -> u64 {
-        if self.shared.orphaned() {
+        if !self.shared.make_mine() {
             return 0;
         }
         let mut d = self.shared.lock();
@@ -417,7 +499,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// `shutdown(how)`; returns at once.
     pub fn shutdown(&self, how: Shutdown) {
-        if !self.shared.orphaned() {
+        if self.shared.make_mine() {
             self.shared.lock().shutdown(how);
             self.shared.waiter.kick();
         }
@@ -473,21 +555,37 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// [`ThreadedDriver::join_closed`] waits for that.
     pub fn close_in_background(&self, abort: bool, linger: Duration) {
         if self.shared.orphaned() {
+            // A forked child's copy it never used: the connection is not
+            // this process's to end.
             return;
         }
         {
             let mut d = self.shared.lock();
-            if abort {
-                d.abort();
-            } else {
-                d.submit_close();
+            match d.fabric().ownership() {
+                Ownership::Mine => {
+                    if abort {
+                        d.abort();
+                    } else {
+                        d.submit_close();
+                    }
+                }
+                // Frozen by a fork: the child may take it over; if it does
+                // not, the progress thread reclaims and closes it.
+                Ownership::Unclaimed => {
+                    *self
+                        .shared
+                        .close_pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(abort);
+                }
+                Ownership::Other => return,
             }
         }
         *self
             .shared
             .closing
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + linger);
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + FORK_GRACE + linger);
         self.shared.waiter.kick();
     }
 
@@ -499,9 +597,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            if self.threads.iter().all(|t| t.is_finished())
-                || self.shared.stop.load(Ordering::SeqCst)
-            {
+            let done = self
+                .shared
+                .threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .all(|t| t.is_finished());
+            if done || self.shared.stop.load(Ordering::SeqCst) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -511,7 +614,20 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// Is the connection finished (nothing left in flight)?
     pub fn is_finished(&self) -> bool {
-        self.shared.orphaned() || self.shared.lock().is_finished()
+        if self.shared.orphaned() {
+            return true;
+        }
+        let d = self.shared.lock();
+        let pending = self
+            .shared
+            .close_pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        match d.fabric().ownership() {
+            Ownership::Other => true,
+            _ => !pending && d.is_finished(),
+        }
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
@@ -542,27 +658,133 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     fn stop(&mut self) {
+        let threads = std::mem::take(
+            &mut *self
+                .shared
+                .threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
         if self.shared.orphaned() {
             // The threads are the parent's; nothing here to stop or join.
-            self.threads.clear();
+            threads.into_iter().for_each(std::mem::forget);
             return;
         }
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.waiter.kick();
-        for t in self.threads.drain(..) {
+        for t in threads {
             let _ = t.join();
         }
     }
 }
 
+/// A driver's lock held across `fork()` (fields drop in order: the guard,
+/// then the Arc that keeps its mutex alive).
+struct ForkHold<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
+    _guard: MutexGuard<'static, Driver<F, P>>,
+    _shared: Arc<Shared<F, P>>,
+}
+
+/// The progress thread and, given a fault reader, the fault thread.
+fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
+    shared: &Arc<Shared<F, P>>,
+    faults: Option<Box<dyn FaultSource>>,
+) -> Vec<JoinHandle<()>> {
+    let mut threads = Vec::new();
+    let s = Arc::clone(shared);
+    match std::thread::Builder::new()
+        .name("azsdp-progress".into())
+        .spawn(move || progress(&s))
+    {
+        Ok(t) => threads.push(t),
+        Err(e) => crate::protect::log_once(&format!("no progress thread: {e}")),
+    }
+    if let Some(reader) = faults {
+        let s = Arc::clone(shared);
+        let r = std::thread::Builder::new()
+            .name("azsdp-faults".into())
+            .spawn(move || {
+                while !s.stop.load(Ordering::Relaxed) {
+                    let Some(f) = reader.next_timeout(MAX_NAP) else {
+                        continue;
+                    };
+                    let access = if f.write { Access::Write } else { Access::Read };
+                    let mut d = s.lock();
+                    // Completions already in the ring may have
+                    // settled the page: deliver them first.
+                    s.turn_all(&mut d, 0);
+                    d.submit_fault(f.addr, access);
+                    drop(d);
+                    if let Some(n) = &s.notify {
+                        n();
+                    }
+                    if s.in_calls.load(Ordering::SeqCst) > 0 {
+                        s.waiter.kick();
+                    }
+                }
+            });
+        match r {
+            Ok(t) => threads.push(t),
+            Err(e) => crate::protect::log_once(&format!("no fault thread: {e}")),
+        }
+    }
+    threads
+}
+
 /// The progress thread: turn, then sleep on the fabric until something
 /// comes or a timer is due. While a caller is blocked it only turns when
 /// the lock is free (that caller turns for itself).
-fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
+fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Shared<F, P>) {
     while !s.stop.load(Ordering::Relaxed) {
+        let ticket = s.waiter.prepare();
+        let guard = if s.in_calls.load(Ordering::SeqCst) > 0 {
+            s.try_lock()
+        } else {
+            Some(s.lock())
+        };
+        let Some(mut d) = guard else {
+            // A caller holds the lock and reads the ring itself: sleep until
+            // something new arrives, not while what it is reading is there.
+            s.waiter.sleep(ticket, MAX_NAP);
+            continue;
+        };
+        match d.fabric().ownership() {
+            Ownership::Mine => {}
+            // A forked child took the connection: this copy is done.
+            Ownership::Other => {
+                s.stop.store(true, Ordering::SeqCst);
+                break;
+            }
+            // Frozen by a fork: wait for a claim; after the grace, take it
+            // back (the child did not want it).
+            Ownership::Unclaimed => {
+                let since = *s
+                    .frozen_since
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert_with(Instant::now);
+                if since.elapsed() < FORK_GRACE || !d.fabric().claim() {
+                    drop(d);
+                    std::thread::sleep(MAX_NAP);
+                    continue;
+                }
+                *s.frozen_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+        }
+        if let Some(abort) = s
+            .close_pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            if abort {
+                d.abort();
+            } else {
+                d.submit_close();
+            }
+        }
         let closing = *s.closing.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(deadline) = closing {
-            let mut d = s.lock();
             if d.is_finished() || Instant::now() >= deadline {
                 if !d.is_finished() {
                     d.abort();
@@ -573,25 +795,12 @@ fn progress<F: Fabric, P: Protector>(s: &Shared<F, P>) {
                 break;
             }
         }
-        let ticket = s.waiter.prepare();
-        let guard = if s.in_calls.load(Ordering::SeqCst) > 0 {
-            s.try_lock()
-        } else {
-            Some(s.lock())
-        };
-        match guard {
-            Some(mut d) => {
-                if s.turn_all(&mut d, 0) > 0 {
-                    continue;
-                }
-                let nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
-                drop(d);
-                s.waiter.wait(ticket, nap, false);
-            }
-            // A caller holds the lock and reads the ring itself: sleep until
-            // something new arrives, not while what it is reading is there.
-            None => s.waiter.sleep(ticket, MAX_NAP),
+        if s.turn_all(&mut d, 0) > 0 {
+            continue;
         }
+        let nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
+        drop(d);
+        s.waiter.wait(ticket, nap, false);
     }
 }
 
@@ -612,6 +821,23 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
         if !self.orphaned() {
             self.lock().forget_memory(range);
         }
+    }
+
+    fn hold_for_fork(self: Arc<Self>) -> Box<dyn std::any::Any> {
+        if self.orphaned() {
+            return Box::new(());
+        }
+        let guard = self.driver.lock().unwrap_or_else(|e| e.into_inner());
+        guard.fabric().freeze();
+        *self.frozen_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        // SAFETY: the guard borrows `self.driver`; the Arc stored next to it
+        // keeps that alive, and `ForkHold` drops the guard first (field
+        // order), so the borrow never outlives the mutex.
+        let guard: MutexGuard<'static, Driver<F, P>> = unsafe { std::mem::transmute(guard) };
+        Box::new(ForkHold {
+            _guard: guard,
+            _shared: self,
+        })
     }
 
     fn set_forking(&self, forking: bool) {

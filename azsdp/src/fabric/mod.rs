@@ -116,4 +116,27 @@ pub trait Fabric {
     fn gets_async(&self) -> bool {
         false
     }
+    /// Which process runs this side of the connection. After `fork()` both
+    /// processes hold it: it is frozen ([`Ownership::Unclaimed`]) until one
+    /// of them [`Fabric::claim`]s it.
+    fn ownership(&self) -> Ownership {
+        Ownership::Mine
+    }
+    /// A fork is about to copy this side into a child: freeze it.
+    fn freeze(&self) {}
+    /// Take an unclaimed side for this process; whether it is ours now.
+    fn claim(&self) -> bool {
+        true
+    }
+}
+
+/// Who runs one side of a connection (see [`Fabric::ownership`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ownership {
+    /// This process.
+    Mine,
+    /// Frozen since a fork; the first of the processes to claim it gets it.
+    Unclaimed,
+    /// Another process claimed it: this copy must not touch the fabric.
+    Other,
 }

@@ -38,7 +38,7 @@ use nix::sys::uio::{RemoteIoVec, process_vm_readv};
 use nix::unistd::Pid;
 
 use super::ring::{self, Ring, RingWatch};
-use super::{Fabric, FabricError, FabricEvent, OpResult};
+use super::{Fabric, FabricError, FabricEvent, OpResult, Ownership};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
@@ -59,12 +59,18 @@ struct SegHeader {
     revoked: [AtomicU32; 2],
     /// Per side: the side closed its end cleanly.
     closed: [AtomicU32; 2],
+    /// Per side: the pid of the process running that side, with
+    /// [`FROZEN`] set from a fork until a process claims it.
+    owner: [AtomicU32; 2],
     /// Free for whoever set the pair up to agree on it (the preload shim's
     /// commit-or-withdraw word, see [`ShmEndpoint::agreement`]).
     agreement: AtomicU32,
 }
 
 const _: () = assert!(std::mem::size_of::<SegHeader>() <= HEADER_LEN);
+
+/// In an owner word: frozen since a fork (pids stay below 2^22).
+const FROZEN: u32 = 1 << 31;
 
 /// Sizes of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -545,6 +551,7 @@ impl ShmEndpoint {
                 Err(e) => Some(NoGet::Refused(e.desc().to_string())),
             }
         };
+        seg.hdr().owner[side].store(std::process::id(), Ordering::Release);
         // Keep our canary alive until the peer has probed it too.
         handshake_done(sock)?;
         let seg = Arc::new(seg);
@@ -612,10 +619,21 @@ impl ShmEndpoint {
         self.seg.hdr().closed[1 - self.side].load(Ordering::Acquire) != 0
     }
 
-    fn peer_alive(&self) -> bool {
+    /// Follow the peer side to the process that runs it now (a forked
+    /// child may have claimed it): its memory is where GETs read.
+    fn follow_peer(&mut self) {
+        let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
+        if w != 0 && w as i32 != self.peer_pid.as_raw() {
+            self.peer_pid = Pid::from_raw(w as i32);
+            self.peer_fd = pidfd_open(self.peer_pid);
+        }
+    }
+
+    fn peer_alive(&mut self) -> bool {
         if self.peer_closed() {
             return false;
         }
+        self.follow_peer();
         match &self.peer_fd {
             Some(fd) => !pidfd_exited(fd),
             // Without pidfd: a zombie still answers kill(0); the peer
@@ -651,6 +669,45 @@ impl ShmEndpoint {
 }
 
 impl Fabric for ShmEndpoint {
+    fn ownership(&self) -> Ownership {
+        let w = self.seg.hdr().owner[self.side].load(Ordering::Acquire);
+        if w == std::process::id() {
+            Ownership::Mine
+        } else if w & FROZEN != 0 {
+            Ownership::Unclaimed
+        } else {
+            Ownership::Other
+        }
+    }
+
+    fn freeze(&self) {
+        let me = std::process::id();
+        let _ = self.seg.hdr().owner[self.side].compare_exchange(
+            me,
+            me | FROZEN,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    fn claim(&self) -> bool {
+        let me = std::process::id();
+        let word = &self.seg.hdr().owner[self.side];
+        let mut w = word.load(Ordering::Acquire);
+        loop {
+            if w == me {
+                return true;
+            }
+            if w & FROZEN == 0 {
+                return false;
+            }
+            match word.compare_exchange(w, me, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(now) => w = now,
+            }
+        }
+    }
+
     fn lock_region(&self) -> LockRegion {
         LockRegion {
             addr: self.seg.layout.locks[self.side] as u64,
@@ -702,6 +759,7 @@ impl Fabric for ShmEndpoint {
             return Err(FabricError::Unsupported);
         }
         let peer = 1 - self.side;
+        self.follow_peer();
         let result = if self.no_get.is_some() {
             Err(OpError::RemoteAccess)
         } else {

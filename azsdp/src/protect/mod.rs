@@ -161,7 +161,7 @@ pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
 }
 
 /// Say `note` on stderr once per process (the shim routes its log).
-fn log_once(note: &str) {
+pub(crate) fn log_once(note: &str) {
     let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
     if !said.iter().any(|s| s == note) {
         said.push(note.to_string());
