@@ -76,6 +76,14 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_
     fd
 }
 
+/// Passed through: the address a socket binds is the kernel's to check,
+/// and pairing reads it back with `getsockname` when it needs it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // SAFETY: libc's bind.
+    unsafe { real::bind(fd, addr, len) }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
     // SAFETY: libc's listen.
@@ -567,6 +575,22 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> 
     }
 }
 
+/// The same call under its large-file name (python's `os.sendfile`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    if !matches!(target(out), Target::Azsdp(..)) {
+        // SAFETY: libc's sendfile64 with the program's arguments.
+        return unsafe { real::sendfile64(out, inp, off, count) };
+    }
+    // SAFETY: the same call (off_t is 64-bit here).
+    unsafe { sendfile(out, inp, off, count) }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sendfile(
     out: c_int,
@@ -612,6 +636,101 @@ pub unsafe extern "C" fn sendfile(
         }
         sent
     })
+}
+
+// ----- _FORTIFY_SOURCE variants ------------------------------------------------
+// Programs built with _FORTIFY_SOURCE call these when the buffer's size is
+// known; libc checks `len <= buflen` and aborts otherwise. Upgraded sockets
+// get the same check, then the shim's call.
+
+/// The fortify check: a buffer overflow ends the program, as libc's does.
+fn chk(len: usize, buflen: usize) {
+    if len > buflen {
+        crate::log::error!("buffer overflow detected (len {len} > {buflen})");
+        // SAFETY: abort(3), as __chk_fail does.
+        unsafe { libc::abort() };
+    }
+}
+
+fn upgraded(fd: c_int) -> bool {
+    fdtable::get(fd).is_some_and(|s| s.conn().is_some())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __read_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    len: size_t,
+    buflen: size_t,
+) -> ssize_t {
+    if !upgraded(fd) {
+        // SAFETY: libc's __read_chk with the program's arguments.
+        return unsafe { real::__read_chk(fd, buf, len, buflen) };
+    }
+    chk(len, buflen);
+    // SAFETY: the shim's read with the program's arguments.
+    unsafe { read(fd, buf, len) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    len: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
+    if !upgraded(fd) {
+        // SAFETY: libc's __recv_chk with the program's arguments.
+        return unsafe { real::__recv_chk(fd, buf, len, buflen, flags) };
+    }
+    chk(len, buflen);
+    // SAFETY: the shim's recv with the program's arguments.
+    unsafe { recv(fd, buf, len, flags) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    len: size_t,
+    buflen: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> ssize_t {
+    if !upgraded(fd) {
+        // SAFETY: libc's __recvfrom_chk with the program's arguments.
+        return unsafe { real::__recvfrom_chk(fd, buf, len, buflen, flags, addr, alen) };
+    }
+    chk(len, buflen);
+    // SAFETY: the shim's recvfrom with the program's arguments.
+    unsafe { recvfrom(fd, buf, len, flags, addr, alen) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut pollfd,
+    n: nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    chk(n as usize * std::mem::size_of::<pollfd>(), fdslen);
+    // SAFETY: the shim's poll with the program's arguments.
+    unsafe { poll(fds, n, timeout) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut pollfd,
+    n: nfds_t,
+    ts: *const timespec,
+    mask: *const sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    chk(n as usize * std::mem::size_of::<pollfd>(), fdslen);
+    // SAFETY: the shim's ppoll with the program's arguments.
+    unsafe { ppoll(fds, n, ts, mask) }
 }
 
 // ----- readiness -----------------------------------------------------------
@@ -709,6 +828,20 @@ pub unsafe extern "C" fn pselect(
     unsafe { real::pselect(n, r, w, e, ts, mask) }
 }
 
+/// Passed through: the shim's part of a set is made when an upgraded
+/// socket first joins it (`epoll_ctl`), and dropped when it is closed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: libc's epoll_create.
+    unsafe { real::epoll_create(size) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: libc's epoll_create1.
+    unsafe { real::epoll_create1(flags) }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn epoll_ctl(
     epfd: c_int,
@@ -798,6 +931,19 @@ fn replaced(fd: c_int) {
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     // SAFETY: libc's fcntl with the program's argument word.
     let r = unsafe { real::fcntl(fd, cmd, arg) };
+    fcntl_done(fd, cmd, arg, r)
+}
+
+/// What programs built with `_FILE_OFFSET_BITS=64` call (python, redis).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    // SAFETY: libc's fcntl64 with the program's argument word.
+    let r = unsafe { real::fcntl64(fd, cmd, arg) };
+    fcntl_done(fd, cmd, arg, r)
+}
+
+/// Follow what a successful `fcntl` did to a tracked socket.
+fn fcntl_done(fd: c_int, cmd: c_int, arg: usize, r: c_int) -> c_int {
     if r >= 0 {
         if let Some(sock) = fdtable::get(fd) {
             guard((), || match cmd {

@@ -32,6 +32,38 @@ fn count_after(line: &str, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// socat copies `files.0` to `files.1` over TCP port `p`, receiver and
+/// sender each started by `cmd(name, args)`; both must succeed within `t`.
+fn socat_copy(
+    s: &Scratch,
+    p: u16,
+    files: (&std::path::Path, &std::path::Path),
+    extra: &[&str],
+    t: Duration,
+    cmd: impl Fn(&str, &[&str]) -> std::process::Command,
+) {
+    let listen = format!("TCP-LISTEN:{p},reuseaddr");
+    let write = format!("OPEN:{},creat,trunc", files.1.display());
+    let read = format!("OPEN:{}", files.0.display());
+    let connect = format!("TCP:127.0.0.1:{p}");
+    let args = |a: &str, b: &str| -> Vec<String> {
+        ["-u"]
+            .iter()
+            .chain(extra)
+            .map(|x| x.to_string())
+            .chain([a.to_string(), b.to_string()])
+            .collect()
+    };
+    let (srv_args, cli_args) = (args(&listen, &write), args(&read, &connect));
+    let srv_refs: Vec<&str> = srv_args.iter().map(String::as_str).collect();
+    let cli_refs: Vec<&str> = cli_args.iter().map(String::as_str).collect();
+    let mut srv = Proc::start(cmd("server", &srv_refs), "socat server");
+    wait_listening(p, LISTEN);
+    let mut cli = Proc::start(cmd("client", &cli_refs), "socat client");
+    cli.expect_success(t, || s.log("client"));
+    srv.expect_success(t, || s.log("server"));
+}
+
 #[test]
 fn socat_sends_a_1gib_file_over_azsdp() {
     let s = Scratch::new("socat");
@@ -39,37 +71,15 @@ fn socat_sends_a_1gib_file_over_azsdp() {
     let input = s.path("in.bin");
     let output = s.path("out.bin");
     random_file(&input, 1 << 30, 0x5eed);
-    let mut srv = Proc::start(
-        s.under_azsdp(
-            "server",
-            "socat",
-            &[
-                "-u",
-                "-b",
-                "262144",
-                &format!("TCP-LISTEN:{p},reuseaddr"),
-                &format!("OPEN:{},creat,trunc", output.display()),
-            ],
-        ),
-        "socat server",
+    let block = ["-b", "262144"];
+    socat_copy(
+        &s,
+        p,
+        (&input, &output),
+        &block,
+        Duration::from_secs(120),
+        |name, args| s.under_azsdp(name, "socat", args),
     );
-    wait_listening(p, LISTEN);
-    let mut cli = Proc::start(
-        s.under_azsdp(
-            "client",
-            "socat",
-            &[
-                "-u",
-                "-b",
-                "262144",
-                &format!("OPEN:{}", input.display()),
-                &format!("TCP:127.0.0.1:{p}"),
-            ],
-        ),
-        "socat client",
-    );
-    cli.expect_success(Duration::from_secs(120), || s.log("client"));
-    srv.expect_success(Duration::from_secs(60), || s.log("server"));
     assert_eq!(sha256(&input), sha256(&output), "the file arrived changed");
     let log = s.log("client");
     assert!(
@@ -122,12 +132,10 @@ fn iperf3_runs_over_azsdp_and_stat_shows_it() {
     assert!(received > (256 << 20), "iperf3 moved only {received} bytes");
 }
 
-#[test]
-fn redis_benchmark_over_azsdp_has_no_errors() {
-    let s = Scratch::new("redis");
-    let p = port(2);
-    let ps = p.to_string();
-    let mut srv = Proc::start(
+/// redis-server under azsdp on `port`, listening.
+fn redis_server(s: &Scratch, port: u16) -> Proc {
+    let ps = port.to_string();
+    let srv = Proc::start(
         s.under_azsdp(
             "server",
             "redis-server",
@@ -135,7 +143,16 @@ fn redis_benchmark_over_azsdp_has_no_errors() {
         ),
         "redis-server",
     );
-    wait_listening(p, LISTEN);
+    wait_listening(port, LISTEN);
+    srv
+}
+
+#[test]
+fn redis_benchmark_over_azsdp_has_no_errors() {
+    let s = Scratch::new("redis");
+    let p = port(2);
+    let ps = p.to_string();
+    let mut srv = redis_server(&s, p);
     let mut cmd = s.under_azsdp(
         "bench",
         "redis-benchmark",
@@ -594,15 +611,7 @@ fn garbage_and_lies_on_the_pairing_channel_leave_connections_on_tcp() {
     let s = Scratch::new("lies");
     let p = port(19);
     let ps = p.to_string();
-    let mut srv = Proc::start(
-        s.under_azsdp(
-            "server",
-            "redis-server",
-            &["--port", &ps, "--save", "", "--appendonly", "no"],
-        ),
-        "redis-server",
-    );
-    wait_listening(p, LISTEN);
+    let mut srv = redis_server(&s, p);
     // Garbage, then a short request, then nothing at all.
     (&registration(p))
         .write_all(&[0xa5; REQUEST_LEN])
@@ -674,33 +683,9 @@ fn a_bad_configuration_is_reported_and_the_program_runs_on_tcp() {
             .stderr(std::fs::File::create(s.path(&format!("{name}.log"))).expect("log"));
         c
     };
-    let mut srv = Proc::start(
-        run(
-            "server",
-            &[
-                "-u",
-                &format!("TCP-LISTEN:{p},reuseaddr"),
-                &format!("OPEN:{},creat,trunc", output.display()),
-            ],
-        ),
-        "socat server",
-    );
-    wait_listening(p, LISTEN);
     let input = s.path("in.bin");
     random_file(&input, 1 << 20, 9);
-    let mut cli = Proc::start(
-        run(
-            "client",
-            &[
-                "-u",
-                &format!("OPEN:{}", input.display()),
-                &format!("TCP:127.0.0.1:{p}"),
-            ],
-        ),
-        "socat client",
-    );
-    cli.expect_success(Duration::from_secs(30), || s.log("client"));
-    srv.expect_success(Duration::from_secs(30), || s.log("server"));
+    socat_copy(&s, p, (&input, &output), &[], Duration::from_secs(30), run);
     assert_eq!(sha256(&input), sha256(&output));
     let log = s.log("client");
     assert!(
@@ -718,4 +703,66 @@ fn a_forked_child_serves_the_connection_its_parent_accepted() {
 #[test]
 fn a_forked_child_closes_and_the_parent_serves() {
     sockcheck("fork-parent-serves", 24);
+}
+
+#[test]
+fn a_rule_keeps_a_port_on_tcp_and_stat_says_so() {
+    let s = Scratch::new("rule");
+    let p = port(25);
+    let cfg = s.path("azsdp.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[rule]]\nport = {p}\nuse = \"tcp\"\n\n[[rule]]\nprogram = \"socat\"\nuse = \"both\"\n"
+        ),
+    )
+    .expect("config");
+    let cmd = |name: &str, args: &[&str]| {
+        let mut c = s.under_azsdp(name, "socat", args);
+        c.env("AZSDP_CONFIG", &cfg);
+        c
+    };
+    let output = s.path("out.bin");
+    let mut srv = Proc::start(
+        cmd(
+            "server",
+            &[
+                "-u",
+                &format!("TCP-LISTEN:{p},reuseaddr"),
+                &format!("OPEN:{},creat,trunc", output.display()),
+            ],
+        ),
+        "socat server",
+    );
+    wait_listening(p, LISTEN);
+    let mut c = cmd("client", &["-u", "STDIN", &format!("TCP:127.0.0.1:{p}")]);
+    c.stdin(Stdio::piped());
+    let mut cli = Proc::start(c, "socat client");
+    let mut stdin = cli.child.stdin.take().expect("stdin");
+    stdin.write_all(b"over tcp, by rule\n").expect("feed");
+    let seen = s.stat_until(Duration::from_secs(10), |c| {
+        text(c, "role") == "client" && text(c, "tcp_reason") == "rule"
+    });
+    drop(stdin);
+    cli.expect_success(Duration::from_secs(30), || s.log("client"));
+    srv.expect_success(Duration::from_secs(30), || s.log("server"));
+    assert!(
+        seen.is_some(),
+        "stat never showed reason `rule`: {:?}",
+        s.stat()
+    );
+    assert_eq!(
+        std::fs::read(&output).expect("output"),
+        b"over tcp, by rule\n"
+    );
+    assert!(
+        s.log("server").contains("a rule keeps it on TCP"),
+        "{}",
+        s.log("server")
+    );
+}
+
+#[test]
+fn sendfile64_fortified_reads_and_fcntl64() {
+    sockcheck("glibc-names", 26);
 }

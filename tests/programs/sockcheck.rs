@@ -855,6 +855,89 @@ fn fork_after_accept(server: bool, port: u16, child_serves: bool) -> R {
     Ok(())
 }
 
+unsafe extern "C" {
+    fn __read_chk(fd: c_int, buf: *mut c_void, len: usize, buflen: usize) -> isize;
+    fn __recv_chk(fd: c_int, buf: *mut c_void, len: usize, buflen: usize, flags: c_int) -> isize;
+    fn __poll_chk(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int, fdslen: usize) -> c_int;
+    fn fcntl64(fd: c_int, cmd: c_int, ...) -> c_int;
+}
+
+/// The other names glibc gives these calls: sendfile and sendfile64 from a
+/// file, the _FORTIFY_SOURCE reads and poll, fcntl64.
+fn glibc_names(server: bool, port: u16) -> R {
+    let file_data = data(3 << 20, 8);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        let path = std::env::temp_dir().join(format!("sockcheck-sendfile-{}", std::process::id()));
+        std::fs::write(&path, &file_data).map_err(|e| e.to_string())?;
+        let f = std::fs::File::open(&path).map_err(|e| e.to_string())?;
+        let _ = std::fs::remove_file(&path);
+        let ffd = std::os::fd::AsRawFd::as_raw_fd(&f);
+        let half = file_data.len() / 2;
+        let mut off: libc::off_t = 0;
+        while (off as usize) < half {
+            // SAFETY: sendfile(2) from our file at our offset.
+            let n = unsafe { libc::sendfile(c, ffd, &mut off, half - off as usize) };
+            check!(n > 0, "sendfile: {}", err_name(errno()));
+        }
+        while (off as usize) < file_data.len() {
+            // SAFETY: sendfile64(2), likewise.
+            let n = unsafe { libc::sendfile64(c, ffd, &mut off, file_data.len() - off as usize) };
+            check!(n > 0, "sendfile64: {}", err_name(errno()));
+        }
+        let mut b = [0u8; 64];
+        let mut p = libc::pollfd {
+            fd: c,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: the fortified poll of one entry of our own.
+        let n = unsafe { __poll_chk(&mut p, 1, 5000, std::mem::size_of::<libc::pollfd>()) };
+        check!(n == 1 && p.revents & libc::POLLIN != 0, "__poll_chk: {n}");
+        // SAFETY: fortified reads into our own buffer.
+        let n = unsafe { __recv_chk(c, b.as_mut_ptr().cast(), 32, b.len(), libc::MSG_WAITALL) };
+        check!(n == 32 && b[..32] == data(64, 9)[..32], "__recv_chk: {n}");
+        // SAFETY: as above.
+        let n = unsafe { __read_chk(c, b.as_mut_ptr().cast(), 32, b.len()) };
+        check!(
+            n > 0 && b[..n as usize] == data(64, 9)[32..32 + n as usize],
+            "__read_chk: {n}"
+        );
+        // SAFETY: fcntl64 on our own descriptor.
+        unsafe { fcntl64(c, libc::F_SETFL, libc::O_NONBLOCK) };
+        let mut rest = 64 - 32 - n as usize;
+        while rest > 0 {
+            let m = recv_some(c, &mut b, 0);
+            check!(
+                m > 0 || errno() == libc::EAGAIN,
+                "recv: {}",
+                err_name(errno())
+            );
+            if m > 0 {
+                rest -= m as usize;
+            }
+        }
+        check!(
+            recv_some(c, &mut b, 0) == -1 && errno() == libc::EAGAIN,
+            "fcntl64 O_NONBLOCK: {}",
+            err_name(errno())
+        );
+        send_all(c, b"k")?;
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        check!(
+            recv_exact(c, file_data.len())? == file_data,
+            "the file's bytes"
+        );
+        send_all(c, &data(64, 9))?;
+        check!(recv_exact(c, 1)? == b"k", "k");
+        close(c);
+    }
+    Ok(())
+}
+
 /// A child that execs with an upgraded connection open: the new image,
 /// which knows nothing of it, reads EOF and gets EPIPE; the parent's
 /// connection goes on. (Under azsdp only: on plain TCP the probe would
@@ -939,6 +1022,7 @@ fn main() {
         "descriptors" => descriptors(server, port),
         "prefork" => prefork(server, port),
         "exec" => exec(server, port),
+        "glibc-names" => glibc_names(server, port),
         "fork-child-serves" => fork_after_accept(server, port, true),
         "fork-parent-serves" => fork_after_accept(server, port, false),
         "names" => names(server, port),

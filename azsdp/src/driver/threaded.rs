@@ -69,6 +69,18 @@ pub struct CallLimits<'a> {
     pub on_signal: &'a dyn Fn() -> bool,
 }
 
+impl CallLimits<'static> {
+    /// No deadline; signals never cut the call short.
+    pub const NONE: CallLimits<'static> = CallLimits {
+        deadline: None,
+        on_signal: &never,
+    };
+}
+
+fn never() -> bool {
+    false
+}
+
 impl std::fmt::Debug for CallLimits<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallLimits")
@@ -363,12 +375,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.make_mine()
     }
 
-    fn wait_for(&self, call: CallId) -> Result<u64, CallError> {
-        self.shared
-            .wait_until(None, |d| d.take_result(call))
-            .unwrap_or(Err(CallError::ConnReset))
-    }
-
     /// Wait for `call` within `limits`: past the deadline, or after a
     /// signal handler ran and `limits.on_signal` says the call must not
     /// restart, it is cancelled (it then ends with what it moved, or with
@@ -437,26 +443,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Blocking `send()`; returns when the engine says the buffer is
     /// reusable (at once under AZ-SDP).
     pub fn send(&self, buf: &[u8], flags: SendFlags) -> Result<u64, CallError> {
-        if !self.shared.make_mine() {
-            return Err(CallError::ConnReset);
-        }
-        let call = self
-            .shared
-            .lock()
-            .submit_send(buf.as_ptr() as u64, buf.len() as u64, flags);
-        self.wait_for(call)
+        self.send_bounded(buf, flags, &CallLimits::NONE)
     }
 
     /// Blocking `recv()`.
     pub fn recv(&self, buf: &mut [u8], flags: RecvFlags) -> Result<u64, CallError> {
-        if !self.shared.make_mine() {
-            return Err(CallError::ConnReset);
-        }
-        let call = self
-            .shared
-            .lock()
-            .submit_recv(buf.as_mut_ptr() as u64, buf.len() as u64, flags);
-        self.wait_for(call)
+        self.recv_bounded(buf, flags, &CallLimits::NONE)
     }
 
     /// Before memory is freed, unmapped or discarded: wait until no
