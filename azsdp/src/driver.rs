@@ -252,6 +252,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                 }
             }
             if !any {
+                self.fabric.publish_sent(self.conn.tx_returned());
                 return;
             }
         }
@@ -390,7 +391,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                 op,
                 result: OpResult::Cas(r),
             } => conn.handle_completion(now, op, Completion::Cas(r), mem),
-            FabricEvent::PeerGone => conn.handle_peer_gone(now),
+            FabricEvent::PeerGone { sent } => conn.handle_peer_left(now, sent, mem),
         });
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now, &mut self.mem);

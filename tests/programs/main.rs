@@ -766,3 +766,46 @@ fn a_rule_keeps_a_port_on_tcp_and_stat_says_so() {
 fn sendfile64_fortified_reads_and_fcntl64() {
     sockcheck("glibc-names", 26);
 }
+
+#[test]
+fn a_killed_idle_peer_ends_the_stream_with_eof_as_tcp_does() {
+    let bin = env!("CARGO_BIN_EXE_azsdp-sockcheck");
+    for azsdp in [false, true] {
+        let s = Scratch::new(&format!("killed-idle-{azsdp}"));
+        let p = port(27 + 32 * u16::from(azsdp)).to_string();
+        let args = |role: &str| vec!["killed-idle".to_string(), role.to_string(), p.clone()];
+        let run = |name: &str, role: &str| {
+            let a = args(role);
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            let mut c = if azsdp {
+                s.under_azsdp(name, bin, &a)
+            } else {
+                s.plain(name, bin, &a)
+            };
+            c.stdout(Stdio::piped());
+            c
+        };
+        let mut srv = Proc::start(run("server", "server"), "sockcheck server");
+        let mut out = srv.child.stdout.take().expect("stdout");
+        let mut line = [0u8; 10];
+        std::io::Read::read_exact(&mut out, &mut line).expect("server started");
+        let mut cli = Proc::start(run("client", "client"), "sockcheck client");
+        let mut got = [0u8; 4];
+        std::io::Read::read_exact(&mut out, &mut got).expect("server got the data");
+        cli.kill();
+        let t0 = Instant::now();
+        srv.expect_success(Duration::from_secs(5), || s.log("server"));
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "EOF after {:?}",
+            t0.elapsed()
+        );
+        if azsdp {
+            assert!(
+                s.log("server").contains(": azsdp (peer pid"),
+                "{}",
+                s.log("server")
+            );
+        }
+    }
+}

@@ -938,6 +938,28 @@ fn glibc_names(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// The client sends, then waits to be killed (by the test); the server
+/// must read the data, then EOF: a process that dies leaving nothing
+/// unsent ends its connection as a close would.
+fn killed_idle(server: bool, port: u16) -> R {
+    let msg = data(100_000, 7);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        check!(recv_exact(c, msg.len())? == msg, "data before the death");
+        println!("got");
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        expect_eof(c)?;
+        close(c);
+    } else {
+        let c = connect_to(port)?;
+        send_all(c, &msg)?;
+        sleep_ms(60_000);
+    }
+    Ok(())
+}
+
 /// A child that execs with an upgraded connection open: the new image,
 /// which knows nothing of it, reads EOF and gets EPIPE; the parent's
 /// connection goes on. (Under azsdp only: on plain TCP the probe would
@@ -1022,6 +1044,7 @@ fn main() {
         "descriptors" => descriptors(server, port),
         "prefork" => prefork(server, port),
         "exec" => exec(server, port),
+        "killed-idle" => killed_idle(server, port),
         "glibc-names" => glibc_names(server, port),
         "fork-child-serves" => fork_after_accept(server, port, true),
         "fork-parent-serves" => fork_after_accept(server, port, false),

@@ -194,6 +194,8 @@ pub struct Connection {
     rx_shut: bool,
     /// The peer left after closing cleanly (see `handle_peer_gone`).
     peer_left: bool,
+    /// Stream offset up to which our `send()` calls have returned.
+    tx_returned: u64,
 
     // faults and lifetime
     waiters: Vec<Waiter>,
@@ -268,6 +270,7 @@ impl Connection {
             rx_eof: false,
             rx_shut: false,
             peer_left: false,
+            tx_returned: 0,
             waiters: Vec::new(),
             last_rx: now,
             ping_outstanding: false,
@@ -329,6 +332,12 @@ impl Connection {
             .map(|c| c.call)
             .chain(self.recv_calls.iter().map(|c| c.call))
             .collect()
+    }
+
+    /// How much of our stream our `send()` calls have returned (what a
+    /// peer may rely on having been sent; see [`Connection::handle_peer_left`]).
+    pub fn tx_returned(&self) -> u64 {
+        self.tx_returned
     }
 
     /// Bytes a `recv()` could take now without waiting for the peer
@@ -632,6 +641,30 @@ impl Connection {
     // ----- fabric events ---------------------------------------------------
 
     /// The fabric lost the peer (process died, link down).
+    /// The peer left; `sent` is how much of its stream its `send()` calls
+    /// had returned, if the fabric knows. If all of that arrived and none of
+    /// it waits in the peer's memory (no advertisement outstanding), nothing
+    /// is lost: the receiver gets EOF after the data, as from TCP after a
+    /// process died. Otherwise the connection is aborted (ECONNRESET): data
+    /// the peer's program believed sent died with it.
+    pub fn handle_peer_left(
+        &mut self,
+        now: Timestamp,
+        sent: Option<u64>,
+        mem: &mut dyn UserMemory,
+    ) {
+        self.now = now;
+        let tx_idle = self.send_calls.is_empty() && self.out_avails.is_empty();
+        let all_here = self.in_avails.is_empty() && sent.is_some_and(|s| s <= self.rx_stream_off);
+        if !self.is_finished() && !self.rx_eof && all_here && tx_idle && !self.is_aborted() {
+            self.rx_eof = true;
+            self.peer_left = true;
+            self.progress(mem);
+            return;
+        }
+        self.handle_peer_gone(now);
+    }
+
     pub fn handle_peer_gone(&mut self, now: Timestamp) {
         self.now = now;
         // A peer that leaves after everything is settled (our close is

@@ -562,3 +562,45 @@ fn a_peer_that_leaves_after_a_clean_close_ends_nothing() {
     q.pump();
     assert_eq!(*q.c[0].state(), State::Aborted(AbortReason::PeerGone));
 }
+
+/// A peer that dies leaving nothing unsent (all its returned sends arrived,
+/// nothing advertised from its memory) ends the stream with EOF after the
+/// data, as TCP does; one that leaves data behind is a reset.
+#[test]
+fn a_peer_that_dies_owing_nothing_ends_with_eof() {
+    let small = 1000;
+    let mut p = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+    p.mem[0].fill(0x10000, &pattern(small as usize, 3));
+    let s = p.send(0, 0x10000, small);
+    p.run();
+    assert_eq!(p.result(s), Some(Ok(small)));
+    let sent = p.c[0].tx_returned();
+    assert_eq!(sent, small);
+    // The sender dies; the receiver has not read yet.
+    p.c[1].handle_peer_left(Timestamp::ZERO, Some(sent), &mut p.mem[1]);
+    let r = p.recv(1, 0x200000, 4 * PAGE, RecvFlags::default());
+    p.run();
+    assert_eq!(p.result(r), Some(Ok(small)), "the data first");
+    let r = p.recv(1, 0x200000, 4 * PAGE, RecvFlags::default());
+    p.run();
+    assert_eq!(p.result(r), Some(Ok(0)), "then EOF");
+
+    // It claimed more than arrived: data died with it.
+    let mut q = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+    q.mem[0].fill(0x10000, &pattern(small as usize, 3));
+    q.send(0, 0x10000, small);
+    q.run();
+    q.c[1].handle_peer_left(Timestamp::ZERO, Some(small + 1), &mut q.mem[1]);
+    q.pump();
+    assert_eq!(*q.c[1].state(), State::Aborted(AbortReason::PeerGone));
+
+    // Zero-copy data still in its memory: lost too.
+    let mut z = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+    z.mem[0].fill(0x10000, &pattern(4 * PAGE as usize, 3));
+    z.send(0, 0x10000, 4 * PAGE);
+    z.run();
+    let sent = z.c[0].tx_returned();
+    z.c[1].handle_peer_left(Timestamp::ZERO, Some(sent), &mut z.mem[1]);
+    z.pump();
+    assert_eq!(*z.c[1].state(), State::Aborted(AbortReason::PeerGone));
+}

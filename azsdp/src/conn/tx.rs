@@ -316,6 +316,9 @@ impl Connection {
             let gives_up = blocked && (call.flags.nonblocking || call.cancelled);
             if (plan_done || gives_up) && call.sync_pending == 0 {
                 let call = self.send_calls.pop_front().expect("head call");
+                // Calls finish in stream order: all of the stream so far is
+                // now returned to the program.
+                self.tx_returned = self.tx_stream_off;
                 let result = if call.accepted > 0 {
                     Ok(call.accepted)
                 } else if call.cancelled {

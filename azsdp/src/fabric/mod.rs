@@ -47,8 +47,11 @@ pub enum FabricEvent<'a> {
     Message(&'a [u8]),
     /// A one-sided operation finished.
     Done { op: OpId, result: OpResult },
-    /// The peer died or the link failed; nothing more will arrive.
-    PeerGone,
+    /// The peer died or the link failed; nothing more will arrive. `sent`:
+    /// how much of its stream the peer's `send()` calls had returned when
+    /// it left, if the fabric knows (then the engine can tell a loss-free
+    /// end, delivered as EOF like TCP's, from one that lost data).
+    PeerGone { sent: Option<u64> },
 }
 
 /// Waits for a fabric endpoint's events without borrowing it, so that a
@@ -128,6 +131,9 @@ pub trait Fabric {
     fn claim(&self) -> bool {
         true
     }
+    /// Record how much of our stream our `send()` calls have returned (the
+    /// peer learns it with [`FabricEvent::PeerGone`] if we die).
+    fn publish_sent(&mut self, _returned: u64) {}
 }
 
 /// Who runs one side of a connection (see [`Fabric::ownership`]).

@@ -59,6 +59,9 @@ struct SegHeader {
     revoked: [AtomicU32; 2],
     /// Per side: the side closed its end cleanly.
     closed: [AtomicU32; 2],
+    /// Per side: how much of its stream that side's `send()` calls have
+    /// returned (the survivor of a death compares it with what it got).
+    sent: [AtomicU64; 2],
     /// Per side: the pid of the process running that side, with
     /// [`FROZEN`] set from a fork until a process claims it.
     owner: [AtomicU32; 2],
@@ -680,6 +683,13 @@ impl Fabric for ShmEndpoint {
         }
     }
 
+    fn publish_sent(&mut self, returned: u64) {
+        let word = &self.seg.hdr().sent[self.side];
+        if word.load(Ordering::Relaxed) != returned {
+            word.store(returned, Ordering::Release);
+        }
+    }
+
     fn freeze(&self) {
         let me = std::process::id();
         let _ = self.seg.hdr().owner[self.side].compare_exchange(
@@ -823,7 +833,8 @@ impl Fabric for ShmEndpoint {
         }
         if n == 0 && !self.gone_reported && !self.peer_alive() && self.rx.is_empty() {
             self.gone_reported = true;
-            on_event(FabricEvent::PeerGone);
+            let sent = self.seg.hdr().sent[1 - self.side].load(Ordering::Acquire);
+            on_event(FabricEvent::PeerGone { sent: Some(sent) });
             n += 1;
         }
         n

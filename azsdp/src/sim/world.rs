@@ -448,7 +448,7 @@ impl World {
             evs.push(match e {
                 FabricEvent::Message(m) => Ev::Msg(m.to_vec()),
                 FabricEvent::Done { op, result } => Ev::Done(op, result),
-                FabricEvent::PeerGone => Ev::Gone,
+                FabricEvent::PeerGone { .. } => Ev::Gone,
             })
         });
         for e in evs {

@@ -29,7 +29,7 @@ fn drain(e: &mut ShmEndpoint) -> Vec<Got> {
         v.push(match ev {
             FabricEvent::Message(m) => Got::Msg(m.to_vec()),
             FabricEvent::Done { op, result } => Got::Done(op, result),
-            FabricEvent::PeerGone => Got::Gone,
+            FabricEvent::PeerGone { .. } => Got::Gone,
         })
     });
     v
@@ -343,7 +343,7 @@ fn two_processes_get_and_cas() {
             assert_eq!(status, nix::sys::wait::WaitStatus::Exited(child, 0));
             // The child is gone: the next poll says so.
             let mut gone = false;
-            e.poll(&mut |ev| gone |= matches!(ev, FabricEvent::PeerGone));
+            e.poll(&mut |ev| gone |= matches!(ev, FabricEvent::PeerGone { .. }));
             assert!(gone);
         }
     }
