@@ -184,12 +184,21 @@ mod tests {
         }
 
         #[test]
-        fn any_corruption_of_the_header_is_refused(i in 0usize..8, x in 1u8..) {
+        fn a_corrupted_magic_or_version_is_refused(i in 0usize..6, x in 1u8..) {
             let r = PairRequest { dst: "127.0.0.1:80".parse().unwrap(), client_port: 5, client_pid: 1 };
             let mut b = [0u8; REQUEST_LEN];
             r.emit(&mut b);
             b[i] ^= x;
             prop_assert!(PairRequest::parse(&b).is_err());
+        }
+
+        #[test]
+        fn a_corrupted_byte_never_reads_as_the_same_request(i in 0usize..REQUEST_LEN, x in 1u8..) {
+            let r = PairRequest { dst: "127.0.0.1:80".parse().unwrap(), client_port: 5, client_pid: 1 };
+            let mut b = [0u8; REQUEST_LEN];
+            r.emit(&mut b);
+            b[i] ^= x;
+            prop_assert_ne!(PairRequest::parse(&b), Ok(r));
         }
     }
 
