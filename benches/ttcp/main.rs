@@ -5,9 +5,9 @@
 //! the AZ-SDP paper's evaluation) one buffer is reused for every call.
 //!
 //! ```text
-//! azsdp-ttcp -r [-p PORT] [--json]                       # receiver / echo server
-//! azsdp-ttcp -t HOST [-p PORT] [-l LEN] [-n COUNT] [-A ALIGN] [-O OFFSET]
-//!            [--test throughput|latency] [--compute-us US] [--touch-window W] [--json]
+//! azsdp-ttcp -r [-p PORT] [--clients N] [--json]         # receiver / echo server
+//! azsdp-ttcp -t HOST [-p PORT] [-l LEN] [-n COUNT] [-A ALIGN] [-O OFFSET] [--streams N]
+//!            [--test throughput|latency|source] [--compute-us US] [--touch-window W] [--json]
 //! ```
 //!
 //! The transmitter starts with a fixed 64-byte header naming the test, so
@@ -16,7 +16,14 @@
 //!   (with `--compute-us`, busy computation between sends: the overlap test;
 //!   with `--touch-window W`, the sender rewrites its buffer and the receiver
 //!   reads its buffer once every W calls: the page-fault test);
-//! - `latency`: COUNT ping-pongs of LEN bytes each way; half the round trip.
+//! - `latency`: COUNT ping-pongs of LEN bytes each way; half the round trip;
+//! - `source`: the receiver sends COUNT × LEN bytes to the transmitter
+//!   (fan-out, when N transmitters talk to one receiver).
+//!
+//! `--streams N` runs N connections from N threads of one transmitter
+//! (multi-stream); `--clients N` makes the receiver serve N connections at
+//! once, one thread each (hot-spot, fan-in, fan-out with N transmitters).
+//! Results are per connection, plus the aggregate with `--streams`.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -29,6 +36,17 @@ const MAGIC: u32 = 0x7474_6370; // "ttcp"
 enum Test {
     Throughput,
     Latency,
+    Source,
+}
+
+impl Test {
+    fn name(self) -> &'static str {
+        match self {
+            Test::Throughput => "throughput",
+            Test::Latency => "latency",
+            Test::Source => "source",
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -43,11 +61,13 @@ struct Opts {
     compute_us: u64,
     touch_window: u64,
     json: bool,
+    streams: usize,
+    clients: usize,
 }
 
 fn usage() -> String {
-    "usage: azsdp-ttcp -r [-p PORT] [--json]\n       azsdp-ttcp -t HOST [-p PORT] [-l LEN] [-n COUNT] [-A ALIGN] [-O OFFSET] \
-     [--test throughput|latency] [--compute-us US] [--touch-window W] [--json]"
+    "usage: azsdp-ttcp -r [-p PORT] [--clients N] [--json]\n       azsdp-ttcp -t HOST [-p PORT] [-l LEN] [-n COUNT] [-A ALIGN] [-O OFFSET] \
+     [--streams N] [--test throughput|latency|source] [--compute-us US] [--touch-window W] [--json]"
         .into()
 }
 
@@ -76,6 +96,8 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         compute_us: 0,
         touch_window: 0,
         json: false,
+        streams: 1,
+        clients: 1,
     };
     let mut receive = false;
     let mut it = args.iter();
@@ -97,12 +119,15 @@ fn parse(args: &[String]) -> Result<Opts, String> {
                 o.test = match val()?.as_str() {
                     "throughput" => Test::Throughput,
                     "latency" => Test::Latency,
+                    "source" => Test::Source,
                     t => return Err(format!("unknown test `{t}`")),
                 }
             }
             "--compute-us" => o.compute_us = size(&val()?)?,
             "--touch-window" => o.touch_window = size(&val()?)?,
             "--json" => o.json = true,
+            "--streams" => o.streams = (size(&val()?)? as usize).max(1),
+            "--clients" => o.clients = (size(&val()?)? as usize).max(1),
             "-h" | "--help" => return Err(usage()),
             other => return Err(format!("unknown option `{other}`\n{}", usage())),
         }
@@ -168,6 +193,7 @@ fn header(o: &Opts) -> [u8; 64] {
     h[4] = match o.test {
         Test::Throughput => 0,
         Test::Latency => 1,
+        Test::Source => 2,
     };
     h[8..16].copy_from_slice(&(o.len as u64).to_le_bytes());
     h[16..24].copy_from_slice(&o.count.to_le_bytes());
@@ -185,6 +211,7 @@ fn read_header(h: &[u8; 64]) -> Result<(Test, usize, u64, u64, usize, usize), St
     let test = match h[4] {
         0 => Test::Throughput,
         1 => Test::Latency,
+        2 => Test::Source,
         t => return Err(format!("unknown test {t}")),
     };
     let len = u(8);
@@ -219,10 +246,7 @@ fn report(o: &Opts, role: &str, r: &Result_, test: Test, len: usize, count: u64)
             "{{\"role\":\"{role}\",\"test\":\"{}\",\"size\":{len},\"count\":{count},\"bytes\":{},\
              \"secs\":{:.6},\"calls\":{},\"gbytes_per_sec\":{gbps:.4},\"latency_us\":{lat_us:.3},\
              \"compute_us\":{},\"touch_window\":{}}}",
-            match test {
-                Test::Throughput => "throughput",
-                Test::Latency => "latency",
-            },
+            test.name(),
             r.bytes,
             r.secs,
             r.calls,
@@ -231,7 +255,7 @@ fn report(o: &Opts, role: &str, r: &Result_, test: Test, len: usize, count: u64)
         );
     } else {
         match test {
-            Test::Throughput => println!(
+            Test::Throughput | Test::Source => println!(
                 "ttcp-{role}: {} bytes in {:.4} real seconds = {gbps:.3} GB/s ({} calls)",
                 r.bytes, r.secs, r.calls
             ),
@@ -243,27 +267,32 @@ fn report(o: &Opts, role: &str, r: &Result_, test: Test, len: usize, count: u64)
     }
 }
 
-fn transmit(o: &Opts, host: &str) -> Result<(), String> {
+/// One connection of the transmitter.
+fn transmit_one(o: &Opts, host: &str) -> Result<Result_, String> {
     let mut s = TcpStream::connect((host, o.port)).map_err(|e| format!("connect: {e}"))?;
     let _ = s.set_nodelay(true);
     s.write_all(&header(o))
         .map_err(|e| format!("header: {e}"))?;
     let mut buf = Buf::new(o.len, o.align, o.offset);
-    if !o.json {
-        println!(
-            "ttcp-t: buflen={}, nbuf={}, align={}/{}, port={}  tcp  -> {host}",
-            o.len, o.count, o.align, o.offset, o.port
-        );
-    }
     let t0 = Instant::now();
+    if o.test == Test::Source {
+        let total = o.len as u64 * o.count;
+        let (bytes, calls) = drain(&mut s, &mut buf, total, o.touch_window)?;
+        s.write_all(&[1]).map_err(|e| format!("ack: {e}"))?;
+        return Ok(Result_ {
+            bytes,
+            secs: t0.elapsed().as_secs_f64(),
+            calls,
+        });
+    }
     for i in 0..o.count {
         if o.touch_window > 0 && i % o.touch_window == 0 && i > 0 {
             buf.fill(i);
         }
         s.write_all(buf.get()).map_err(|e| format!("write: {e}"))?;
         match o.test {
-            Test::Throughput => compute(o.compute_us),
             Test::Latency => s.read_exact(buf.get()).map_err(|e| format!("read: {e}"))?,
+            _ => compute(o.compute_us),
         }
     }
     if o.test == Test::Throughput {
@@ -272,14 +301,69 @@ fn transmit(o: &Opts, host: &str) -> Result<(), String> {
         s.read_exact(&mut ack)
             .map_err(|e| format!("final ack: {e}"))?;
     }
-    let secs = t0.elapsed().as_secs_f64();
-    let r = Result_ {
+    Ok(Result_ {
         bytes: o.len as u64 * o.count,
-        secs,
+        secs: t0.elapsed().as_secs_f64(),
         calls: o.count,
+    })
+}
+
+fn transmit(o: &Opts, host: &str) -> Result<(), String> {
+    if !o.json {
+        println!(
+            "ttcp-t: buflen={}, nbuf={}, align={}/{}, port={}, streams={}  tcp  -> {host}",
+            o.len, o.count, o.align, o.offset, o.port, o.streams
+        );
+    }
+    let t0 = Instant::now();
+    let results: Vec<Result<Result_, String>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..o.streams)
+            .map(|_| sc.spawn(|| transmit_one(o, host)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a stream panicked".into())))
+            .collect()
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    let mut total = Result_ {
+        bytes: 0,
+        secs,
+        calls: 0,
     };
-    report(o, "t", &r, o.test, o.len, o.count);
+    for r in results {
+        let r = r?;
+        if o.streams == 1 {
+            report(o, "t", &r, o.test, o.len, o.count);
+        }
+        total.bytes += r.bytes;
+        total.calls += r.calls;
+    }
+    if o.streams > 1 {
+        report(o, "t", &total, o.test, o.len, o.count);
+    }
     Ok(())
+}
+
+/// Read `total` bytes into `buf` (reading the buffer every `window` calls).
+fn drain(s: &mut TcpStream, buf: &mut Buf, total: u64, window: u64) -> Result<(u64, u64), String> {
+    let (mut bytes, mut calls, mut sink) = (0u64, 0u64, 0u64);
+    let len = buf.len as u64;
+    while bytes < total {
+        let want = (total - bytes).min(len) as usize;
+        let n = s
+            .read(&mut buf.get()[..want])
+            .map_err(|e| format!("read: {e}"))?;
+        if n == 0 {
+            return Err(format!("EOF after {bytes} of {total} bytes"));
+        }
+        bytes += n as u64;
+        calls += 1;
+        if window > 0 && calls % window == 0 {
+            sink = sink.wrapping_add(buf.touch());
+        }
+    }
+    std::hint::black_box(sink);
+    Ok((bytes, calls))
 }
 
 fn receive_one(o: &Opts, mut s: TcpStream) -> Result<(), String> {
@@ -289,38 +373,32 @@ fn receive_one(o: &Opts, mut s: TcpStream) -> Result<(), String> {
     let (test, len, count, window, align, offset) = read_header(&h)?;
     let mut buf = Buf::new(len, align, offset);
     let t0 = Instant::now();
-    let mut bytes = 0u64;
-    let mut calls = 0u64;
-    let mut sink = 0u64;
-    match test {
+    let (bytes, calls) = match test {
         Test::Throughput => {
-            let total = len as u64 * count;
-            while bytes < total {
-                let want = (total - bytes).min(len as u64) as usize;
-                let n = s
-                    .read(&mut buf.get()[..want])
-                    .map_err(|e| format!("read: {e}"))?;
-                if n == 0 {
-                    return Err(format!("EOF after {bytes} of {total} bytes"));
-                }
-                bytes += n as u64;
-                calls += 1;
-                if window > 0 && calls % window == 0 {
-                    sink = sink.wrapping_add(buf.touch());
-                }
-            }
+            let r = drain(&mut s, &mut buf, len as u64 * count, window)?;
             s.write_all(&[1]).map_err(|e| format!("ack: {e}"))?;
+            r
         }
         Test::Latency => {
             for _ in 0..count {
                 s.read_exact(buf.get()).map_err(|e| format!("read: {e}"))?;
                 s.write_all(buf.get()).map_err(|e| format!("write: {e}"))?;
-                bytes += 2 * len as u64;
-                calls += 2;
             }
+            (2 * len as u64 * count, 2 * count)
         }
-    }
-    std::hint::black_box(sink);
+        Test::Source => {
+            for i in 0..count {
+                if window > 0 && i % window == 0 && i > 0 {
+                    buf.fill(i);
+                }
+                s.write_all(buf.get()).map_err(|e| format!("write: {e}"))?;
+            }
+            let mut ack = [0u8; 1];
+            s.read_exact(&mut ack)
+                .map_err(|e| format!("final ack: {e}"))?;
+            (len as u64 * count, count)
+        }
+    };
     let r = Result_ {
         bytes,
         secs: t0.elapsed().as_secs_f64(),
@@ -335,8 +413,22 @@ fn receive(o: &Opts) -> Result<(), String> {
     if !o.json {
         println!("ttcp-r: port={}  tcp", o.port);
     }
-    let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
-    receive_one(o, s)
+    // One thread per connection, all accepted first (hot-spot, fan-in,
+    // fan-out run their clients at once).
+    let mut conns = Vec::new();
+    for _ in 0..o.clients {
+        conns.push(l.accept().map_err(|e| format!("accept: {e}"))?.0);
+    }
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = conns
+            .into_iter()
+            .map(|s| sc.spawn(move || receive_one(o, s)))
+            .collect();
+        hs.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err("a connection panicked".into()))
+        })
+    })
 }
 
 fn main() -> ExitCode {

@@ -51,6 +51,12 @@ pub fn azsdp() -> &'static Path {
     })
 }
 
+/// `azsdp-ttcp`, built with the rest.
+pub fn ttcp() -> PathBuf {
+    azsdp();
+    target_dir().join("release/azsdp-ttcp")
+}
+
 /// Path of a program the test needs; the CI installs them (see `.ci/run`).
 pub fn need(program: &str) -> PathBuf {
     if program.contains('/') {

@@ -809,3 +809,77 @@ fn a_killed_idle_peer_ends_the_stream_with_eof_as_tcp_does() {
         }
     }
 }
+
+// ----- the benchmark program -------------------------------------------------------
+
+#[test]
+fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
+    let bin = ttcp().display().to_string();
+    let kinds: [(&str, &[&str], usize); 5] = [
+        ("throughput", &["-l", "1m", "-n", "64"], 1),
+        (
+            "latency",
+            &["--test", "latency", "-l", "64", "-n", "500"],
+            1,
+        ),
+        (
+            "overlap",
+            &[
+                "-l",
+                "64k",
+                "-n",
+                "64",
+                "--compute-us",
+                "50",
+                "--touch-window",
+                "4",
+            ],
+            1,
+        ),
+        (
+            "multi-stream",
+            &["-l", "256k", "-n", "32", "--streams", "3"],
+            3,
+        ),
+        (
+            "source",
+            &["--test", "source", "-l", "1m", "-n", "32", "-O", "100"],
+            1,
+        ),
+    ];
+    for (i, (kind, args, clients)) in kinds.iter().enumerate() {
+        for azsdp in [false, true] {
+            let s = Scratch::new(&format!("ttcp-{kind}-{azsdp}"));
+            let p = port(40 + i as u16 + 8 * u16::from(azsdp)).to_string();
+            let c = clients.to_string();
+            let r_args = ["-r", "-p", &p, "--clients", &c, "--json"];
+            let mut t_args = vec!["-t", "127.0.0.1", "-p", &p, "--json"];
+            t_args.extend_from_slice(args);
+            let cmd = |name: &str, a: &[&str]| {
+                let mut c = if azsdp {
+                    s.under_azsdp(name, &bin, a)
+                } else {
+                    s.plain(name, &bin, a)
+                };
+                c.stdout(Stdio::piped());
+                c
+            };
+            let mut r = Proc::start(cmd("r", &r_args), "ttcp -r");
+            wait_listening(p.parse().expect("port"), LISTEN);
+            let mut t = Proc::start(cmd("t", &t_args), "ttcp -t");
+            let out = t.stdout();
+            t.expect_success(Duration::from_secs(60), || s.log("t"));
+            r.expect_success(Duration::from_secs(60), || s.log("r"));
+            let v: serde_json::Value = serde_json::from_str(out.trim()).expect("ttcp -t --json");
+            assert!(v["bytes"].as_u64().unwrap_or(0) > 0, "{kind}: {out}");
+            assert!(v["secs"].as_f64().unwrap_or(0.0) > 0.0, "{kind}: {out}");
+            if azsdp {
+                assert!(
+                    s.log("t").contains(": azsdp (peer pid"),
+                    "{kind}: {}",
+                    s.log("t")
+                );
+            }
+        }
+    }
+}
