@@ -13,6 +13,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod bench;
 mod demo;
 mod stat;
 
@@ -70,6 +71,16 @@ enum Command {
         buflen: usize,
         #[arg(long)]
         touch: bool,
+    },
+    /// Run azsdp-ttcp pairs under every mode (kernel TCP, BSDP, ZSDP,
+    /// AZ-SDP block- and copy-on-write); write results.csv and summary.md.
+    Bench {
+        /// The short sweep (a few minutes).
+        #[arg(long)]
+        quick: bool,
+        /// Output directory.
+        #[arg(long, default_value = "azsdp-bench")]
+        out: PathBuf,
     },
     /// List live azsdp connections on this host.
     Stat {
@@ -151,6 +162,7 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
     match cli.command {
         Command::Run { config, program } => return Err(run_program(config, program)),
         Command::Stat { json } => stat::print(json),
+        Command::Bench { quick, out } => return Err(bench::run(quick, out)),
         Command::Demo {
             bytes,
             buflen,

@@ -1,0 +1,628 @@
+//! `azsdp bench`: `azsdp-ttcp` pairs under each mode, swept over sizes and
+//! parameters; `results.csv` and `summary.md` in the output directory.
+//!
+//! Each mode is a generated configuration file, run with `azsdp run
+//! --config`; kernel TCP runs the same program without the shim. The
+//! single-copy `memcpy` bandwidth is measured in the same run as the
+//! physical limit of a one-copy transfer.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+/// A mode: its name and the configuration that selects it (`None`: TCP).
+struct Mode {
+    name: &'static str,
+    config: Option<&'static str>,
+}
+
+const MODES: [Mode; 5] = [
+    Mode {
+        name: "tcp",
+        config: None,
+    },
+    Mode {
+        name: "bsdp",
+        config: Some("zcopy_threshold = \"1024GiB\"\n"),
+    },
+    Mode {
+        name: "zsdp",
+        config: Some("async = false\nzcopy_threshold = 4096\n"),
+    },
+    Mode {
+        name: "azsdp-bow",
+        config: Some("write_fault = \"block\"\nzcopy_threshold = 4096\n"),
+    },
+    Mode {
+        name: "azsdp-cow",
+        config: Some("write_fault = \"copy\"\nzcopy_threshold = 4096\n"),
+    },
+];
+
+/// One measurement, as a row of results.csv.
+#[derive(Clone, Debug)]
+struct Row {
+    test: &'static str,
+    mode: &'static str,
+    size: u64,
+    parameter: u64,
+    value: f64,
+    unit: &'static str,
+}
+
+struct Bench {
+    ttcp: PathBuf,
+    exe: PathBuf,
+    out: PathBuf,
+    port: u16,
+    rows: Vec<Row>,
+    csv: std::fs::File,
+    failures: usize,
+}
+
+/// Wait until something listens on `port` (without connecting to it).
+fn wait_listening(port: u16, t: Duration) -> bool {
+    let deadline = Instant::now() + t;
+    let hex = format!(":{port:04X}");
+    while Instant::now() < deadline {
+        for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            if text.lines().any(|l| {
+                let c: Vec<&str> = l.split_whitespace().collect();
+                c.len() > 3 && c[1].ends_with(&hex) && c[3] == "0A"
+            }) {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    false
+}
+
+fn wait_child(c: &mut Child, t: Duration) -> Result<String, String> {
+    let deadline = Instant::now() + t;
+    loop {
+        if let Some(st) = c.try_wait().map_err(|e| e.to_string())? {
+            let mut out = String::new();
+            if let Some(o) = c.stdout.as_mut() {
+                let _ = std::io::Read::read_to_string(o, &mut out);
+            }
+            return if st.success() {
+                Ok(out)
+            } else {
+                Err(format!("exited with {st}"))
+            };
+        }
+        if Instant::now() >= deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            return Err(format!("took longer than {t:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+impl Bench {
+    fn command(&self, mode: &Mode, args: &[String]) -> Command {
+        let mut c = match mode.config {
+            None => Command::new(&self.ttcp),
+            Some(_) => {
+                let mut c = Command::new(&self.exe);
+                c.arg("run")
+                    .arg("--config")
+                    .arg(self.out.join(format!("{}.toml", mode.name)))
+                    .arg("--")
+                    .arg(&self.ttcp);
+                c
+            }
+        };
+        c.args(args)
+            .env("AZSDP_LOG", self.out.join(format!("{}.log", mode.name)))
+            .env("AZSDP_LOG_LEVEL", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        c
+    }
+
+    /// One ttcp pair: the receiver serving `clients`, `senders` transmitter
+    /// processes with `args`. The transmitters' JSON reports.
+    fn pair(
+        &mut self,
+        mode: &Mode,
+        clients: usize,
+        senders: usize,
+        args: &[String],
+    ) -> Result<Vec<serde_json::Value>, String> {
+        self.port = if self.port >= 60000 {
+            30000
+        } else {
+            self.port + 1
+        };
+        let port = self.port.to_string();
+        let r_args: Vec<String> = [
+            "-r",
+            "-p",
+            &port,
+            "--clients",
+            &clients.to_string(),
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut r = self
+            .command(mode, &r_args)
+            .spawn()
+            .map_err(|e| format!("start ttcp -r: {e}"))?;
+        if !wait_listening(self.port, Duration::from_secs(10)) {
+            let _ = r.kill();
+            return Err("the receiver did not listen".into());
+        }
+        let mut t_args: Vec<String> = ["-t", "127.0.0.1", "-p", &port, "--json"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        t_args.extend_from_slice(args);
+        let mut ts = Vec::new();
+        for _ in 0..senders {
+            ts.push(
+                self.command(mode, &t_args)
+                    .spawn()
+                    .map_err(|e| format!("start ttcp -t: {e}"))?,
+            );
+        }
+        let mut reports = Vec::new();
+        for mut t in ts {
+            let out = wait_child(&mut t, Duration::from_secs(120))?;
+            for line in out.lines() {
+                let v: serde_json::Value =
+                    serde_json::from_str(line).map_err(|e| format!("ttcp output: {e}"))?;
+                reports.push(v);
+            }
+        }
+        wait_child(&mut r, Duration::from_secs(30))?;
+        Ok(reports)
+    }
+
+    /// The reports of a run, or `None` (said, and counted) if it failed.
+    fn ok(
+        &mut self,
+        what: &str,
+        mode: &Mode,
+        r: Result<Vec<serde_json::Value>, String>,
+    ) -> Option<Vec<serde_json::Value>> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.failures += 1;
+                eprintln!("azsdp bench: {what} under {}: {e}", mode.name);
+                None
+            }
+        }
+    }
+
+    fn record(&mut self, row: Row) {
+        let _ = writeln!(
+            self.csv,
+            "{},{},{},{},{:.6},{}",
+            row.test, row.mode, row.size, row.parameter, row.value, row.unit
+        );
+        self.rows.push(row);
+    }
+
+    fn get(&self, test: &str, mode: &str, size: u64, parameter: u64) -> Option<f64> {
+        self.rows
+            .iter()
+            .find(|r| {
+                r.test == test && r.mode == mode && r.size == size && r.parameter == parameter
+            })
+            .map(|r| r.value)
+    }
+}
+
+fn num(v: &serde_json::Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(0.0)
+}
+
+/// Iterations for `size` bytes so a run moves about `budget` bytes.
+fn count_for(size: u64, budget: u64, min: u64, max: u64) -> u64 {
+    (budget / size.max(1)).clamp(min, max)
+}
+
+/// Single-copy memcpy bandwidth at `size`, GB/s (best of a few rounds).
+fn memcpy_gbps(size: usize) -> f64 {
+    let src = vec![1u8; size];
+    let mut dst = vec![0u8; size];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let reps = (256 << 20) / size.max(1);
+        let t0 = Instant::now();
+        for _ in 0..reps.max(1) {
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+        }
+        best = best.min(t0.elapsed().as_secs_f64() / reps.max(1) as f64);
+    }
+    size as f64 / best / 1e9
+}
+
+fn find_ttcp(exe: &Path) -> Option<PathBuf> {
+    let p = exe.parent()?.join("azsdp-ttcp");
+    if p.exists() {
+        return Some(p);
+    }
+    // Under `cargo run`, build it as the shim is built.
+    let (Some(cargo), Some(manifest)) = (
+        std::env::var_os("CARGO"),
+        std::env::var_os("CARGO_MANIFEST_DIR"),
+    ) else {
+        return None;
+    };
+    let release = exe.parent()?.file_name().is_some_and(|n| n == "release");
+    eprintln!("azsdp: building azsdp-ttcp (cargo build -p azsdp-benches)");
+    let _ = Command::new(cargo)
+        .current_dir(PathBuf::from(manifest).join(".."))
+        .args(["build", "-q", "-p", "azsdp-benches", "--bin", "azsdp-ttcp"])
+        .args(release.then_some("--release"))
+        .status();
+    p.exists().then_some(p)
+}
+
+pub fn run(quick: bool, out: PathBuf) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("azsdp bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if crate::find_shim().is_none() {
+        eprintln!("azsdp bench: libazsdp.so not found");
+        return ExitCode::from(2);
+    }
+    let Some(ttcp) = find_ttcp(&exe) else {
+        eprintln!("azsdp bench: azsdp-ttcp not found (cargo build --release builds it)");
+        return ExitCode::from(2);
+    };
+    if let Err(e) = std::fs::create_dir_all(&out) {
+        eprintln!("azsdp bench: {}: {e}", out.display());
+        return ExitCode::FAILURE;
+    }
+    for m in &MODES {
+        if let Some(cfg) = m.config {
+            if let Err(e) = azsdp::config::Config::parse(cfg, m.name) {
+                eprintln!("azsdp bench: the {} configuration is wrong: {e}", m.name);
+                return ExitCode::FAILURE;
+            }
+            let _ = std::fs::write(out.join(format!("{}.toml", m.name)), cfg);
+        }
+        let _ = std::fs::remove_file(out.join(format!("{}.log", m.name)));
+    }
+    let csv = match std::fs::File::create(out.join("results.csv")) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("azsdp bench: results.csv: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut b = Bench {
+        ttcp,
+        exe,
+        out: out.clone(),
+        port: 30000 + (std::process::id() % 20000) as u16,
+        rows: Vec::new(),
+        csv,
+        failures: 0,
+    };
+    let _ = writeln!(b.csv, "test,mode,size,parameter,value,unit");
+    let t0 = Instant::now();
+    let pow = |from: u32, to: u32, step: usize| -> Vec<u64> {
+        (from..=to).step_by(step).map(|e| 1u64 << e).collect()
+    };
+    let lat_sizes = if quick {
+        vec![64, 4096, 65536, 1 << 20]
+    } else {
+        [vec![1], pow(2, 20, 2)].concat()
+    };
+    let tput_sizes = if quick {
+        vec![64, 4096, 65536, 1 << 20, 4 << 20]
+    } else {
+        [vec![1], pow(2, 22, 2)].concat()
+    };
+    let budget: u64 = if quick { 64 << 20 } else { 512 << 20 };
+
+    let memcpy_1m = memcpy_gbps(1 << 20);
+    b.record(Row {
+        test: "memcpy",
+        mode: "memcpy",
+        size: 1 << 20,
+        parameter: 0,
+        value: memcpy_1m,
+        unit: "GB/s",
+    });
+
+    for m in &MODES {
+        for &size in &lat_sizes {
+            let n = count_for(size, budget / 8, 20, if quick { 2000 } else { 10000 });
+            let args = vec![
+                "--test".into(),
+                "latency".into(),
+                "-l".into(),
+                size.to_string(),
+                "-n".into(),
+                n.to_string(),
+            ];
+            let r = b.pair(m, 1, 1, &args);
+            if let Some(v) = b.ok("latency", m, r) {
+                let lat = v.first().map_or(0.0, |v| num(v, "latency_us"));
+                b.record(Row {
+                    test: "latency",
+                    mode: m.name,
+                    size,
+                    parameter: 0,
+                    value: lat,
+                    unit: "us",
+                });
+            }
+        }
+        for &size in &tput_sizes {
+            let n = count_for(size, budget, 64, 1 << 20);
+            let args = vec!["-l".into(), size.to_string(), "-n".into(), n.to_string()];
+            let r = b.pair(m, 1, 1, &args);
+            if let Some(v) = b.ok("throughput", m, r) {
+                let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
+                b.record(Row {
+                    test: "throughput",
+                    mode: m.name,
+                    size,
+                    parameter: 0,
+                    value: g,
+                    unit: "GB/s",
+                });
+            }
+        }
+        let computes: &[u64] = if quick {
+            &[0, 100, 400]
+        } else {
+            &[0, 50, 100, 200, 300, 400]
+        };
+        for &size in &[65536u64, 1 << 20] {
+            for &us in computes {
+                let n = count_for(size, budget / 4, 32, 4096);
+                let args = vec![
+                    "-l".into(),
+                    size.to_string(),
+                    "-n".into(),
+                    n.to_string(),
+                    "--compute-us".into(),
+                    us.to_string(),
+                ];
+                let r = b.pair(m, 1, 1, &args);
+                if let Some(v) = b.ok("overlap", m, r) {
+                    let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
+                    b.record(Row {
+                        test: "overlap",
+                        mode: m.name,
+                        size,
+                        parameter: us,
+                        value: g,
+                        unit: "GB/s",
+                    });
+                }
+            }
+        }
+        let windows: &[u64] = if quick {
+            &[1, 8, 64]
+        } else {
+            &[1, 2, 4, 8, 16, 32, 64]
+        };
+        for &w in windows {
+            let size = 1u64 << 20;
+            let args = vec![
+                "-l".into(),
+                size.to_string(),
+                "-n".into(),
+                count_for(size, budget / 2, 32, 4096).to_string(),
+                "--touch-window".into(),
+                w.to_string(),
+            ];
+            let r = b.pair(m, 1, 1, &args);
+            if let Some(v) = b.ok("page-faults", m, r) {
+                let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
+                b.record(Row {
+                    test: "page-faults",
+                    mode: m.name,
+                    size,
+                    parameter: w,
+                    value: g,
+                    unit: "GB/s",
+                });
+            }
+        }
+        // Hot-spot: 4 clients ping-pong 64 B against one server.
+        let args = vec![
+            "--test".into(),
+            "latency".into(),
+            "-l".into(),
+            "64".into(),
+            "-n".into(),
+            if quick { "1000" } else { "5000" }.into(),
+        ];
+        let r = b.pair(m, 4, 4, &args);
+        if let Some(v) = b.ok("hot-spot", m, r) {
+            let worst = v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max);
+            b.record(Row {
+                test: "hot-spot",
+                mode: m.name,
+                size: 64,
+                parameter: 4,
+                value: worst,
+                unit: "us",
+            });
+        }
+        let streams: &[u64] = if quick { &[1, 4] } else { &[1, 2, 4, 8] };
+        for &s in streams {
+            let size = 1u64 << 20;
+            let args = vec![
+                "-l".into(),
+                size.to_string(),
+                "-n".into(),
+                (count_for(size, budget, 64, 4096) / s).max(8).to_string(),
+                "--streams".into(),
+                s.to_string(),
+            ];
+            let r = b.pair(m, s as usize, 1, &args);
+            if let Some(v) = b.ok("multi-stream", m, r) {
+                let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
+                b.record(Row {
+                    test: "multi-stream",
+                    mode: m.name,
+                    size,
+                    parameter: s,
+                    value: g,
+                    unit: "GB/s",
+                });
+            }
+        }
+        for (test, kind) in [("fan-in", "throughput"), ("fan-out", "source")] {
+            let size = 1u64 << 20;
+            let args = vec![
+                "--test".into(),
+                kind.into(),
+                "-l".into(),
+                size.to_string(),
+                "-n".into(),
+                (count_for(size, budget, 64, 4096) / 4).max(8).to_string(),
+            ];
+            let r = b.pair(m, 4, 4, &args);
+            if let Some(v) = b.ok(test, m, r) {
+                let total: f64 = v.iter().map(|v| num(v, "gbytes_per_sec")).sum();
+                b.record(Row {
+                    test,
+                    mode: m.name,
+                    size,
+                    parameter: 4,
+                    value: total,
+                    unit: "GB/s",
+                });
+            }
+        }
+        eprintln!(
+            "azsdp bench: {} done ({:.0} s)",
+            m.name,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    // Every connection of an azsdp mode must have been upgraded.
+    for m in MODES.iter().filter(|m| m.config.is_some()) {
+        let log = std::fs::read_to_string(out.join(format!("{}.log", m.name))).unwrap_or_default();
+        let upgraded = log.matches(": azsdp (peer pid").count();
+        let tcp = log
+            .lines()
+            .filter(|l| l.contains("plain TCP") || l.contains(": tcp ("))
+            .count();
+        if upgraded == 0 || tcp > 0 {
+            b.failures += 1;
+            eprintln!(
+                "azsdp bench: under {} {upgraded} connection(s) were upgraded and {tcp} stayed on TCP (see {}.log)",
+                m.name, m.name
+            );
+        }
+    }
+    let summary = summarize(&b, memcpy_1m, quick, t0.elapsed());
+    let _ = std::fs::write(out.join("summary.md"), &summary);
+    println!("{summary}");
+    println!("results: {}", out.join("results.csv").display());
+    if b.failures > 0 {
+        eprintln!("azsdp bench: {} measurement(s) failed", b.failures);
+        return ExitCode::FAILURE;
+    }
+    let _ = std::io::stdout().flush();
+    ExitCode::SUCCESS
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+        _ => "n/a".into(),
+    }
+}
+
+fn best_azsdp(b: &Bench, test: &str, size: u64, parameter: u64, higher: bool) -> Option<f64> {
+    let v = ["azsdp-bow", "azsdp-cow"]
+        .iter()
+        .filter_map(|m| b.get(test, m, size, parameter));
+    if higher {
+        v.reduce(f64::max)
+    } else {
+        v.reduce(f64::min)
+    }
+}
+
+fn summarize(b: &Bench, memcpy_1m: f64, quick: bool, took: Duration) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# azsdp bench{}\n", if quick { " --quick" } else { "" });
+    let _ = writeln!(
+        s,
+        "Ran in {:.0} s on this host. AZ-SDP is the better of block- and copy-on-write.\n",
+        took.as_secs_f64()
+    );
+    let _ = writeln!(s, "| headline | azsdp | vs kernel TCP | vs ZSDP | target |");
+    let _ = writeln!(s, "|---|---|---|---|---|");
+    let mb = 1u64 << 20;
+    let t_az = best_azsdp(b, "throughput", mb, 0, true);
+    let _ = writeln!(
+        s,
+        "| throughput 1 MiB | {:.2} GB/s ({} of memcpy {memcpy_1m:.1} GB/s) | {} | {} | >= 2.5x TCP, >= 0.6x memcpy |",
+        t_az.unwrap_or(0.0),
+        ratio(t_az, Some(memcpy_1m)),
+        ratio(t_az, b.get("throughput", "tcp", mb, 0)),
+        ratio(t_az, b.get("throughput", "zsdp", mb, 0)),
+    );
+    let l_az = best_azsdp(b, "latency", 64, 0, false);
+    let _ = writeln!(
+        s,
+        "| latency 64 B | {:.2} us | {} | {} | <= 0.2x TCP |",
+        l_az.unwrap_or(0.0),
+        ratio(l_az, b.get("latency", "tcp", 64, 0)),
+        ratio(l_az, b.get("latency", "zsdp", 64, 0)),
+    );
+    let o_az = best_azsdp(b, "overlap", mb, 400, true);
+    let _ = writeln!(
+        s,
+        "| overlap 1 MiB, 400 us compute | {:.2} GB/s | {} | {} | >= 1.4x TCP, >= 1.6x ZSDP |",
+        o_az.unwrap_or(0.0),
+        ratio(o_az, b.get("overlap", "tcp", mb, 400)),
+        ratio(o_az, b.get("overlap", "zsdp", mb, 400)),
+    );
+    let _ = writeln!(s, "\n## Throughput (GB/s) by size\n");
+    let _ = writeln!(
+        s,
+        "| size | {} |",
+        MODES.iter().map(|m| m.name).collect::<Vec<_>>().join(" | ")
+    );
+    let _ = writeln!(s, "|---|{}", "---|".repeat(MODES.len()));
+    let mut sizes: Vec<u64> = b
+        .rows
+        .iter()
+        .filter(|r| r.test == "throughput")
+        .map(|r| r.size)
+        .collect();
+    sizes.dedup();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for size in sizes {
+        let cells: Vec<String> = MODES
+            .iter()
+            .map(|m| {
+                b.get("throughput", m.name, size, 0)
+                    .map_or("-".into(), |v| format!("{v:.2}"))
+            })
+            .collect();
+        let _ = writeln!(s, "| {size} | {} |", cells.join(" | "));
+    }
+    s
+}
