@@ -32,21 +32,35 @@ pub fn azsdp() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let st = Command::new(cargo)
-            .current_dir(workspace())
-            .args([
+        // Two builds: a `--bin` filter would apply to every package given.
+        for args in [
+            &[
                 "build",
                 "--release",
                 "-p",
                 "azsdp-shim",
                 "-p",
                 "azsdp-daemon",
-            ])
-            .status()
-            .expect("run cargo build");
-        assert!(st.success(), "building libazsdp.so and azsdp failed");
+            ][..],
+            &[
+                "build",
+                "--release",
+                "-p",
+                "azsdp-benches",
+                "--bin",
+                "azsdp-ttcp",
+            ][..],
+        ] {
+            let st = Command::new(&cargo)
+                .current_dir(workspace())
+                .args(args)
+                .status()
+                .expect("run cargo build");
+            assert!(st.success(), "cargo {args:?} failed");
+        }
         let bin = target_dir().join("release/azsdp");
         assert!(target_dir().join("release/libazsdp.so").exists());
+        assert!(target_dir().join("release/azsdp-ttcp").exists());
         bin
     })
 }

@@ -15,7 +15,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide).
 fn port(offset: u16) -> u16 {
-    20000 + (std::process::id() % 600) as u16 * 64 + offset
+    debug_assert!(offset < 128);
+    20000 + (std::process::id() % 300) as u16 * 128 + offset
 }
 
 /// The shim's closing line of a connection, with its byte counts.
@@ -850,7 +851,7 @@ fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
     for (i, (kind, args, clients)) in kinds.iter().enumerate() {
         for azsdp in [false, true] {
             let s = Scratch::new(&format!("ttcp-{kind}-{azsdp}"));
-            let p = port(40 + i as u16 + 8 * u16::from(azsdp)).to_string();
+            let p = port(100 + i as u16 + 8 * u16::from(azsdp)).to_string();
             let c = clients.to_string();
             let r_args = ["-r", "-p", &p, "--clients", &c, "--json"];
             let mut t_args = vec!["-t", "127.0.0.1", "-p", &p, "--json"];
