@@ -136,11 +136,11 @@ impl Bench {
         senders: usize,
         args: &[String],
     ) -> Result<Vec<serde_json::Value>, String> {
-        self.port = if self.port >= 60000 {
-            30000
-        } else {
-            self.port + 1
-        };
+        // A port nobody uses now (the kernel's pick), for this pair.
+        self.port = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| format!("no free port: {e}"))?;
         let port = self.port.to_string();
         let r_args: Vec<String> = [
             "-r",
@@ -232,19 +232,25 @@ fn count_for(size: u64, budget: u64, min: u64, max: u64) -> u64 {
     (budget / size.max(1)).clamp(min, max)
 }
 
-/// Single-copy memcpy bandwidth at `size`, GB/s (best of a few rounds).
-fn memcpy_gbps(size: usize) -> f64 {
-    let src = vec![1u8; size];
-    let mut dst = vec![0u8; size];
+/// Single-copy memcpy bandwidth at `size`, GB/s (best of a few rounds):
+/// `hot` copies between one pair of buffers (as a ttcp that reuses its
+/// buffer sees them, caches warm); otherwise each copy goes between fresh
+/// buffers of a 256 MiB area, beyond the caches.
+fn memcpy_gbps(size: usize, hot: bool) -> f64 {
+    let area = if hot { size } else { (256 << 20).max(size) };
+    let src = vec![1u8; area];
+    let mut dst = vec![0u8; area];
+    let slots = area / size.max(1);
     let mut best = f64::MAX;
     for _ in 0..5 {
-        let reps = (256 << 20) / size.max(1);
+        let reps = ((256 << 20) / size.max(1)).max(1);
         let t0 = Instant::now();
-        for _ in 0..reps.max(1) {
-            dst.copy_from_slice(&src);
+        for i in 0..reps {
+            let at = (i % slots) * size;
+            dst[at..at + size].copy_from_slice(&src[at..at + size]);
             std::hint::black_box(&mut dst);
         }
-        best = best.min(t0.elapsed().as_secs_f64() / reps.max(1) as f64);
+        best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
     }
     size as f64 / best / 1e9
 }
@@ -271,53 +277,109 @@ fn find_ttcp(exe: &Path) -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
-pub fn run(quick: bool, out: PathBuf) -> ExitCode {
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("azsdp bench: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+/// Find the programs, write the mode configurations, open results.csv.
+fn setup(out: &Path, modes: &[Mode]) -> Result<Bench, ExitCode> {
+    let exe = std::env::current_exe().map_err(|e| {
+        eprintln!("azsdp: {e}");
+        ExitCode::FAILURE
+    })?;
     if crate::find_shim().is_none() {
-        eprintln!("azsdp bench: libazsdp.so not found");
-        return ExitCode::from(2);
+        eprintln!("azsdp: libazsdp.so not found");
+        return Err(ExitCode::from(2));
     }
     let Some(ttcp) = find_ttcp(&exe) else {
-        eprintln!("azsdp bench: azsdp-ttcp not found (cargo build --release builds it)");
-        return ExitCode::from(2);
+        eprintln!("azsdp: azsdp-ttcp not found (cargo build --release builds it)");
+        return Err(ExitCode::from(2));
     };
-    if let Err(e) = std::fs::create_dir_all(&out) {
-        eprintln!("azsdp bench: {}: {e}", out.display());
-        return ExitCode::FAILURE;
-    }
-    for m in &MODES {
+    std::fs::create_dir_all(out).map_err(|e| {
+        eprintln!("azsdp: {}: {e}", out.display());
+        ExitCode::FAILURE
+    })?;
+    for m in modes {
         if let Some(cfg) = m.config {
             if let Err(e) = azsdp::config::Config::parse(cfg, m.name) {
-                eprintln!("azsdp bench: the {} configuration is wrong: {e}", m.name);
-                return ExitCode::FAILURE;
+                eprintln!("azsdp: the {} configuration is wrong: {e}", m.name);
+                return Err(ExitCode::FAILURE);
             }
             let _ = std::fs::write(out.join(format!("{}.toml", m.name)), cfg);
         }
         let _ = std::fs::remove_file(out.join(format!("{}.log", m.name)));
     }
-    let csv = match std::fs::File::create(out.join("results.csv")) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("azsdp bench: results.csv: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let mut b = Bench {
+    let mut csv = std::fs::File::create(out.join("results.csv")).map_err(|e| {
+        eprintln!("azsdp: results.csv: {e}");
+        ExitCode::FAILURE
+    })?;
+    let _ = writeln!(csv, "test,mode,size,parameter,value,unit");
+    Ok(Bench {
         ttcp,
         exe,
-        out: out.clone(),
-        port: 30000 + (std::process::id() % 20000) as u16,
+        out: out.to_path_buf(),
+        port: 0,
         rows: Vec::new(),
         csv,
         failures: 0,
+    })
+}
+
+impl Bench {
+    /// Throughput of `size`-byte sends under `mode` (with `extra` ttcp
+    /// options), recorded as `test`; `None` if the run failed.
+    fn throughput(
+        &mut self,
+        test: &'static str,
+        mode: &Mode,
+        size: u64,
+        parameter: u64,
+        extra: &[String],
+        budget: u64,
+    ) -> Option<f64> {
+        let mut args = vec![
+            "-l".to_string(),
+            size.to_string(),
+            "-n".into(),
+            count_for(size, budget, 64, 1 << 20).to_string(),
+        ];
+        args.extend_from_slice(extra);
+        let r = self.pair(mode, 1, 1, &args);
+        let v = self.ok(test, mode, r)?;
+        let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
+        self.record(Row {
+            test,
+            mode: mode.name,
+            size,
+            parameter,
+            value: g,
+            unit: "GB/s",
+        });
+        Some(g)
+    }
+
+    /// Every connection of each azsdp mode must have been upgraded.
+    fn check_upgraded(&mut self, modes: &[Mode]) {
+        for m in modes.iter().filter(|m| m.config.is_some()) {
+            let log = std::fs::read_to_string(self.out.join(format!("{}.log", m.name)))
+                .unwrap_or_default();
+            let upgraded = log.matches(": azsdp (peer pid").count();
+            let tcp = log
+                .lines()
+                .filter(|l| l.contains("plain TCP") || l.contains(": tcp ("))
+                .count();
+            if upgraded == 0 || tcp > 0 {
+                self.failures += 1;
+                eprintln!(
+                    "azsdp: under {} {upgraded} connection(s) were upgraded and {tcp} stayed on TCP (see {}.log)",
+                    m.name, m.name
+                );
+            }
+        }
+    }
+}
+
+pub fn run(quick: bool, out: PathBuf) -> ExitCode {
+    let mut b = match setup(&out, &MODES) {
+        Ok(b) => b,
+        Err(code) => return code,
     };
-    let _ = writeln!(b.csv, "test,mode,size,parameter,value,unit");
     let t0 = Instant::now();
     let pow = |from: u32, to: u32, step: usize| -> Vec<u64> {
         (from..=to).step_by(step).map(|e| 1u64 << e).collect()
@@ -334,15 +396,18 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
     };
     let budget: u64 = if quick { 64 << 20 } else { 512 << 20 };
 
-    let memcpy_1m = memcpy_gbps(1 << 20);
-    b.record(Row {
-        test: "memcpy",
-        mode: "memcpy",
-        size: 1 << 20,
-        parameter: 0,
-        value: memcpy_1m,
-        unit: "GB/s",
-    });
+    let memcpy_1m = memcpy_gbps(1 << 20, true);
+    let memcpy_cold = memcpy_gbps(1 << 20, false);
+    for (parameter, value) in [(0, memcpy_1m), (1, memcpy_cold)] {
+        b.record(Row {
+            test: "memcpy",
+            mode: "memcpy",
+            size: 1 << 20,
+            parameter,
+            value,
+            unit: "GB/s",
+        });
+    }
 
     for m in &MODES {
         for &size in &lat_sizes {
@@ -516,23 +581,8 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
             t0.elapsed().as_secs_f64()
         );
     }
-    // Every connection of an azsdp mode must have been upgraded.
-    for m in MODES.iter().filter(|m| m.config.is_some()) {
-        let log = std::fs::read_to_string(out.join(format!("{}.log", m.name))).unwrap_or_default();
-        let upgraded = log.matches(": azsdp (peer pid").count();
-        let tcp = log
-            .lines()
-            .filter(|l| l.contains("plain TCP") || l.contains(": tcp ("))
-            .count();
-        if upgraded == 0 || tcp > 0 {
-            b.failures += 1;
-            eprintln!(
-                "azsdp bench: under {} {upgraded} connection(s) were upgraded and {tcp} stayed on TCP (see {}.log)",
-                m.name, m.name
-            );
-        }
-    }
-    let summary = summarize(&b, memcpy_1m, quick, t0.elapsed());
+    b.check_upgraded(&MODES);
+    let summary = summarize(&b, (memcpy_1m, memcpy_cold), quick, t0.elapsed());
     let _ = std::fs::write(out.join("summary.md"), &summary);
     println!("{summary}");
     println!("results: {}", out.join("results.csv").display());
@@ -562,7 +612,8 @@ fn best_azsdp(b: &Bench, test: &str, size: u64, parameter: u64, higher: bool) ->
     }
 }
 
-fn summarize(b: &Bench, memcpy_1m: f64, quick: bool, took: Duration) -> String {
+fn summarize(b: &Bench, memcpy: (f64, f64), quick: bool, took: Duration) -> String {
+    let (memcpy_1m, memcpy_cold) = memcpy;
     let mut s = String::new();
     let _ = writeln!(s, "# azsdp bench{}\n", if quick { " --quick" } else { "" });
     let _ = writeln!(
@@ -576,9 +627,10 @@ fn summarize(b: &Bench, memcpy_1m: f64, quick: bool, took: Duration) -> String {
     let t_az = best_azsdp(b, "throughput", mb, 0, true);
     let _ = writeln!(
         s,
-        "| throughput 1 MiB | {:.2} GB/s ({} of memcpy {memcpy_1m:.1} GB/s) | {} | {} | >= 2.5x TCP, >= 0.6x memcpy |",
+        "| throughput 1 MiB | {:.2} GB/s ({} of memcpy {memcpy_1m:.1} GB/s with warm caches, {} of {memcpy_cold:.1} GB/s cold) | {} | {} | >= 2.5x TCP, >= 0.6x memcpy |",
         t_az.unwrap_or(0.0),
         ratio(t_az, Some(memcpy_1m)),
+        ratio(t_az, Some(memcpy_cold)),
         ratio(t_az, b.get("throughput", "tcp", mb, 0)),
         ratio(t_az, b.get("throughput", "zsdp", mb, 0)),
     );
@@ -611,7 +663,6 @@ fn summarize(b: &Bench, memcpy_1m: f64, quick: bool, took: Duration) -> String {
         .filter(|r| r.test == "throughput")
         .map(|r| r.size)
         .collect();
-    sizes.dedup();
     sizes.sort_unstable();
     sizes.dedup();
     for size in sizes {
@@ -625,4 +676,102 @@ fn summarize(b: &Bench, memcpy_1m: f64, quick: bool, took: Duration) -> String {
         let _ = writeln!(s, "| {size} | {} |", cells.join(" | "));
     }
     s
+}
+
+/// `azsdp tune`: measure this host's crossovers and write them as a
+/// configuration `azsdp run --config` accepts.
+pub fn tune(out_file: PathBuf) -> ExitCode {
+    let dir = std::env::temp_dir().join(format!("azsdp-tune-{}", std::process::id()));
+    let modes = [
+        Mode {
+            name: "bsdp",
+            config: Some("zcopy_threshold = \"1024GiB\"\n"),
+        },
+        Mode {
+            name: "azsdp-bow",
+            config: Some("write_fault = \"block\"\nzcopy_threshold = 4096\n"),
+        },
+        Mode {
+            name: "azsdp-cow",
+            config: Some("write_fault = \"copy\"\nzcopy_threshold = 4096\n"),
+        },
+    ];
+    let mut b = match setup(&dir, &modes) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let budget = 128 << 20;
+    // Where zero-copy starts to beat the copy through the rings.
+    let sizes: Vec<u64> = (12..=21).map(|e| 1u64 << e).collect();
+    let mut threshold = None;
+    let mut lines = Vec::new();
+    for &size in &sizes {
+        let bsdp = b.throughput("tune-threshold", &modes[0], size, 0, &[], budget);
+        let zc = [&modes[1], &modes[2]]
+            .iter()
+            .filter_map(|m| b.throughput("tune-threshold", m, size, 0, &[], budget))
+            .fold(0.0, f64::max);
+        if let Some(bsdp) = bsdp {
+            lines.push(format!(
+                "#   {size:>8} B: bsdp {bsdp:.2} GB/s, zero-copy {zc:.2} GB/s"
+            ));
+            if threshold.is_none() && zc > bsdp {
+                threshold = Some(size);
+            }
+        }
+    }
+    // Copy-on-write against block-on-write when the program rewrites its
+    // buffer every 8 sends, at 1 MiB.
+    let touch = vec!["--touch-window".to_string(), "8".to_string()];
+    let bow = b
+        .throughput("tune-fault", &modes[1], 1 << 20, 8, &touch, budget)
+        .unwrap_or(0.0);
+    let cow = b
+        .throughput("tune-fault", &modes[2], 1 << 20, 8, &touch, budget)
+        .unwrap_or(0.0);
+    b.check_upgraded(&modes);
+    if b.failures > 0 {
+        eprintln!(
+            "azsdp tune: {} measurement(s) failed; nothing written",
+            b.failures
+        );
+        return ExitCode::FAILURE;
+    }
+    let threshold = threshold.unwrap_or(u64::from(u32::MAX));
+    let policy = if cow >= bow { "copy" } else { "block" };
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "# Written by `azsdp tune` on this host; use with `azsdp run --config FILE`."
+    );
+    let _ = writeln!(text, "#\n# Throughput by send size (same run):");
+    for l in &lines {
+        let _ = writeln!(text, "{l}");
+    }
+    let _ = writeln!(
+        text,
+        "# Zero-copy first beats the copy through the rings at {threshold} B."
+    );
+    let _ = writeln!(text, "zcopy_threshold = {threshold}");
+    let _ = writeln!(
+        text,
+        "\n# A program rewriting its 1 MiB buffer every 8 sends: block-on-write {bow:.2} GB/s,\n# copy-on-write {cow:.2} GB/s."
+    );
+    let _ = writeln!(text, "write_fault = \"{policy}\"");
+    let _ = writeln!(
+        text,
+        "\n# Receive-side protection: GETs on this fabric (shm) land before recv() can return,\n# so arming is pure cost; `auto` keeps it off here.\nrecv_protect = \"auto\""
+    );
+    if let Err(e) = azsdp::config::Config::parse(&text, "tune") {
+        eprintln!("azsdp tune: wrote an invalid configuration: {e}");
+        return ExitCode::FAILURE;
+    }
+    if let Err(e) = std::fs::write(&out_file, &text) {
+        eprintln!("azsdp tune: {}: {e}", out_file.display());
+        return ExitCode::FAILURE;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    print!("{text}");
+    println!("# written to {}", out_file.display());
+    ExitCode::SUCCESS
 }

@@ -82,6 +82,13 @@ enum Command {
         #[arg(long, default_value = "azsdp-bench")]
         out: PathBuf,
     },
+    /// Measure where zero-copy beats copying and which write-fault policy
+    /// wins on this host; write them as a configuration file.
+    Tune {
+        /// The configuration file to write.
+        #[arg(long, default_value = "azsdp-tuned.toml")]
+        out: PathBuf,
+    },
     /// List live azsdp connections on this host.
     Stat {
         /// One JSON object per connection, in an array.
@@ -163,6 +170,7 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
         Command::Run { config, program } => return Err(run_program(config, program)),
         Command::Stat { json } => stat::print(json),
         Command::Bench { quick, out } => return Err(bench::run(quick, out)),
+        Command::Tune { out } => return Err(bench::tune(out)),
         Command::Demo {
             bytes,
             buflen,

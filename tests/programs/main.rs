@@ -884,3 +884,65 @@ fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
         }
     }
 }
+
+#[test]
+fn bench_quick_and_tune_write_their_results() {
+    let s = Scratch::new("bench");
+    let out = s.path("bench");
+    let st = std::process::Command::new(azsdp())
+        .args(["bench", "--quick", "--out"])
+        .arg(&out)
+        .env("AZSDP_STAT_DIR", s.stat_dir())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(s.path("bench.log")).expect("log"))
+        .status()
+        .expect("azsdp bench");
+    assert!(
+        st.success(),
+        "azsdp bench --quick failed:\n{}",
+        s.log("bench")
+    );
+    let csv = std::fs::read_to_string(out.join("results.csv")).expect("results.csv");
+    assert!(csv.starts_with("test,mode,size,parameter,value,unit\n"));
+    for mode in ["tcp", "bsdp", "zsdp", "azsdp-bow", "azsdp-cow"] {
+        for test in [
+            "latency",
+            "throughput",
+            "overlap",
+            "page-faults",
+            "hot-spot",
+            "multi-stream",
+            "fan-in",
+            "fan-out",
+        ] {
+            assert!(
+                csv.lines()
+                    .any(|l| l.starts_with(&format!("{test},{mode},"))),
+                "no {test} row for {mode}"
+            );
+        }
+    }
+    let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
+    assert!(
+        summary.contains("throughput 1 MiB") && summary.contains("latency 64 B"),
+        "{summary}"
+    );
+
+    let tuned = s.path("tuned.toml");
+    let st = std::process::Command::new(azsdp())
+        .args(["tune", "--out"])
+        .arg(&tuned)
+        .env("AZSDP_STAT_DIR", s.stat_dir())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(s.path("tune.log")).expect("log"))
+        .status()
+        .expect("azsdp tune");
+    assert!(st.success(), "azsdp tune failed:\n{}", s.log("tune"));
+    let text = std::fs::read_to_string(&tuned).expect("tuned config");
+    let cfg = azsdp::config::Config::parse(&text, "tuned").expect("a valid configuration");
+    assert!(
+        text.contains("zcopy_threshold = ") && text.contains("write_fault = "),
+        "{text}"
+    );
+    assert!(cfg.global.zcopy_threshold >= 4096, "{text}");
+}
