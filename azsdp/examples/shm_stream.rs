@@ -209,15 +209,7 @@ impl Verifier {
 }
 
 fn engine_config(args: &Args, role: Role, caps: Capabilities) -> EngineConfig {
-    let mut e = EngineConfig::new(
-        role,
-        caps,
-        LockRegion {
-            addr: 0,
-            key: 0,
-            slots: 0,
-        },
-    );
+    let mut e = EngineConfig::new(role, caps, LockRegion::UNSET);
     e.max_outstanding = 16;
     e.zcopy_threshold = args.threshold;
     e.peer_timeout = Duration::from_secs(10);

@@ -13,6 +13,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 /// A mode: its name and the configuration that selects it (`None`: TCP).
+#[derive(Clone, Copy, Debug)]
 struct Mode {
     name: &'static str,
     config: Option<&'static str>,
@@ -40,6 +41,15 @@ const MODES: [Mode; 5] = [
         config: Some("write_fault = \"copy\"\nzcopy_threshold = 4096\n"),
     },
 ];
+
+/// Which figure of a run's transmitter reports is the result.
+#[derive(Clone, Copy, Debug)]
+enum Pick {
+    FirstLatency,
+    WorstLatency,
+    FirstRate,
+    TotalRate,
+}
 
 /// One measurement, as a row of results.csv.
 #[derive(Clone, Debug)]
@@ -340,18 +350,48 @@ impl Bench {
             count_for(size, budget, 64, 1 << 20).to_string(),
         ];
         args.extend_from_slice(extra);
-        let r = self.pair(mode, 1, 1, &args);
-        let v = self.ok(test, mode, r)?;
-        let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
+        self.measure(
+            (test, mode),
+            (1, 1),
+            (size, parameter),
+            &args,
+            Pick::FirstRate,
+        );
+        self.get(test, mode.name, size, parameter)
+    }
+
+    /// Run a pair (`who`: receiver connections, transmitter processes) and
+    /// record `pick` of its reports as `what` at `at` (size, parameter).
+    fn measure(
+        &mut self,
+        what: (&'static str, &Mode),
+        who: (usize, usize),
+        at: (u64, u64),
+        args: &[String],
+        pick: Pick,
+    ) {
+        let (test, mode) = what;
+        let r = self.pair(mode, who.0, who.1, args);
+        let Some(v) = self.ok(test, mode, r) else {
+            return;
+        };
+        let (value, unit) = match pick {
+            Pick::FirstLatency => (v.first().map_or(0.0, |v| num(v, "latency_us")), "us"),
+            Pick::WorstLatency => (
+                v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max),
+                "us",
+            ),
+            Pick::FirstRate => (v.first().map_or(0.0, |v| num(v, "gbytes_per_sec")), "GB/s"),
+            Pick::TotalRate => (v.iter().map(|v| num(v, "gbytes_per_sec")).sum(), "GB/s"),
+        };
         self.record(Row {
             test,
             mode: mode.name,
-            size,
-            parameter,
-            value: g,
-            unit: "GB/s",
+            size: at.0,
+            parameter: at.1,
+            value,
+            unit,
         });
-        Some(g)
     }
 
     /// Every connection of each azsdp mode must have been upgraded.
@@ -409,45 +449,24 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
         });
     }
 
+    let sv = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
     for m in &MODES {
         for &size in &lat_sizes {
             let n = count_for(size, budget / 8, 20, if quick { 2000 } else { 10000 });
-            let args = vec![
-                "--test".into(),
-                "latency".into(),
-                "-l".into(),
-                size.to_string(),
-                "-n".into(),
-                n.to_string(),
-            ];
-            let r = b.pair(m, 1, 1, &args);
-            if let Some(v) = b.ok("latency", m, r) {
-                let lat = v.first().map_or(0.0, |v| num(v, "latency_us"));
-                b.record(Row {
-                    test: "latency",
-                    mode: m.name,
-                    size,
-                    parameter: 0,
-                    value: lat,
-                    unit: "us",
-                });
-            }
+            let args = sv(&[
+                "--test",
+                "latency",
+                "-l",
+                &size.to_string(),
+                "-n",
+                &n.to_string(),
+            ]);
+            b.measure(("latency", m), (1, 1), (size, 0), &args, Pick::FirstLatency);
         }
         for &size in &tput_sizes {
             let n = count_for(size, budget, 64, 1 << 20);
-            let args = vec!["-l".into(), size.to_string(), "-n".into(), n.to_string()];
-            let r = b.pair(m, 1, 1, &args);
-            if let Some(v) = b.ok("throughput", m, r) {
-                let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
-                b.record(Row {
-                    test: "throughput",
-                    mode: m.name,
-                    size,
-                    parameter: 0,
-                    value: g,
-                    unit: "GB/s",
-                });
-            }
+            let args = sv(&["-l", &size.to_string(), "-n", &n.to_string()]);
+            b.measure(("throughput", m), (1, 1), (size, 0), &args, Pick::FirstRate);
         }
         let computes: &[u64] = if quick {
             &[0, 100, 400]
@@ -457,26 +476,15 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
         for &size in &[65536u64, 1 << 20] {
             for &us in computes {
                 let n = count_for(size, budget / 4, 32, 4096);
-                let args = vec![
-                    "-l".into(),
-                    size.to_string(),
-                    "-n".into(),
-                    n.to_string(),
-                    "--compute-us".into(),
-                    us.to_string(),
-                ];
-                let r = b.pair(m, 1, 1, &args);
-                if let Some(v) = b.ok("overlap", m, r) {
-                    let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
-                    b.record(Row {
-                        test: "overlap",
-                        mode: m.name,
-                        size,
-                        parameter: us,
-                        value: g,
-                        unit: "GB/s",
-                    });
-                }
+                let args = sv(&[
+                    "-l",
+                    &size.to_string(),
+                    "-n",
+                    &n.to_string(),
+                    "--compute-us",
+                    &us.to_string(),
+                ]);
+                b.measure(("overlap", m), (1, 1), (size, us), &args, Pick::FirstRate);
             }
         }
         let windows: &[u64] = if quick {
@@ -484,96 +492,46 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
         } else {
             &[1, 2, 4, 8, 16, 32, 64]
         };
+        let mb = 1u64 << 20;
         for &w in windows {
-            let size = 1u64 << 20;
-            let args = vec![
-                "-l".into(),
-                size.to_string(),
-                "-n".into(),
-                count_for(size, budget / 2, 32, 4096).to_string(),
-                "--touch-window".into(),
-                w.to_string(),
-            ];
-            let r = b.pair(m, 1, 1, &args);
-            if let Some(v) = b.ok("page-faults", m, r) {
-                let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
-                b.record(Row {
-                    test: "page-faults",
-                    mode: m.name,
-                    size,
-                    parameter: w,
-                    value: g,
-                    unit: "GB/s",
-                });
-            }
+            let n = count_for(mb, budget / 2, 32, 4096);
+            let args = sv(&[
+                "-l",
+                &mb.to_string(),
+                "-n",
+                &n.to_string(),
+                "--touch-window",
+                &w.to_string(),
+            ]);
+            b.measure(("page-faults", m), (1, 1), (mb, w), &args, Pick::FirstRate);
         }
-        // Hot-spot: 4 clients ping-pong 64 B against one server.
-        let args = vec![
-            "--test".into(),
-            "latency".into(),
-            "-l".into(),
-            "64".into(),
-            "-n".into(),
-            if quick { "1000" } else { "5000" }.into(),
-        ];
-        let r = b.pair(m, 4, 4, &args);
-        if let Some(v) = b.ok("hot-spot", m, r) {
-            let worst = v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max);
-            b.record(Row {
-                test: "hot-spot",
-                mode: m.name,
-                size: 64,
-                parameter: 4,
-                value: worst,
-                unit: "us",
-            });
-        }
+        // Hot-spot: 4 clients ping-pong 64 B against one server (the worst).
+        let n = if quick { "1000" } else { "5000" };
+        let args = sv(&["--test", "latency", "-l", "64", "-n", n]);
+        b.measure(("hot-spot", m), (4, 4), (64, 4), &args, Pick::WorstLatency);
         let streams: &[u64] = if quick { &[1, 4] } else { &[1, 2, 4, 8] };
-        for &s in streams {
-            let size = 1u64 << 20;
-            let args = vec![
-                "-l".into(),
-                size.to_string(),
-                "-n".into(),
-                (count_for(size, budget, 64, 4096) / s).max(8).to_string(),
-                "--streams".into(),
-                s.to_string(),
-            ];
-            let r = b.pair(m, s as usize, 1, &args);
-            if let Some(v) = b.ok("multi-stream", m, r) {
-                let g = v.first().map_or(0.0, |v| num(v, "gbytes_per_sec"));
-                b.record(Row {
-                    test: "multi-stream",
-                    mode: m.name,
-                    size,
-                    parameter: s,
-                    value: g,
-                    unit: "GB/s",
-                });
-            }
+        for &st in streams {
+            let n = (count_for(mb, budget, 64, 4096) / st).max(8);
+            let args = sv(&[
+                "-l",
+                &mb.to_string(),
+                "-n",
+                &n.to_string(),
+                "--streams",
+                &st.to_string(),
+            ]);
+            b.measure(
+                ("multi-stream", m),
+                (st as usize, 1),
+                (mb, st),
+                &args,
+                Pick::FirstRate,
+            );
         }
         for (test, kind) in [("fan-in", "throughput"), ("fan-out", "source")] {
-            let size = 1u64 << 20;
-            let args = vec![
-                "--test".into(),
-                kind.into(),
-                "-l".into(),
-                size.to_string(),
-                "-n".into(),
-                (count_for(size, budget, 64, 4096) / 4).max(8).to_string(),
-            ];
-            let r = b.pair(m, 4, 4, &args);
-            if let Some(v) = b.ok(test, m, r) {
-                let total: f64 = v.iter().map(|v| num(v, "gbytes_per_sec")).sum();
-                b.record(Row {
-                    test,
-                    mode: m.name,
-                    size,
-                    parameter: 4,
-                    value: total,
-                    unit: "GB/s",
-                });
-            }
+            let n = (count_for(mb, budget, 64, 4096) / 4).max(8);
+            let args = sv(&["--test", kind, "-l", &mb.to_string(), "-n", &n.to_string()]);
+            b.measure((test, m), (4, 4), (mb, 4), &args, Pick::TotalRate);
         }
         eprintln!(
             "azsdp bench: {} done ({:.0} s)",
@@ -682,20 +640,8 @@ fn summarize(b: &Bench, memcpy: (f64, f64), quick: bool, took: Duration) -> Stri
 /// configuration `azsdp run --config` accepts.
 pub fn tune(out_file: PathBuf) -> ExitCode {
     let dir = std::env::temp_dir().join(format!("azsdp-tune-{}", std::process::id()));
-    let modes = [
-        Mode {
-            name: "bsdp",
-            config: Some("zcopy_threshold = \"1024GiB\"\n"),
-        },
-        Mode {
-            name: "azsdp-bow",
-            config: Some("write_fault = \"block\"\nzcopy_threshold = 4096\n"),
-        },
-        Mode {
-            name: "azsdp-cow",
-            config: Some("write_fault = \"copy\"\nzcopy_threshold = 4096\n"),
-        },
-    ];
+    // BSDP and AZ-SDP block- and copy-on-write, as `azsdp bench` runs them.
+    let modes = [MODES[1], MODES[3], MODES[4]];
     let mut b = match setup(&dir, &modes) {
         Ok(b) => b,
         Err(code) => return code,

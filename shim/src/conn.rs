@@ -48,15 +48,7 @@ impl Conn {
         let peer_pid = ep.peer_pid() as u32;
         let p = protect::open(settings.protection);
         let caps: Capabilities = capabilities(ep.can_get().is_none(), p.protector.as_ref());
-        let cfg = settings.engine_config(
-            role,
-            caps,
-            LockRegion {
-                addr: 0,
-                key: 0,
-                slots: 0,
-            },
-        );
+        let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let waiter = ep.waiter();
         let mut d = Driver::new(cfg, ep, p.protector);
         d.establish(settings.peer_timeout)?;

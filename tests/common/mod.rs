@@ -31,15 +31,7 @@ pub fn pattern(off: u64) -> u8 {
 }
 
 pub fn cfg(role: Role, caps: Capabilities, zsdp: bool, threshold: u64) -> EngineConfig {
-    let mut e = EngineConfig::new(
-        role,
-        caps,
-        LockRegion {
-            addr: 0,
-            key: 0,
-            slots: 0,
-        },
-    );
+    let mut e = EngineConfig::new(role, caps, LockRegion::UNSET);
     e.async_zcopy = !zsdp;
     e.zcopy_threshold = threshold;
     e.peer_timeout = Duration::from_secs(5);

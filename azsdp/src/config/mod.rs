@@ -103,15 +103,7 @@ pub struct Settings {
 
 impl Default for Settings {
     fn default() -> Self {
-        let e = EngineConfig::new(
-            Role::Client,
-            Capabilities::ALL,
-            LockRegion {
-                addr: 0,
-                key: 0,
-                slots: 0,
-            },
-        );
+        let e = EngineConfig::new(Role::Client, Capabilities::ALL, LockRegion::UNSET);
         Settings {
             use_: Use::Both,
             zcopy_threshold: e.zcopy_threshold,

@@ -66,6 +66,15 @@ pub struct LockRegion {
     pub slots: u16,
 }
 
+impl LockRegion {
+    /// None yet: `Driver::new` fills it in from the fabric.
+    pub const UNSET: LockRegion = LockRegion {
+        addr: 0,
+        key: 0,
+        slots: 0,
+    };
+}
+
 /// Everything the engine needs to know to run one connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
