@@ -270,20 +270,10 @@ fn find_ttcp(exe: &Path) -> Option<PathBuf> {
     if p.exists() {
         return Some(p);
     }
-    // Under `cargo run`, build it as the shim is built.
-    let (Some(cargo), Some(manifest)) = (
-        std::env::var_os("CARGO"),
-        std::env::var_os("CARGO_MANIFEST_DIR"),
-    ) else {
-        return None;
-    };
-    let release = exe.parent()?.file_name().is_some_and(|n| n == "release");
-    eprintln!("azsdp: building azsdp-ttcp (cargo build -p azsdp-benches)");
-    let _ = Command::new(cargo)
-        .current_dir(PathBuf::from(manifest).join(".."))
-        .args(["build", "-q", "-p", "azsdp-benches", "--bin", "azsdp-ttcp"])
-        .args(release.then_some("--release"))
-        .status();
+    crate::build_sibling_for_cargo_run(
+        exe.parent()?,
+        &["-p", "azsdp-benches", "--bin", "azsdp-ttcp"],
+    );
     p.exists().then_some(p)
 }
 

@@ -236,14 +236,15 @@ pub(crate) fn find_shim() -> Option<PathBuf> {
         .find(|p| p.exists())
     };
     found().or_else(|| {
-        build_shim_for_cargo_run(dir);
+        build_sibling_for_cargo_run(dir, &["-p", "azsdp-shim"]);
         found()
     })
 }
 
-/// Under `cargo run`, libazsdp.so may not be built yet (cargo builds only
-/// the package it runs): build it, in the same profile, next to us.
-fn build_shim_for_cargo_run(dir: &std::path::Path) {
+/// Under `cargo run`, a sibling artifact (libazsdp.so, azsdp-ttcp) may not
+/// be built yet (cargo builds only the package it runs): build it with
+/// `cargo build TARGET_ARGS`, in our profile, into our directory `dir`.
+pub(crate) fn build_sibling_for_cargo_run(dir: &std::path::Path, target_args: &[&str]) {
     let (Some(cargo), Some(manifest)) = (
         std::env::var_os("CARGO"),
         std::env::var_os("CARGO_MANIFEST_DIR"),
@@ -255,10 +256,11 @@ fn build_shim_for_cargo_run(dir: &std::path::Path) {
         return;
     }
     let release = dir.file_name().is_some_and(|n| n == "release");
-    eprintln!("azsdp: building libazsdp.so (cargo build -p azsdp-shim)");
+    eprintln!("azsdp: building (cargo build {})", target_args.join(" "));
     let _ = std::process::Command::new(cargo)
         .current_dir(&workspace)
-        .args(["build", "-q", "-p", "azsdp-shim"])
+        .args(["build", "-q"])
+        .args(target_args)
         .args(release.then_some("--release"))
         .status();
 }

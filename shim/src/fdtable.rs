@@ -64,12 +64,13 @@ pub fn remove(fd: i32) -> Option<Arc<Sock>> {
 
 /// Every tracked socket (each once), for exit and stats.
 pub fn all() -> Vec<Arc<Sock>> {
-    let m = MAP.read().unwrap_or_else(|e| e.into_inner());
-    let mut v: Vec<Arc<Sock>> = Vec::new();
-    for s in m.values() {
-        if !v.iter().any(|x| Arc::ptr_eq(x, s)) {
-            v.push(Arc::clone(s));
-        }
-    }
+    let mut v: Vec<Arc<Sock>> = MAP
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    v.sort_unstable_by_key(|s| Arc::as_ptr(s) as usize);
+    v.dedup_by(|a, b| Arc::ptr_eq(a, b));
     v
 }

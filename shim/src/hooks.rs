@@ -737,17 +737,17 @@ pub unsafe extern "C" fn __ppoll_chk(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
-    // SAFETY: the program's array of n entries, in both calls.
-    if unsafe { ready::involves_upgraded(fds, n as usize) } {
-        // SAFETY: as above.
-        return guard(-1, || unsafe {
-            ready::poll(
-                fds,
-                n as usize,
-                ready::ms_timeout(timeout),
-                std::ptr::null(),
-            )
-        });
+    // SAFETY: the program's array of n entries.
+    let r = guard(Some(-1), || unsafe {
+        ready::poll(
+            fds,
+            n as usize,
+            ready::ms_timeout(timeout),
+            std::ptr::null(),
+        )
+    });
+    if let Some(r) = r {
+        return r;
     }
     // SAFETY: libc's poll.
     unsafe { real::poll(fds, n, timeout) }
@@ -760,12 +760,12 @@ pub unsafe extern "C" fn ppoll(
     ts: *const timespec,
     mask: *const sigset_t,
 ) -> c_int {
-    // SAFETY: the program's array of n entries, in both calls.
-    if unsafe { ready::involves_upgraded(fds, n as usize) } {
-        // SAFETY: as above.
-        return guard(-1, || unsafe {
-            ready::poll(fds, n as usize, ready::ts_timeout(ts), mask)
-        });
+    // SAFETY: the program's array of n entries.
+    let r = guard(Some(-1), || unsafe {
+        ready::poll(fds, n as usize, ready::ts_timeout(ts), mask)
+    });
+    if let Some(r) = r {
+        return r;
     }
     // SAFETY: libc's ppoll.
     unsafe { real::ppoll(fds, n, ts, mask) }

@@ -104,25 +104,16 @@ pub unsafe fn copy_out(
     }
 }
 
-fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
+/// The kernel socket's own address (`getsockname`).
+pub fn local_of(fd: c_int) -> Option<SocketAddr> {
     // SAFETY: plain data, written by the kernel within `len`.
     let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<sockaddr_storage>() as socklen_t;
     let p = (&raw mut st).cast::<sockaddr>();
-    // SAFETY: getsockname/getpeername into our own buffer.
-    let r = unsafe {
-        if peer {
-            crate::real::getpeername(fd, p, &mut len)
-        } else {
-            crate::real::getsockname(fd, p, &mut len)
-        }
-    };
+    // SAFETY: getsockname into our own buffer.
+    let r = unsafe { crate::real::getsockname(fd, p, &mut len) };
     // SAFETY: the kernel wrote `len` bytes.
     (r == 0).then(|| unsafe { from_raw(p, len) }).flatten()
-}
-
-pub fn local_of(fd: c_int) -> Option<SocketAddr> {
-    name_of(fd, false)
 }
 
 /// Unwrap IPv4-mapped IPv6 addresses.

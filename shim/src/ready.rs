@@ -11,7 +11,7 @@
 //! `unsafe` here: the program's `pollfd` arrays and fd_sets.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -52,12 +52,16 @@ impl Wakeup {
 
     /// About to look, then sleep: notifications from now on wake us.
     pub fn arm(&self) {
-        self.asleep.store(true, Ordering::SeqCst);
+        if !self.asleep.swap(true, Ordering::SeqCst) {
+            ARMED.fetch_add(1, Ordering::SeqCst);
+        }
     }
 
     /// Awake again: drop what notifications came.
     pub fn disarm(&self) {
-        self.asleep.store(false, Ordering::SeqCst);
+        if self.asleep.swap(false, Ordering::SeqCst) {
+            ARMED.fetch_sub(1, Ordering::SeqCst);
+        }
         let mut v = 0u64;
         // SAFETY: read of 8 bytes into our own u64 (non-blocking eventfd).
         unsafe { real::read(self.fd(), (&raw mut v).cast(), 8) };
@@ -73,9 +77,17 @@ impl Wakeup {
 }
 
 static SLEEPERS: Mutex<Vec<std::sync::Weak<Wakeup>>> = Mutex::new(Vec::new());
+/// Wakeups armed now. Engines notify after every turn that took something
+/// in; with no one asleep that is one load, not a lock. (A sleeper counts
+/// itself before it looks at the engines, so it sees any change whose
+/// notification found the count at zero.)
+static ARMED: AtomicUsize = AtomicUsize::new(0);
 
 /// Readiness of some upgraded socket may have changed.
 pub fn notify() {
+    if ARMED.load(Ordering::SeqCst) == 0 {
+        return;
+    }
     let mut v = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
     v.retain(|w| match w.upgrade() {
         Some(w) => {
@@ -118,30 +130,46 @@ pub fn poll_bits(r: &Readiness, wanted: c_short) -> c_short {
 /// Longest sleep between looks, a safety net under the notifications.
 const SLICE: Duration = Duration::from_millis(100);
 
-/// `poll`/`ppoll` over `fds`, some of which are upgraded. `timeout`
-/// `None` waits for ever. Returns what `poll` returns (errno set on -1).
+/// `poll`/`ppoll` over `fds`; `None` if none of them is upgraded (the
+/// caller asks the kernel). `timeout` `None` waits for ever. Returns what
+/// `poll` returns (errno set on -1).
 ///
 /// # Safety
-/// `fds` must be the program's array of `n` entries.
+/// `fds` must be null or the program's array of `n` entries.
 pub unsafe fn poll(
     fds: *mut pollfd,
     n: usize,
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
-) -> c_int {
+) -> Option<c_int> {
+    if fds.is_null() {
+        return None;
+    }
     // SAFETY: the caller's array.
     let fds = unsafe { std::slice::from_raw_parts_mut(fds, n) };
     let conns: Vec<Option<Arc<crate::conn::Conn>>> = fds
         .iter()
         .map(|p| crate::fdtable::get(p.fd).and_then(|s| s.conn()))
         .collect();
+    if conns.iter().all(Option::is_none) {
+        return None;
+    }
+    Some(poll_upgraded(fds, &conns, timeout, mask))
+}
+
+fn poll_upgraded(
+    fds: &mut [pollfd],
+    conns: &[Option<Arc<crate::conn::Conn>>],
+    timeout: Option<Duration>,
+    mask: *const libc::sigset_t,
+) -> c_int {
     let deadline = timeout.map(|t| Instant::now() + t);
     let wake = my_wakeup();
     // The kernel's part: every entry, with upgraded ones disabled (fd -1),
     // plus our eventfd at the end.
     let mut kernel: Vec<pollfd> = fds
         .iter()
-        .zip(&conns)
+        .zip(conns)
         .map(|(p, c)| pollfd {
             fd: if c.is_some() { -1 } else { p.fd },
             events: p.events,
@@ -160,7 +188,7 @@ pub unsafe fn poll(
             w.arm();
         }
         let mut ready = 0;
-        for ((p, c), k) in fds.iter_mut().zip(&conns).zip(kernel.iter_mut()) {
+        for ((p, c), k) in fds.iter_mut().zip(conns).zip(kernel.iter_mut()) {
             if let Some(c) = c {
                 p.revents = poll_bits(&c.engine.readiness(), p.events);
                 k.revents = 0;
@@ -192,7 +220,7 @@ pub unsafe fn poll(
         if r < 0 {
             return -1;
         }
-        for ((p, c), k) in fds.iter_mut().zip(&conns).zip(&kernel) {
+        for ((p, c), k) in fds.iter_mut().zip(conns).zip(&kernel) {
             if c.is_none() {
                 p.revents = k.revents;
                 if k.revents != 0 {
@@ -204,20 +232,6 @@ pub unsafe fn poll(
             return ready;
         }
     }
-}
-
-/// Does this `poll` involve an upgraded socket?
-///
-/// # Safety
-/// `fds` must be the program's array of `n` entries.
-pub unsafe fn involves_upgraded(fds: *const pollfd, n: usize) -> bool {
-    if fds.is_null() {
-        return false;
-    }
-    // SAFETY: the caller's array.
-    let fds = unsafe { std::slice::from_raw_parts(fds, n) };
-    fds.iter()
-        .any(|p| crate::fdtable::get(p.fd).is_some_and(|s| s.conn().is_some()))
 }
 
 /// A `poll`-style timeout in milliseconds (negative: none).
@@ -277,8 +291,19 @@ pub unsafe fn select(
             });
         }
     }
-    // SAFETY: our own array.
-    let n = unsafe { poll(fds.as_mut_ptr(), fds.len(), timeout, mask) };
+    // SAFETY: our own array, in both calls.
+    let n = unsafe { poll(fds.as_mut_ptr(), fds.len(), timeout, mask) }.unwrap_or_else(|| {
+        // The upgraded socket is gone meanwhile: the kernel answers all.
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs() as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let tsp = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: as above.
+        unsafe { real::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, tsp, mask) }
+    });
     if n < 0 {
         return -1;
     }

@@ -119,6 +119,15 @@ impl Scratch {
         c
     }
 
+    /// `under_azsdp` or `plain`, as `azsdp` says.
+    pub fn command(&self, azsdp: bool, name: &str, program: &str, args: &[&str]) -> Command {
+        if azsdp {
+            self.under_azsdp(name, program, args)
+        } else {
+            self.plain(name, program, args)
+        }
+    }
+
     fn setup(&self, c: &mut Command, name: &str) {
         let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
         c.env("AZSDP_STAT_DIR", self.stat_dir())

@@ -288,18 +288,10 @@ fn mixed_pair(client_azsdp: bool, offset: u16) {
         format!("TCP:127.0.0.1:{p}"),
     ];
     let client_args: Vec<&str> = client_args.iter().map(String::as_str).collect();
-    let srv_cmd = if client_azsdp {
-        s.plain("server", "socat", &server_args)
-    } else {
-        s.under_azsdp("server", "socat", &server_args)
-    };
+    let srv_cmd = s.command(!client_azsdp, "server", "socat", &server_args);
     let mut srv = Proc::start(srv_cmd, "socat server");
     wait_listening(p, LISTEN);
-    let mut cli_cmd = if client_azsdp {
-        s.under_azsdp("client", "socat", &client_args)
-    } else {
-        s.plain("client", "socat", &client_args)
-    };
+    let mut cli_cmd = s.command(client_azsdp, "client", "socat", &client_args);
     cli_cmd.stdin(Stdio::piped());
     let mut cli = Proc::start(cli_cmd, "socat client");
     let data: Vec<u8> = (0..(4u32 << 20))
@@ -443,11 +435,7 @@ fn sockcheck_on(scenario: &str, offset: u16, modes: &[bool]) {
         let run = |name: &str, role: &'static str| {
             let a = args(role);
             let a: Vec<&str> = a.iter().map(String::as_str).collect();
-            if azsdp {
-                s.under_azsdp(name, bin, &a)
-            } else {
-                s.plain(name, bin, &a)
-            }
+            s.command(azsdp, name, bin, &a)
         };
         let mut srv_cmd = run("server", "server");
         srv_cmd.stdout(Stdio::piped());
@@ -778,11 +766,7 @@ fn a_killed_idle_peer_ends_the_stream_with_eof_as_tcp_does() {
         let run = |name: &str, role: &str| {
             let a = args(role);
             let a: Vec<&str> = a.iter().map(String::as_str).collect();
-            let mut c = if azsdp {
-                s.under_azsdp(name, bin, &a)
-            } else {
-                s.plain(name, bin, &a)
-            };
+            let mut c = s.command(azsdp, name, bin, &a);
             c.stdout(Stdio::piped());
             c
         };
@@ -857,11 +841,7 @@ fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
             let mut t_args = vec!["-t", "127.0.0.1", "-p", &p, "--json"];
             t_args.extend_from_slice(args);
             let cmd = |name: &str, a: &[&str]| {
-                let mut c = if azsdp {
-                    s.under_azsdp(name, &bin, a)
-                } else {
-                    s.plain(name, &bin, a)
-                };
+                let mut c = s.command(azsdp, name, &bin, a);
                 c.stdout(Stdio::piped());
                 c
             };

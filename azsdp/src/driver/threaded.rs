@@ -163,6 +163,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// claimed here (and adopted, with threads of its own, by a child);
     /// false if the other process has it.
     fn make_mine(&self) -> bool {
+        // Only a fork freezes a connection (and marks it so, here and in
+        // the child's copy): otherwise it is ours without asking the fabric.
+        if !self.orphaned() && !self.frozen() {
+            return true;
+        }
         let own = self.lock().fabric().ownership();
         match own {
             Ownership::Mine => !self.orphaned(),
@@ -495,17 +500,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             self.shared.lock().shutdown(how);
             self.shared.waiter.kick();
         }
-    }
-
-    /// Wait up to `timeout` for `ready` to hold (turning the engine while
-    /// waiting); false if it did not. For callers that wait for readiness
-    /// themselves (a blocking `send()` on a full buffer).
-    pub fn wait_readiness(&self, timeout: Duration, ready: impl Fn(&Readiness) -> bool) -> bool {
-        self.shared
-            .wait_until(Some(Instant::now() + timeout), |d| {
-                ready(&d.connection().readiness()).then_some(())
-            })
-            .is_some()
     }
 
     /// The connection's state (why it ended, if it did).
