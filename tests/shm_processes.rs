@@ -208,9 +208,10 @@ fn azsdp_stream(
         assert_eq!(
             n,
             len as u64,
-            "short send at {off}: {:?} {:?}",
+            "short send at {off}: {:?} {:?}\nreceiver: {}",
             d.state(),
-            d.counters()
+            d.counters(),
+            describe_process(child)
         );
         off += n;
         if word(i ^ 5) % touch_one_in != 0 {

@@ -81,6 +81,10 @@ enum Command {
         /// Output directory.
         #[arg(long, default_value = "azsdp-bench")]
         out: PathBuf,
+        /// The configuration the `azsdp` series runs with (one `azsdp tune`
+        /// wrote); without it, the built-in defaults.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Measure where zero-copy beats copying and which write-fault policy
     /// wins on this host; write them as a configuration file.
@@ -169,7 +173,7 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
     match cli.command {
         Command::Run { config, program } => return Err(run_program(config, program)),
         Command::Stat { json } => stat::print(json),
-        Command::Bench { quick, out } => return Err(bench::run(quick, out)),
+        Command::Bench { quick, out, config } => return Err(bench::run(quick, out, config)),
         Command::Tune { out } => return Err(bench::tune(out)),
         Command::Demo {
             bytes,

@@ -78,13 +78,47 @@ pub fn reap(pid: Pid, limit: Duration) -> WaitStatus {
                 std::thread::sleep(Duration::from_millis(10))
             }
             WaitStatus::StillAlive => {
+                let state = describe_process(pid);
                 let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
                 let _ = waitpid(pid, None);
-                panic!("child {pid} did not finish within {limit:?}");
+                panic!("child {pid} did not finish within {limit:?}\n{state}");
             }
             s => return s,
         }
     }
+}
+
+/// What `pid` is doing, for a failure message: whether it exited, and
+/// otherwise each thread's state and kernel wait, plus user stacks when gdb
+/// is installed (CI installs it so that a rare hang explains itself).
+pub fn describe_process(pid: Pid) -> String {
+    if let Ok(s) = waitpid(pid, Some(WaitPidFlag::WNOHANG))
+        && s != WaitStatus::StillAlive
+    {
+        return format!("process {pid}: {s:?}");
+    }
+    let mut out = format!("process {pid} still runs:\n");
+    let tasks = format!("/proc/{pid}/task");
+    for t in std::fs::read_dir(&tasks).into_iter().flatten().flatten() {
+        let dir = t.path();
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        out += &format!(
+            "  task {}: {} state {} wchan {} syscall {}\n",
+            t.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("stat").split(' ').nth(2).unwrap_or("?"),
+            read("wchan").trim(),
+            read("syscall").trim(),
+        );
+    }
+    let gdb = std::process::Command::new("timeout")
+        .args(["20", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
+        .args(["-ex", "thread apply all bt 30"])
+        .output();
+    if let Ok(o) = gdb {
+        out += &String::from_utf8_lossy(&o.stdout);
+    }
+    out
 }
 
 /// The receiving child: accept, wait `delay`, receive everything into

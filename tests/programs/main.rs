@@ -868,46 +868,6 @@ fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
 #[test]
 fn bench_quick_and_tune_write_their_results() {
     let s = Scratch::new("bench");
-    let out = s.path("bench");
-    let st = std::process::Command::new(azsdp())
-        .args(["bench", "--quick", "--out"])
-        .arg(&out)
-        .env("AZSDP_STAT_DIR", s.stat_dir())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(s.path("bench.log")).expect("log"))
-        .status()
-        .expect("azsdp bench");
-    assert!(
-        st.success(),
-        "azsdp bench --quick failed:\n{}",
-        s.log("bench")
-    );
-    let csv = std::fs::read_to_string(out.join("results.csv")).expect("results.csv");
-    assert!(csv.starts_with("test,mode,size,parameter,value,unit\n"));
-    for mode in ["tcp", "bsdp", "zsdp", "azsdp-bow", "azsdp-cow"] {
-        for test in [
-            "latency",
-            "throughput",
-            "overlap",
-            "page-faults",
-            "hot-spot",
-            "multi-stream",
-            "fan-in",
-            "fan-out",
-        ] {
-            assert!(
-                csv.lines()
-                    .any(|l| l.starts_with(&format!("{test},{mode},"))),
-                "no {test} row for {mode}"
-            );
-        }
-    }
-    let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
-    assert!(
-        summary.contains("throughput 1 MiB") && summary.contains("latency 64 B"),
-        "{summary}"
-    );
-
     let tuned = s.path("tuned.toml");
     let st = std::process::Command::new(azsdp())
         .args(["tune", "--out"])
@@ -925,4 +885,65 @@ fn bench_quick_and_tune_write_their_results() {
         "{text}"
     );
     assert!(cfg.global.zcopy_threshold >= 4096, "{text}");
+
+    // The bench's `azsdp` series runs the tuned file.
+    let out = s.path("bench");
+    let st = std::process::Command::new(azsdp())
+        .args(["bench", "--quick", "--out"])
+        .arg(&out)
+        .arg("--config")
+        .arg(&tuned)
+        .env("AZSDP_STAT_DIR", s.stat_dir())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(s.path("bench.log")).expect("log"))
+        .status()
+        .expect("azsdp bench");
+    assert!(
+        st.success(),
+        "azsdp bench --quick failed:\n{}",
+        s.log("bench")
+    );
+    let csv = std::fs::read_to_string(out.join("results.csv")).expect("results.csv");
+    assert!(csv.starts_with("test,mode,size,parameter,value,unit\n"));
+    let has = |test: &str, mode: &str| {
+        csv.lines()
+            .any(|l| l.starts_with(&format!("{test},{mode},")))
+    };
+    for mode in ["tcp", "bsdp", "zsdp", "azsdp-bow", "azsdp-cow"] {
+        for test in [
+            "latency",
+            "throughput",
+            "overlap",
+            "page-faults",
+            "hot-spot",
+            "multi-stream",
+            "fan-in",
+            "fan-out",
+        ] {
+            assert!(has(test, mode), "no {test} row for {mode}");
+        }
+    }
+    assert!(has("throughput", "azsdp") && has("latency", "azsdp"));
+    assert!(std::fs::read_to_string(out.join("azsdp.toml")).expect("azsdp.toml") == text);
+    let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
+    assert!(
+        summary.contains("throughput 1 MiB")
+            && summary.contains("latency 64 B")
+            && summary.contains(&format!("as configured ({})", tuned.display())),
+        "{summary}"
+    );
+    for fig in [
+        "fig6-latency-throughput.png",
+        "fig7-overlap.png",
+        "fig8-page-faults.png",
+        "fig9-hot-spot-multi-stream.png",
+        "fig10-fan-in-fan-out.png",
+    ] {
+        let png = std::fs::read(out.join(fig)).unwrap_or_default();
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "{fig} is not a PNG");
+        assert!(
+            summary.contains(&format!("]({fig})")),
+            "{fig} not in the summary"
+        );
+    }
 }

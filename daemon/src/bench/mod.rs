@@ -1,11 +1,17 @@
 //! `azsdp bench`: `azsdp-ttcp` pairs under each mode, swept over sizes and
-//! parameters; `results.csv` and `summary.md` in the output directory.
+//! parameters; `results.csv`, `summary.md` and the figures (see [`plots`])
+//! in the output directory.
 //!
 //! Each mode is a generated configuration file, run with `azsdp run
 //! --config`; kernel TCP runs the same program without the shim. The
 //! single-copy `memcpy` bandwidth is measured in the same run as the
-//! physical limit of a one-copy transfer.
+//! physical limit of a one-copy transfer. A sixth series, `azsdp`, runs
+//! what a user gets: the built-in defaults, or a configuration `azsdp tune`
+//! wrote, compared at every size with the best of the five modes.
 
+mod plots;
+
+use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -13,10 +19,10 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 /// A mode: its name and the configuration that selects it (`None`: TCP).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Mode {
     name: &'static str,
-    config: Option<&'static str>,
+    config: Option<Cow<'static, str>>,
 }
 
 const MODES: [Mode; 5] = [
@@ -26,19 +32,23 @@ const MODES: [Mode; 5] = [
     },
     Mode {
         name: "bsdp",
-        config: Some("zcopy_threshold = \"1024GiB\"\n"),
+        config: Some(Cow::Borrowed("zcopy_threshold = \"1024GiB\"\n")),
     },
     Mode {
         name: "zsdp",
-        config: Some("async = false\nzcopy_threshold = 4096\n"),
+        config: Some(Cow::Borrowed("async = false\nzcopy_threshold = 4096\n")),
     },
     Mode {
         name: "azsdp-bow",
-        config: Some("write_fault = \"block\"\nzcopy_threshold = 4096\n"),
+        config: Some(Cow::Borrowed(
+            "write_fault = \"block\"\nzcopy_threshold = 4096\n",
+        )),
     },
     Mode {
         name: "azsdp-cow",
-        config: Some("write_fault = \"copy\"\nzcopy_threshold = 4096\n"),
+        config: Some(Cow::Borrowed(
+            "write_fault = \"copy\"\nzcopy_threshold = 4096\n",
+        )),
     },
 ];
 
@@ -296,12 +306,12 @@ fn setup(out: &Path, modes: &[Mode]) -> Result<Bench, ExitCode> {
         ExitCode::FAILURE
     })?;
     for m in modes {
-        if let Some(cfg) = m.config {
+        if let Some(cfg) = &m.config {
             if let Err(e) = azsdp::config::Config::parse(cfg, m.name) {
                 eprintln!("azsdp: the {} configuration is wrong: {e}", m.name);
                 return Err(ExitCode::FAILURE);
             }
-            let _ = std::fs::write(out.join(format!("{}.toml", m.name)), cfg);
+            let _ = std::fs::write(out.join(format!("{}.toml", m.name)), cfg.as_bytes());
         }
         let _ = std::fs::remove_file(out.join(format!("{}.log", m.name)));
     }
@@ -405,8 +415,39 @@ impl Bench {
     }
 }
 
-pub fn run(quick: bool, out: PathBuf) -> ExitCode {
-    let mut b = match setup(&out, &MODES) {
+/// The series run as users run azsdp: `config` (a file `azsdp tune`
+/// wrote) or, without one, the built-in defaults.
+fn as_configured(config: Option<&Path>) -> Result<(Mode, String), ExitCode> {
+    let Some(path) = config else {
+        return Ok((
+            Mode {
+                name: "azsdp",
+                config: Some(Cow::Borrowed("# the built-in defaults\n")),
+            },
+            "the built-in defaults".into(),
+        ));
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        eprintln!("azsdp bench: {}: {e}", path.display());
+        ExitCode::FAILURE
+    })?;
+    Ok((
+        Mode {
+            name: "azsdp",
+            config: Some(Cow::Owned(text)),
+        },
+        path.display().to_string(),
+    ))
+}
+
+pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
+    let (configured, configured_from) = match as_configured(config.as_deref()) {
+        Ok(m) => m,
+        Err(code) => return code,
+    };
+    let mut modes = MODES.to_vec();
+    modes.push(configured);
+    let mut b = match setup(&out, &modes) {
         Ok(b) => b,
         Err(code) => return code,
     };
@@ -440,7 +481,7 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
     }
 
     let sv = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
-    for m in &MODES {
+    for m in &modes {
         for &size in &lat_sizes {
             let n = count_for(size, budget / 8, 20, if quick { 2000 } else { 10000 });
             let args = sv(&[
@@ -457,6 +498,11 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
             let n = count_for(size, budget, 64, 1 << 20);
             let args = sv(&["-l", &size.to_string(), "-n", &n.to_string()]);
             b.measure(("throughput", m), (1, 1), (size, 0), &args, Pick::FirstRate);
+        }
+        if m.name == "azsdp" {
+            // As configured: only where the configuration decides (sizes).
+            eprintln!("azsdp bench: azsdp ({configured_from}) done");
+            continue;
         }
         let computes: &[u64] = if quick {
             &[0, 100, 400]
@@ -529,8 +575,29 @@ pub fn run(quick: bool, out: PathBuf) -> ExitCode {
             t0.elapsed().as_secs_f64()
         );
     }
-    b.check_upgraded(&MODES);
-    let summary = summarize(&b, (memcpy_1m, memcpy_cold), quick, t0.elapsed());
+    b.check_upgraded(&modes);
+    let names: Vec<&str> = modes.iter().map(|m| m.name).collect();
+    let figures = match plots::draw(&out, &b.rows, &names) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("azsdp bench: figures: {e}");
+            b.failures += 1;
+            Vec::new()
+        }
+    };
+    let mut summary = summarize(
+        &b,
+        (memcpy_1m, memcpy_cold),
+        (quick, &configured_from),
+        t0.elapsed(),
+    );
+    if !figures.is_empty() {
+        let _ = writeln!(summary, "\n## Figures\n");
+        for f in &figures {
+            let name = f.file_name().unwrap_or_default().to_string_lossy();
+            let _ = writeln!(summary, "![{name}]({name})");
+        }
+    }
     let _ = std::fs::write(out.join("summary.md"), &summary);
     println!("{summary}");
     println!("results: {}", out.join("results.csv").display());
@@ -560,7 +627,12 @@ fn best_azsdp(b: &Bench, test: &str, size: u64, parameter: u64, higher: bool) ->
     }
 }
 
-fn summarize(b: &Bench, memcpy: (f64, f64), quick: bool, took: Duration) -> String {
+fn summarize(
+    b: &Bench,
+    memcpy: (f64, f64),
+    (quick, configured_from): (bool, &str),
+    took: Duration,
+) -> String {
     let (memcpy_1m, memcpy_cold) = memcpy;
     let mut s = String::new();
     let _ = writeln!(s, "# azsdp bench{}\n", if quick { " --quick" } else { "" });
@@ -599,12 +671,9 @@ fn summarize(b: &Bench, memcpy: (f64, f64), quick: bool, took: Duration) -> Stri
         ratio(o_az, b.get("overlap", "zsdp", mb, 400)),
     );
     let _ = writeln!(s, "\n## Throughput (GB/s) by size\n");
-    let _ = writeln!(
-        s,
-        "| size | {} |",
-        MODES.iter().map(|m| m.name).collect::<Vec<_>>().join(" | ")
-    );
-    let _ = writeln!(s, "|---|{}", "---|".repeat(MODES.len()));
+    let names: Vec<&str> = MODES.iter().map(|m| m.name).chain(["azsdp"]).collect();
+    let _ = writeln!(s, "| size | {} |", names.join(" | "));
+    let _ = writeln!(s, "|---|{}", "---|".repeat(names.len()));
     let mut sizes: Vec<u64> = b
         .rows
         .iter()
@@ -613,16 +682,51 @@ fn summarize(b: &Bench, memcpy: (f64, f64), quick: bool, took: Duration) -> Stri
         .collect();
     sizes.sort_unstable();
     sizes.dedup();
-    for size in sizes {
-        let cells: Vec<String> = MODES
+    for &size in &sizes {
+        let cells: Vec<String> = names
             .iter()
             .map(|m| {
-                b.get("throughput", m.name, size, 0)
+                b.get("throughput", m, size, 0)
                     .map_or("-".into(), |v| format!("{v:.2}"))
             })
             .collect();
         let _ = writeln!(s, "| {size} | {} |", cells.join(" | "));
     }
+    let _ = writeln!(
+        s,
+        "\n## azsdp as configured ({configured_from}) against the best mode\n\n\
+         Target: within 10% of the best of the five modes at every size, or above it.\n"
+    );
+    let _ = writeln!(s, "| size | best mode | azsdp | ratio | |");
+    let _ = writeln!(s, "|---|---|---|---|---|");
+    let mut missed = 0;
+    for &size in &sizes {
+        let best = MODES
+            .iter()
+            .filter_map(|m| Some((m.name, b.get("throughput", m.name, size, 0)?)))
+            .max_by(|x, y| x.1.total_cmp(&y.1));
+        let (Some((best_mode, best)), Some(az)) = (best, b.get("throughput", "azsdp", size, 0))
+        else {
+            continue;
+        };
+        let ok = az >= 0.9 * best;
+        missed += usize::from(!ok);
+        let _ = writeln!(
+            s,
+            "| {size} | {best_mode} {best:.2} | {az:.2} | {} | {} |",
+            ratio(Some(az), Some(best)),
+            if ok { "ok" } else { "missed" }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\n{}",
+        if missed == 0 {
+            "Within 10% of the best mode at every size.".to_string()
+        } else {
+            format!("More than 10% below the best mode at {missed} size(s).")
+        }
+    );
     s
 }
 
@@ -631,7 +735,7 @@ fn summarize(b: &Bench, memcpy: (f64, f64), quick: bool, took: Duration) -> Stri
 pub fn tune(out_file: PathBuf) -> ExitCode {
     let dir = std::env::temp_dir().join(format!("azsdp-tune-{}", std::process::id()));
     // BSDP and AZ-SDP block- and copy-on-write, as `azsdp bench` runs them.
-    let modes = [MODES[1], MODES[3], MODES[4]];
+    let modes = [MODES[1].clone(), MODES[3].clone(), MODES[4].clone()];
     let mut b = match setup(&dir, &modes) {
         Ok(b) => b,
         Err(code) => return code,
