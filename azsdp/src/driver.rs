@@ -23,6 +23,7 @@ use crate::conn::{
 use crate::fabric::{Fabric, FabricError, FabricEvent, OpResult};
 use crate::time::Timestamp;
 
+pub mod standby;
 pub mod threaded;
 
 /// The application's own memory, by address.

@@ -172,6 +172,22 @@ fn for_each_holding(range: &Range<u64>, mut visit: impl FnMut(&Arc<dyn Participa
     }
 }
 
+/// This process's id, cached (glibc's `getpid` is a system call, and the
+/// drivers ask on every call); the fork handler forgets it in a child.
+static PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// The id of the calling process.
+pub fn pid() -> u32 {
+    let p = PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    ensure_atfork();
+    let p = std::process::id();
+    PID.store(p, Ordering::Relaxed);
+    p
+}
+
 /// Install the fork handlers (once per process).
 pub(crate) fn ensure_atfork() {
     ATFORK.call_once(|| {
@@ -381,6 +397,7 @@ extern "C" fn fork_parent() {
 }
 
 extern "C" fn fork_child() {
+    PID.store(0, Ordering::SeqCst);
     // The child is single-threaded: no one else can hold the lock here.
     release_held();
     LIVE.release();

@@ -272,7 +272,7 @@ impl StatFile {
     /// Writes from a forked child, whose inherited mapping is the parent's
     /// file, are dropped (it makes its own).
     fn mine(&self) -> bool {
-        std::process::id() == self.pid
+        crate::process::pid() == self.pid
     }
 
     /// Take a free slot for a connection; `None` (counted) if all are used.
@@ -373,7 +373,7 @@ impl StatFile {
 
 impl Drop for StatFile {
     fn drop(&mut self) {
-        if std::process::id() == self.pid {
+        if crate::process::pid() == self.pid {
             let _ = std::fs::remove_file(&self.path);
         }
     }

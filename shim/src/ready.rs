@@ -55,6 +55,9 @@ impl Wakeup {
         if !self.asleep.swap(true, Ordering::SeqCst) {
             ARMED.fetch_add(1, Ordering::SeqCst);
         }
+        // Only progress threads see data arrive while we sleep: any on
+        // standby (the application was just calling) go back to watching.
+        azsdp::driver::standby::end();
     }
 
     /// Awake again: drop what notifications came.

@@ -18,12 +18,12 @@
 //! GET_COMPLETEs that unprotect an AZ-SDP sender's pages, credits, timers.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{Driver, Protector};
+use super::{Driver, Protector, standby};
 use crate::conn::{
     Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
 };
@@ -40,6 +40,8 @@ struct Shared<F: Fabric, P: Protector> {
     stop: AtomicBool,
     /// Application threads blocked in a call (sleeping on the fabric).
     in_calls: AtomicUsize,
+    /// When the last call ended ([`standby::now_ns`]; 0: none yet).
+    last_exit: AtomicU64,
     /// The process that runs the threads; in a forked child this driver is
     /// the parent's copy, inert until the child adopts it.
     owner: AtomicU32,
@@ -156,7 +158,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// In a forked child, before adopting: the threads are the parent's.
     fn orphaned(&self) -> bool {
-        std::process::id() != self.owner.load(Ordering::SeqCst)
+        crate::process::pid() != self.owner.load(Ordering::SeqCst)
     }
 
     /// May this process use the connection? A connection a fork froze is
@@ -217,7 +219,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 None => None,
             }
         };
-        self.owner.store(std::process::id(), Ordering::SeqCst);
+        self.owner.store(crate::process::pid(), Ordering::SeqCst);
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
         let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
@@ -268,6 +270,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             };
             self.waiter.wait(ticket, nap, true);
         };
+        self.last_exit
+            .store(standby::now_ns().max(1), Ordering::SeqCst);
         self.in_calls.fetch_sub(1, Ordering::SeqCst);
         r
     }
@@ -342,7 +346,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             waiter: Box::new(waiter),
             stop: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
-            owner: AtomicU32::new(std::process::id()),
+            last_exit: AtomicU64::new(0),
+            owner: AtomicU32::new(crate::process::pid()),
             threads: Mutex::new(Vec::new()),
             refresh: Mutex::new(None),
             frozen_since: Mutex::new(None),
@@ -573,6 +578,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + FORK_GRACE + linger);
         self.shared.waiter.kick();
+        // The progress thread finishes the close: off standby now.
+        self.shared.last_exit.store(0, Ordering::SeqCst);
+        standby::end();
     }
 
     /// After [`ThreadedDriver::close_in_background`]: wait until the
@@ -658,6 +666,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.waiter.kick();
+        standby::end();
         for t in threads {
             let _ = t.join();
         }
@@ -721,7 +730,17 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
 /// comes or a timer is due. While a caller is blocked it only turns when
 /// the lock is free (that caller turns for itself).
 fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Shared<F, P>) {
+    let wanted = || standby::wanted(s.in_calls.load(Ordering::SeqCst), &s.last_exit);
+    let mut nap = standby::RECENT;
     while !s.stop.load(Ordering::Relaxed) {
+        // The application drives the connection now: keep off the ring
+        // (see `standby`), looking again after a nap that doubles.
+        if wanted() {
+            standby::park(nap, wanted);
+            nap = (nap * 2).min(MAX_NAP);
+            continue;
+        }
+        nap = standby::RECENT;
         let ticket = s.waiter.prepare();
         let guard = if s.in_calls.load(Ordering::SeqCst) > 0 {
             s.try_lock()

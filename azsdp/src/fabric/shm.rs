@@ -325,7 +325,15 @@ pub struct ShmEndpoint {
     gone_reported: bool,
     /// Readable once the peer process has exited (zombie or reaped).
     peer_fd: Option<OwnedFd>,
+    /// When the peer process was last seen alive: an idle poll asks the
+    /// kernel (a system call) at most once per [`ALIVE_EVERY`].
+    alive_at: Option<Instant>,
 }
+
+/// How often an idle endpoint asks whether the peer process still exists
+/// (a peer that closes says so in the segment at once; this is for one
+/// that dies without closing).
+const ALIVE_EVERY: Duration = Duration::from_millis(1);
 
 fn io_err(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(e.to_string())
@@ -554,7 +562,7 @@ impl ShmEndpoint {
                 Err(e) => Some(NoGet::Refused(e.desc().to_string())),
             }
         };
-        seg.hdr().owner[side].store(std::process::id(), Ordering::Release);
+        seg.hdr().owner[side].store(crate::process::pid(), Ordering::Release);
         // Keep our canary alive until the peer has probed it too.
         handshake_done(sock)?;
         let seg = Arc::new(seg);
@@ -569,6 +577,7 @@ impl ShmEndpoint {
             completions: VecDeque::new(),
             next_key: 0x1000 * (side as u32 + 1),
             gone_reported: false,
+            alive_at: None,
             peer_fd: pidfd_open(peer_pid),
             seg,
         })
@@ -636,13 +645,19 @@ impl ShmEndpoint {
         if self.peer_closed() {
             return false;
         }
+        let now = Instant::now();
+        if self.alive_at.is_some_and(|t| now < t + ALIVE_EVERY) {
+            return true;
+        }
         self.follow_peer();
-        match &self.peer_fd {
+        let alive = match &self.peer_fd {
             Some(fd) => !pidfd_exited(fd),
             // Without pidfd: a zombie still answers kill(0); the peer
             // timeout catches that case.
             None => nix::sys::signal::kill(self.peer_pid, None).is_ok(),
-        }
+        };
+        self.alive_at = alive.then_some(now);
+        alive
     }
 
     fn cas(&self, target: CasTarget, expect: u64, new: u64) -> Result<u64, OpError> {
@@ -674,7 +689,7 @@ impl ShmEndpoint {
 impl Fabric for ShmEndpoint {
     fn ownership(&self) -> Ownership {
         let w = self.seg.hdr().owner[self.side].load(Ordering::Acquire);
-        if w == std::process::id() {
+        if w == crate::process::pid() {
             Ownership::Mine
         } else if w & FROZEN != 0 {
             Ownership::Unclaimed
@@ -691,7 +706,7 @@ impl Fabric for ShmEndpoint {
     }
 
     fn freeze(&self) {
-        let me = std::process::id();
+        let me = crate::process::pid();
         let _ = self.seg.hdr().owner[self.side].compare_exchange(
             me,
             me | FROZEN,
@@ -701,7 +716,7 @@ impl Fabric for ShmEndpoint {
     }
 
     fn claim(&self) -> bool {
-        let me = std::process::id();
+        let me = crate::process::pid();
         let word = &self.seg.hdr().owner[self.side];
         let mut w = word.load(Ordering::Acquire);
         loop {

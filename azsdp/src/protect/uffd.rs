@@ -222,7 +222,7 @@ impl Process {
             // SAFETY: one valid pollfd for the duration of the call.
             let n = unsafe { libc::poll(&mut p, 1, 1000) };
             if n <= 0 {
-                if std::process::id() != self.pid {
+                if crate::process::pid() != self.pid {
                     return;
                 }
                 continue;
@@ -844,7 +844,7 @@ fn unmap_staging(s: &Staging) {
 impl Drop for UffdProtect {
     fn drop(&mut self) {
         let proc = Arc::clone(&self.proc);
-        if proc.pid != std::process::id() {
+        if proc.pid != crate::process::pid() {
             // A forked child's copy: the userfaultfd is the parent's.
             return;
         }
