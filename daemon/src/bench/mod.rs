@@ -370,26 +370,47 @@ impl Bench {
         args: &[String],
         pick: Pick,
     ) {
+        self.measure_median(what, who, at, args, pick, 1);
+    }
+
+    /// [`Bench::measure`], the median of `reps` runs (where modes are
+    /// compared size by size, one run's noise would pick the winner).
+    fn measure_median(
+        &mut self,
+        what: (&'static str, &Mode),
+        who: (usize, usize),
+        at: (u64, u64),
+        args: &[String],
+        pick: Pick,
+        reps: usize,
+    ) {
         let (test, mode) = what;
-        let r = self.pair(mode, who.0, who.1, args);
-        let Some(v) = self.ok(test, mode, r) else {
-            return;
-        };
-        let (value, unit) = match pick {
-            Pick::FirstLatency => (v.first().map_or(0.0, |v| num(v, "latency_us")), "us"),
-            Pick::WorstLatency => (
-                v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max),
-                "us",
-            ),
-            Pick::FirstRate => (v.first().map_or(0.0, |v| num(v, "gbytes_per_sec")), "GB/s"),
-            Pick::TotalRate => (v.iter().map(|v| num(v, "gbytes_per_sec")).sum(), "GB/s"),
-        };
+        let mut values = Vec::new();
+        let mut unit = "";
+        for _ in 0..reps.max(1) {
+            let r = self.pair(mode, who.0, who.1, args);
+            let Some(v) = self.ok(test, mode, r) else {
+                return;
+            };
+            let (value, u) = match pick {
+                Pick::FirstLatency => (v.first().map_or(0.0, |v| num(v, "latency_us")), "us"),
+                Pick::WorstLatency => (
+                    v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max),
+                    "us",
+                ),
+                Pick::FirstRate => (v.first().map_or(0.0, |v| num(v, "gbytes_per_sec")), "GB/s"),
+                Pick::TotalRate => (v.iter().map(|v| num(v, "gbytes_per_sec")).sum(), "GB/s"),
+            };
+            values.push(value);
+            unit = u;
+        }
+        values.sort_by(f64::total_cmp);
         self.record(Row {
             test,
             mode: mode.name,
             size: at.0,
             parameter: at.1,
-            value,
+            value: values[values.len() / 2],
             unit,
         });
     }
@@ -497,7 +518,14 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
         for &size in &tput_sizes {
             let n = count_for(size, budget, 64, 1 << 20);
             let args = sv(&["-l", &size.to_string(), "-n", &n.to_string()]);
-            b.measure(("throughput", m), (1, 1), (size, 0), &args, Pick::FirstRate);
+            b.measure_median(
+                ("throughput", m),
+                (1, 1),
+                (size, 0),
+                &args,
+                Pick::FirstRate,
+                3,
+            );
         }
         if m.name == "azsdp" {
             // As configured: only where the configuration decides (sizes).
