@@ -11,7 +11,7 @@
 //! `unsafe` here: [`ProcessMemory`] reads and writes application buffers by
 //! address, as the engine asks.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use crate::conn::{
     UserMemory,
 };
 use crate::fabric::{Fabric, FabricError, FabricEvent, OpResult};
+use crate::id_map::IdMap;
 use crate::time::Timestamp;
 
 pub mod standby;
@@ -153,17 +154,17 @@ pub struct Driver<F: Fabric, P: Protector> {
     mem: ProcessMemory,
     epoch: Instant,
     next_call: u64,
-    done: HashMap<CallId, Result<u64, CallError>>,
+    done: IdMap<CallId, Result<u64, CallError>>,
     resumed: Vec<Ticket>,
     /// Page each pending fault is on, to wake its thread on `Resume`.
-    fault_pages: HashMap<Ticket, u64>,
+    fault_pages: IdMap<Ticket, u64>,
     next_ticket: u64,
     /// Messages the engine produced that the fabric had no room for yet.
     backlog: VecDeque<Vec<u8>>,
     /// Private copies made for copy-on-write, by address.
-    copies: HashMap<u64, Vec<u8>>,
+    copies: IdMap<u64, Vec<u8>>,
     /// GETs into armed ranges that land in staging first.
-    staged: HashMap<OpId, Range<u64>>,
+    staged: IdMap<OpId, Range<u64>>,
     /// No new arms (a fork is pending: staging pages shared with a child
     /// could not be moved back).
     arms_paused: bool,
@@ -188,13 +189,13 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
             mem: ProcessMemory,
             epoch,
             next_call: 1,
-            done: HashMap::new(),
+            done: IdMap::default(),
             resumed: Vec::new(),
-            fault_pages: HashMap::new(),
+            fault_pages: IdMap::default(),
             next_ticket: 1,
             backlog: VecDeque::new(),
-            copies: HashMap::new(),
-            staged: HashMap::new(),
+            copies: IdMap::default(),
+            staged: IdMap::default(),
             arms_paused: false,
             buf: Vec::new(),
             max_wait: Duration::from_millis(50),

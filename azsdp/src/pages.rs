@@ -12,13 +12,19 @@ use std::ops::Range;
 
 /// This host's page size (read once).
 pub fn system_page_size() -> u64 {
-    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *PAGE.get_or_init(|| {
-        nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-            .ok()
-            .flatten()
-            .map_or(4096, |v| v as u64)
-    })
+    // Not a OnceLock: one caught mid-initialisation by a fork would block
+    // the child forever; racing first readers just both ask.
+    static PAGE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let p = PAGE.load(std::sync::atomic::Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    let p = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |v| v as u64);
+    PAGE.store(p, std::sync::atomic::Ordering::Relaxed);
+    p
 }
 
 /// Round `addr` down to a multiple of `page` (a power of two).

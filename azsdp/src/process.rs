@@ -27,7 +27,7 @@
 use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Once, Weak};
+use std::sync::{Arc, Weak};
 
 /// A live connection driver, as the process-wide hooks see it.
 pub trait Participant: Send + Sync {
@@ -135,7 +135,7 @@ static LIVE: Registry = Registry {
 /// Registered participants (a hint for the fast path; never under-counts
 /// a live one).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
-static ATFORK: Once = Once::new();
+static ATFORK: crate::fork_once::ForkOnce = crate::fork_once::ForkOnce::new();
 
 fn live() -> Vec<Arc<dyn Participant>> {
     LIVE.with(|l| l.iter().filter_map(|(w, _)| w.upgrade()).collect())
@@ -183,14 +183,19 @@ pub fn pid() -> u32 {
         return p;
     }
     ensure_atfork();
-    let p = std::process::id();
+    let p = raw_pid();
     PID.store(p, Ordering::Relaxed);
     p
 }
 
+/// `getpid()`, uncached (for code [`pid`] itself relies on).
+pub fn raw_pid() -> u32 {
+    std::process::id()
+}
+
 /// Install the fork handlers (once per process).
 pub(crate) fn ensure_atfork() {
-    ATFORK.call_once(|| {
+    ATFORK.call(|| {
         // SAFETY: the handlers are plain extern "C" functions with static
         // lifetime; pthread_atfork only records them.
         unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
@@ -398,6 +403,9 @@ extern "C" fn fork_parent() {
 
 extern "C" fn fork_child() {
     PID.store(0, Ordering::SeqCst);
+    // This handler runs, so the registration took effect before the fork
+    // (glibc serialises the two), whatever state the parent's flag was in.
+    ATFORK.mark_done();
     // The child is single-threaded: no one else can hold the lock here.
     release_held();
     LIVE.release();

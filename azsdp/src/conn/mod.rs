@@ -21,7 +21,7 @@ mod rx;
 mod settings;
 mod tx;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::time::Duration;
 
@@ -140,7 +140,7 @@ pub struct Connection {
     peer: Option<Peer>,
     now: Timestamp,
     next_op: u64,
-    ops: HashMap<OpId, OpKind>,
+    ops: crate::id_map::IdMap<OpId, OpKind>,
     actions: VecDeque<Action>,
     counters: Counters,
 
@@ -232,7 +232,7 @@ impl Connection {
             peer: None,
             now,
             next_op: 1,
-            ops: HashMap::new(),
+            ops: Default::default(),
             actions: VecDeque::new(),
             counters: Counters::default(),
             out: VecDeque::new(),

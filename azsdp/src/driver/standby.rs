@@ -11,10 +11,11 @@
 //! again after a nap that doubles up to a bound), or at once when the
 //! application is about to sleep in `poll`/`epoll_wait`/`select` and needs
 //! it to watch for readiness ([`end`]).
+//!
+//! `unsafe` here: `clock_gettime`.
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Bumped (and its sleepers woken) by [`end`].
 static GENERATION: AtomicU32 = AtomicU32::new(0);
@@ -28,8 +29,15 @@ pub const RECENT: Duration = Duration::from_micros(200);
 
 /// A monotonic clock in nanoseconds, cheap enough to read on every call.
 pub fn now_ns() -> u64 {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    // CLOCK_MONOTONIC itself, not an epoch in a OnceLock (a fork in the
+    // middle of its initialisation would leave the child blocked on it).
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Should a progress thread stand by? Yes while a caller is in a call
@@ -71,6 +79,7 @@ pub fn end() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     // One test: end() is process-wide, parallel tests would see each other's.
     #[test]

@@ -26,7 +26,6 @@
 use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Once;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -69,7 +68,7 @@ struct OldAction(UnsafeCell<Option<libc::sigaction>>);
 // exists; never written again.
 unsafe impl Sync for OldAction {}
 static OLD: OldAction = OldAction(UnsafeCell::new(None));
-static INSTALL: Once = Once::new();
+static INSTALL: crate::fork_once::ForkOnce = crate::fork_once::ForkOnce::new();
 static INSTALLED: AtomicU32 = AtomicU32::new(0);
 
 /// The owner of the protected range holding `addr`, if any.
@@ -239,7 +238,7 @@ unsafe fn install_handler() {
 
 fn install() -> Result<(), ProtectError> {
     // SAFETY: the first installation, before any page is protected.
-    INSTALL.call_once(|| unsafe { install_handler() });
+    INSTALL.call(|| unsafe { install_handler() });
     if INSTALLED.load(Ordering::Acquire) == 1 {
         Ok(())
     } else {
