@@ -16,7 +16,9 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// on one host, or a test whose server lingers, do not collide).
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
-    20000 + (std::process::id() % 300) as u16 * 128 + offset
+    // Below Linux's ephemeral range (32768-60999), where the bench test's
+    // many connections take their local ports.
+    20000 + (std::process::id() % 98) as u16 * 128 + offset
 }
 
 /// The shim's closing line of a connection, with its byte counts.
@@ -530,13 +532,13 @@ fn getsockname_and_getpeername_of_upgraded_sockets() {
 
 // ----- bad input ------------------------------------------------------------------
 
-/// A PING over plain TCP from the test itself, bound to `local_port` if
-/// given; the reply.
-fn redis_ping(port: u16, local_port: Option<u16>) -> String {
+/// A PING over plain TCP from the test itself, from `bound` if given; the
+/// reply.
+fn redis_ping(port: u16, bound: Option<std::os::fd::OwnedFd>) -> String {
     use std::io::{BufRead, BufReader};
     use std::net::TcpStream;
-    let s = match local_port {
-        Some(lp) => bind_and_connect(lp, port),
+    let s = match bound {
+        Some(fd) => connect_from(fd, port),
         None => TcpStream::connect(("127.0.0.1", port)).expect("connect"),
     };
     s.set_read_timeout(Some(Duration::from_secs(10)))
@@ -547,43 +549,50 @@ fn redis_ping(port: u16, local_port: Option<u16>) -> String {
     line.trim_end().to_string()
 }
 
-/// A TCP connection from 127.0.0.1:`from` to 127.0.0.1:`to`.
-fn bind_and_connect(from: u16, to: u16) -> std::net::TcpStream {
+fn loopback(port: u16) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// A TCP socket bound on 127.0.0.1 to a port the kernel chose (a fixed one
+/// may be some other test's connection's by then), and that port.
+fn bound_socket() -> (std::os::fd::OwnedFd, u16) {
     use std::os::fd::FromRawFd;
-    // SAFETY: plain socket calls on a descriptor we own, then handed to std.
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor we own from here on, and
+    // a sockaddr_in of our own for getsockname to fill.
     unsafe {
         let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
         assert!(fd >= 0);
-        let one: libc::c_int = 1;
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_REUSEADDR,
-            (&raw const one).cast(),
-            4,
-        );
-        let a = |port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let (src, dst) = (a(from), a(to));
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let any = loopback(0);
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        assert_eq!(libc::bind(raw, (&raw const any).cast(), len), 0, "bind");
+        let mut got = loopback(0);
+        let mut got_len = len;
         assert_eq!(
-            libc::bind(fd, (&raw const src).cast(), len),
-            0,
-            "bind {from}"
+            libc::getsockname(raw, (&raw mut got).cast(), &mut got_len),
+            0
         );
-        assert_eq!(
-            libc::connect(fd, (&raw const dst).cast(), len),
-            0,
-            "connect {to}"
-        );
-        std::net::TcpStream::from_raw_fd(fd)
+        (fd, u16::from_be(got.sin_port))
     }
+}
+
+/// Connect `fd` (from [`bound_socket`]) to 127.0.0.1:`to`.
+fn connect_from(fd: std::os::fd::OwnedFd, to: u16) -> std::net::TcpStream {
+    let dst = loopback(to);
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+    // SAFETY: connect on a descriptor we own, with a sockaddr_in of ours.
+    let r = unsafe { libc::connect(raw, (&raw const dst).cast(), len) };
+    assert_eq!(r, 0, "connect {to}");
+    std::net::TcpStream::from(fd)
 }
 
 /// The listener's registration, as a would-be client sees it.
@@ -608,7 +617,7 @@ fn garbage_and_lies_on_the_pairing_channel_leave_connections_on_tcp() {
     (&registration(p)).write_all(b"AZPR").expect("short");
     drop(registration(p));
     // A request that lies about its pid, for a port we then connect from.
-    let liar_port = port(20);
+    let (liar_fd, liar_port) = bound_socket();
     let mut b = [0u8; REQUEST_LEN];
     PairRequest {
         dst: format!("127.0.0.1:{p}").parse().expect("addr"),
@@ -618,10 +627,10 @@ fn garbage_and_lies_on_the_pairing_channel_leave_connections_on_tcp() {
     .emit(&mut b);
     let liar = registration(p);
     (&liar).write_all(&b).expect("request");
-    assert_eq!(redis_ping(p, Some(liar_port)), "+PONG");
+    assert_eq!(redis_ping(p, Some(liar_fd)), "+PONG");
     // A truthful request whose client then never sets up the segment: the
     // listener gives up after pair_timeout and serves TCP.
-    let silent_port = port(21);
+    let (silent_fd, silent_port) = bound_socket();
     PairRequest {
         dst: format!("127.0.0.1:{p}").parse().expect("addr"),
         client_port: silent_port,
@@ -631,7 +640,7 @@ fn garbage_and_lies_on_the_pairing_channel_leave_connections_on_tcp() {
     let silent = registration(p);
     (&silent).write_all(&b).expect("request");
     let t0 = Instant::now();
-    assert_eq!(redis_ping(p, Some(silent_port)), "+PONG");
+    assert_eq!(redis_ping(p, Some(silent_fd)), "+PONG");
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     drop((liar, silent));
     // A real client under azsdp still gets the upgrade.

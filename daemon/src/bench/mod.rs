@@ -332,17 +332,17 @@ fn setup(out: &Path, modes: &[Mode]) -> Result<Bench, ExitCode> {
 }
 
 impl Bench {
-    /// Throughput of `size`-byte sends under `mode` (with `extra` ttcp
-    /// options), recorded as `test`; `None` if the run failed.
+    /// Throughput of `size`-byte sends under each of `modes` (with `extra`
+    /// ttcp options), the median of `rounds` taken in turns, recorded as
+    /// `test`; per mode, `None` if its runs failed.
     fn throughput(
         &mut self,
-        test: &'static str,
-        mode: &Mode,
-        size: u64,
-        parameter: u64,
+        (test, modes): (&'static str, &[Mode]),
+        (size, parameter): (u64, u64),
         extra: &[String],
         budget: u64,
-    ) -> Option<f64> {
+        rounds: usize,
+    ) -> Vec<Option<f64>> {
         let mut args = vec![
             "-l".to_string(),
             size.to_string(),
@@ -350,14 +350,11 @@ impl Bench {
             count_for(size, budget, 64, 1 << 20).to_string(),
         ];
         args.extend_from_slice(extra);
-        self.measure(
-            (test, mode),
-            (1, 1),
-            (size, parameter),
-            &args,
-            Pick::FirstRate,
-        );
-        self.get(test, mode.name, size, parameter)
+        self.throughput_round_robin((test, modes), (size, parameter), &args, rounds);
+        modes
+            .iter()
+            .map(|m| self.get(test, m.name, size, parameter))
+            .collect()
     }
 
     /// Run a pair (`who`: receiver connections, transmitter processes) and
@@ -370,49 +367,73 @@ impl Bench {
         args: &[String],
         pick: Pick,
     ) {
-        self.measure_median(what, who, at, args, pick, 1);
+        if let Some((value, unit)) = self.sample(what, who, args, pick) {
+            self.record(Row {
+                test: what.0,
+                mode: what.1.name,
+                size: at.0,
+                parameter: at.1,
+                value,
+                unit,
+            });
+        }
     }
 
-    /// [`Bench::measure`], the median of `reps` runs (where modes are
-    /// compared size by size, one run's noise would pick the winner).
-    fn measure_median(
+    /// One run's figure and its unit; `None` (said, and counted) if the
+    /// run failed.
+    fn sample(
         &mut self,
-        what: (&'static str, &Mode),
+        (test, mode): (&'static str, &Mode),
         who: (usize, usize),
-        at: (u64, u64),
         args: &[String],
         pick: Pick,
-        reps: usize,
+    ) -> Option<(f64, &'static str)> {
+        let r = self.pair(mode, who.0, who.1, args);
+        let v = self.ok(test, mode, r)?;
+        Some(match pick {
+            Pick::FirstLatency => (v.first().map_or(0.0, |v| num(v, "latency_us")), "us"),
+            Pick::WorstLatency => (
+                v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max),
+                "us",
+            ),
+            Pick::FirstRate => (v.first().map_or(0.0, |v| num(v, "gbytes_per_sec")), "GB/s"),
+            Pick::TotalRate => (v.iter().map(|v| num(v, "gbytes_per_sec")).sum(), "GB/s"),
+        })
+    }
+
+    /// Throughput at `size` in every mode, compared size by size: the modes
+    /// take turns for `rounds` rounds (the host's noise drifts over
+    /// minutes, and would otherwise favour whichever ran in a quiet one),
+    /// and each records its median.
+    fn throughput_round_robin(
+        &mut self,
+        (test, modes): (&'static str, &[Mode]),
+        (size, parameter): (u64, u64),
+        args: &[String],
+        rounds: usize,
     ) {
-        let (test, mode) = what;
-        let mut values = Vec::new();
-        let mut unit = "";
-        for _ in 0..reps.max(1) {
-            let r = self.pair(mode, who.0, who.1, args);
-            let Some(v) = self.ok(test, mode, r) else {
-                return;
-            };
-            let (value, u) = match pick {
-                Pick::FirstLatency => (v.first().map_or(0.0, |v| num(v, "latency_us")), "us"),
-                Pick::WorstLatency => (
-                    v.iter().map(|v| num(v, "latency_us")).fold(0.0, f64::max),
-                    "us",
-                ),
-                Pick::FirstRate => (v.first().map_or(0.0, |v| num(v, "gbytes_per_sec")), "GB/s"),
-                Pick::TotalRate => (v.iter().map(|v| num(v, "gbytes_per_sec")).sum(), "GB/s"),
-            };
-            values.push(value);
-            unit = u;
+        let mut got: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+        for _ in 0..rounds {
+            for (m, values) in modes.iter().zip(got.iter_mut()) {
+                if let Some((v, _)) = self.sample((test, m), (1, 1), args, Pick::FirstRate) {
+                    values.push(v);
+                }
+            }
         }
-        values.sort_by(f64::total_cmp);
-        self.record(Row {
-            test,
-            mode: mode.name,
-            size: at.0,
-            parameter: at.1,
-            value: values[values.len() / 2],
-            unit,
-        });
+        for (m, mut values) in modes.iter().zip(got) {
+            if values.is_empty() {
+                continue;
+            }
+            values.sort_by(f64::total_cmp);
+            self.record(Row {
+                test,
+                mode: m.name,
+                size,
+                parameter,
+                value: values[values.len() / 2],
+                unit: "GB/s",
+            });
+        }
     }
 
     /// Every connection of each azsdp mode must have been upgraded.
@@ -502,6 +523,15 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
     }
 
     let sv = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
+    for &size in &tput_sizes {
+        let n = count_for(size, budget, 64, 1 << 20);
+        let args = sv(&["-l", &size.to_string(), "-n", &n.to_string()]);
+        b.throughput_round_robin(("throughput", &modes), (size, 0), &args, 3);
+    }
+    eprintln!(
+        "azsdp bench: throughput done ({:.0} s)",
+        t0.elapsed().as_secs_f64()
+    );
     for m in &modes {
         for &size in &lat_sizes {
             let n = count_for(size, budget / 8, 20, if quick { 2000 } else { 10000 });
@@ -514,18 +544,6 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
                 &n.to_string(),
             ]);
             b.measure(("latency", m), (1, 1), (size, 0), &args, Pick::FirstLatency);
-        }
-        for &size in &tput_sizes {
-            let n = count_for(size, budget, 64, 1 << 20);
-            let args = sv(&["-l", &size.to_string(), "-n", &n.to_string()]);
-            b.measure_median(
-                ("throughput", m),
-                (1, 1),
-                (size, 0),
-                &args,
-                Pick::FirstRate,
-                3,
-            );
         }
         if m.name == "azsdp" {
             // As configured: only where the configuration decides (sizes).
@@ -771,6 +789,16 @@ fn summarize(
     s
 }
 
+/// The smallest size from which zero-copy wins at every larger size too (a
+/// lone win below a loss is noise, not a crossover); `None` if it never
+/// wins at the largest size. `wins`: (size, zero-copy won), by size.
+fn crossover(wins: &[(u64, bool)]) -> Option<u64> {
+    match wins.iter().rposition(|&(_, won)| !won) {
+        None => wins.first().map(|w| w.0),
+        Some(i) => wins.get(i + 1).map(|w| w.0),
+    }
+}
+
 /// `azsdp tune`: measure this host's crossovers and write them as a
 /// configuration `azsdp run --config` accepts.
 pub fn tune(out_file: PathBuf) -> ExitCode {
@@ -784,32 +812,24 @@ pub fn tune(out_file: PathBuf) -> ExitCode {
     let budget = 128 << 20;
     // Where zero-copy starts to beat the copy through the rings.
     let sizes: Vec<u64> = (12..=21).map(|e| 1u64 << e).collect();
-    let mut threshold = None;
     let mut lines = Vec::new();
+    let mut wins = Vec::new();
     for &size in &sizes {
-        let bsdp = b.throughput("tune-threshold", &modes[0], size, 0, &[], budget);
-        let zc = [&modes[1], &modes[2]]
-            .iter()
-            .filter_map(|m| b.throughput("tune-threshold", m, size, 0, &[], budget))
-            .fold(0.0, f64::max);
-        if let Some(bsdp) = bsdp {
+        let v = b.throughput(("tune-threshold", &modes), (size, 0), &[], budget, 3);
+        let zc = v[1..].iter().flatten().copied().fold(0.0, f64::max);
+        if let Some(bsdp) = v[0] {
             lines.push(format!(
                 "#   {size:>8} B: bsdp {bsdp:.2} GB/s, zero-copy {zc:.2} GB/s"
             ));
-            if threshold.is_none() && zc > bsdp {
-                threshold = Some(size);
-            }
+            wins.push((size, zc > bsdp));
         }
     }
+    let threshold = crossover(&wins);
     // Copy-on-write against block-on-write when the program rewrites its
     // buffer every 8 sends, at 1 MiB.
     let touch = vec!["--touch-window".to_string(), "8".to_string()];
-    let bow = b
-        .throughput("tune-fault", &modes[1], 1 << 20, 8, &touch, budget)
-        .unwrap_or(0.0);
-    let cow = b
-        .throughput("tune-fault", &modes[2], 1 << 20, 8, &touch, budget)
-        .unwrap_or(0.0);
+    let v = b.throughput(("tune-fault", &modes[1..]), (1 << 20, 8), &touch, budget, 3);
+    let (bow, cow) = (v[0].unwrap_or(0.0), v[1].unwrap_or(0.0));
     b.check_upgraded(&modes);
     if b.failures > 0 {
         eprintln!(
@@ -855,4 +875,22 @@ pub fn tune(out_file: PathBuf) -> ExitCode {
     print!("{text}");
     println!("# written to {}", out_file.display());
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_crossover_is_where_zero_copy_wins_for_good() {
+        let w = |v: &[(u64, bool)]| crossover(v);
+        assert_eq!(w(&[(4, false), (8, true), (16, true)]), Some(8));
+        assert_eq!(
+            w(&[(4, true), (8, false), (16, true), (32, true)]),
+            Some(16)
+        );
+        assert_eq!(w(&[(4, true), (8, true)]), Some(4));
+        assert_eq!(w(&[(4, true), (8, false)]), None);
+        assert_eq!(w(&[]), None);
+    }
 }
