@@ -890,7 +890,9 @@ fn bench_quick_and_tune_write_their_results() {
     let text = std::fs::read_to_string(&tuned).expect("tuned config");
     let cfg = azsdp::config::Config::parse(&text, "tuned").expect("a valid configuration");
     assert!(
-        text.contains("zcopy_threshold = ") && text.contains("write_fault = "),
+        text.contains("zcopy_threshold = ")
+            && text.contains("write_fault = ")
+            && text.contains("recv_protect = "),
         "{text}"
     );
     assert!(cfg.global.zcopy_threshold >= 4096, "{text}");

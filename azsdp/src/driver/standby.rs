@@ -8,9 +8,10 @@
 //! for it to find the caller had taken the message already. So while calls
 //! come, the progress thread parks here instead, off the ring, and the peer
 //! posts without a system call. It comes back when calls stop (it looks
-//! again after a nap that doubles up to a bound), or at once when the
-//! application is about to sleep in `poll`/`epoll_wait`/`select` and needs
-//! it to watch for readiness ([`end`]).
+//! again after a nap that doubles up to [`LONGEST_NAP`]), or at once when
+//! the application is about to sleep in `poll`/`epoll_wait`/`select` and
+//! needs it to watch for readiness, or waits in a write fault for a
+//! completion ([`end`]).
 //!
 //! `unsafe` here: `clock_gettime`.
 
@@ -26,6 +27,9 @@ static ENDED_AT: AtomicU64 = AtomicU64::new(0);
 
 /// Calls ended less than this long ago keep the progress thread parked.
 pub const RECENT: Duration = Duration::from_micros(200);
+/// The longest park between looks: when calls stop, the connection goes
+/// unwatched at most this long (unless [`end`] comes first).
+pub const LONGEST_NAP: Duration = Duration::from_millis(2);
 
 /// A monotonic clock in nanoseconds, cheap enough to read on every call.
 pub fn now_ns() -> u64 {

@@ -715,6 +715,12 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
                     }
                     if s.in_calls.load(Ordering::SeqCst) > 0 {
                         s.waiter.kick();
+                    } else {
+                        // The writer waits in its fault, not in a call: the
+                        // progress thread must watch for the completion
+                        // that releases it (no standby until it comes).
+                        s.last_exit.store(0, Ordering::SeqCst);
+                        standby::end();
                     }
                 }
             });
@@ -737,7 +743,7 @@ fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Share
         // (see `standby`), looking again after a nap that doubles.
         if wanted() {
             standby::park(nap, wanted);
-            nap = (nap * 2).min(MAX_NAP);
+            nap = (nap * 2).min(standby::LONGEST_NAP);
             continue;
         }
         nap = standby::RECENT;
