@@ -3,12 +3,14 @@
 //! a peer not under azsdp; and a peer killed mid-stream.
 
 mod harness;
+mod loopback;
 
 use std::io::Write;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use harness::*;
+use loopback::loopback;
 
 const LISTEN: Duration = Duration::from_secs(15);
 
@@ -547,17 +549,6 @@ fn redis_ping(port: u16, bound: Option<std::os::fd::OwnedFd>) -> String {
     let mut line = String::new();
     BufReader::new(&s).read_line(&mut line).expect("read reply");
     line.trim_end().to_string()
-}
-
-fn loopback(port: u16) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
 }
 
 /// A TCP socket bound on 127.0.0.1 to a port the kernel chose (a fixed one

@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use libc::{c_int, c_void};
+use loopback::loopback as addr;
+
+mod loopback;
 
 type R = Result<(), String>;
 
@@ -27,17 +30,6 @@ fn errno() -> c_int {
 
 fn err_name(e: c_int) -> String {
     std::io::Error::from_raw_os_error(e).to_string()
-}
-
-fn addr(port: u16) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
 }
 
 fn tcp_socket() -> Result<c_int, String> {
