@@ -566,9 +566,9 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
             continue;
         }
         let computes: &[u64] = if quick {
-            &[0, 100, 200, 400]
+            &[0, 100, 150, 200, 400]
         } else {
-            &[0, 50, 100, 200, 300, 400]
+            &[0, 50, 100, 150, 200, 300, 400]
         };
         for &size in &[65536u64, 1 << 20] {
             for &us in computes {
