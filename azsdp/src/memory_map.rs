@@ -146,7 +146,7 @@ static QUERY_FD: Mutex<Option<(u32, std::fs::File)>> = Mutex::new(None);
 fn query(addr: u64) -> Result<Option<Vma>, ()> {
     use std::os::fd::AsRawFd;
     let mut fd = QUERY_FD.lock().unwrap_or_else(|e| e.into_inner());
-    let pid = std::process::id();
+    let pid = crate::process::pid();
     if fd.as_ref().is_none_or(|(p, _)| *p != pid) {
         *fd = Some((pid, std::fs::File::open("/proc/self/maps").map_err(|_| ())?));
     }

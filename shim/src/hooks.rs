@@ -457,16 +457,24 @@ unsafe fn iovs<T>(iov: *const libc::iovec, n: usize) -> Vec<(*mut T, usize)> {
         .collect()
 }
 
+/// [`iovs`] of bytes to send.
+///
+/// # Safety
+/// As [`iovs`].
+unsafe fn send_iovs(iov: *const libc::iovec, n: usize) -> Vec<(*const u8, usize)> {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { iovs::<u8>(iov, n) }
+        .into_iter()
+        .map(|(p, l)| (p.cast_const(), l))
+        .collect()
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || {
             // SAFETY: the program's msghdr and its iovecs.
-            let bufs: Vec<(*const u8, usize)> =
-                unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen) }
-                    .into_iter()
-                    .map(|(p, l)| (p.cast_const(), l))
-                    .collect();
+            let bufs = unsafe { send_iovs((*msg).msg_iov, (*msg).msg_iovlen) };
             send_bufs(&s, &c, &bufs, flags)
         }),
         // SAFETY: libc's sendmsg with the program's arguments.
@@ -488,10 +496,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
     match target(fd) {
         Target::Azsdp(s, c) => guard(-1, || {
             // SAFETY: the program's iovecs.
-            let bufs: Vec<(*const u8, usize)> = unsafe { iovs::<u8>(iov, n.max(0) as usize) }
-                .into_iter()
-                .map(|(p, l)| (p.cast_const(), l))
-                .collect();
+            let bufs = unsafe { send_iovs(iov, n.max(0) as usize) };
             send_bufs(&s, &c, &bufs, 0)
         }),
         // SAFETY: libc's writev with the program's arguments.

@@ -276,6 +276,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         r
     }
 
+    /// The progress thread is needed now, though calls ran a moment ago:
+    /// off standby (see [`standby`]) until the next call.
+    fn end_standby(&self) {
+        self.last_exit.store(0, Ordering::SeqCst);
+        standby::end();
+    }
+
     /// Has a fork frozen the connection (and no one claimed it yet)?
     fn frozen(&self) -> bool {
         self.frozen_since
@@ -578,9 +585,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + FORK_GRACE + linger);
         self.shared.waiter.kick();
-        // The progress thread finishes the close: off standby now.
-        self.shared.last_exit.store(0, Ordering::SeqCst);
-        standby::end();
+        // The progress thread finishes the close.
+        self.shared.end_standby();
     }
 
     /// After [`ThreadedDriver::close_in_background`]: wait until the
@@ -718,9 +724,8 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
                     } else {
                         // The writer waits in its fault, not in a call: the
                         // progress thread must watch for the completion
-                        // that releases it (no standby until it comes).
-                        s.last_exit.store(0, Ordering::SeqCst);
-                        standby::end();
+                        // that releases it.
+                        s.end_standby();
                     }
                 }
             });

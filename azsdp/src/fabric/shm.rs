@@ -939,7 +939,16 @@ fn spinning_pays() -> bool {
     {
         return PAYS.load(Ordering::Relaxed);
     }
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The CPU count, asked once (it reads cgroup files); 0: not yet.
+    static CPUS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let cpus = match CPUS.load(Ordering::Relaxed) {
+        0 => {
+            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+            CPUS.store(n, Ordering::Relaxed);
+            n
+        }
+        n => n,
+    };
     // "0.50 0.40 0.30 RUNNABLE/TOTAL LASTPID"
     let runnable = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| {
         l.split_whitespace()

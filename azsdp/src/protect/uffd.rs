@@ -158,7 +158,7 @@ impl Process {
     fn get() -> Result<Arc<Process>, ProtectError> {
         crate::process::ensure_atfork();
         let mut p = PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-        let pid = std::process::id();
+        let pid = crate::process::pid();
         if let Some(have) = p.as_ref()
             && have.pid == pid
         {
