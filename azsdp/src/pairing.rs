@@ -1,73 +1,133 @@
-//! Pairing two TCP connections of one host for an upgrade (sans-IO part).
+//! Pairing two TCP connections of one host for an upgrade (sans-IO part):
+//! the side channel's message format and the registry's names.
 //!
 //! A listener under azsdp registers its address in the network namespace's
-//! abstract Unix socket namespace, under [`registry_name`]. A client under
-//! azsdp that finds the name connects to it and sends a [`PairRequest`]
-//! naming its TCP connection (by the local port it has bound) *before*
-//! its TCP `connect()`; the listener's `accept()` matches the accepted
-//! connection's peer port against the requests it has, sets up the shm
-//! segment over the Unix connection, and both sides agree with one
-//! compare-and-swap on the segment's agreement word ([`Agreement`]): the
-//! listener commits, or the client, tired of waiting, withdraws. Whoever
-//! loses goes on with plain TCP, as does everything when anything fails,
-//! so a peer that is not under azsdp never sees a foreign byte.
+//! abstract Unix namespace, under [`registry_name`] (a `SOCK_SEQPACKET`
+//! socket, so every message arrives whole). A client under azsdp that finds
+//! the name, and has checked with the kernel that its owner runs as the user
+//! who owns the listening TCP socket, sends an [`Intro`] of kind
+//! [`IntroKind::Offer`] *before* its TCP `connect()`. The offer carries the
+//! client's kernel identity (credentials and a pidfd, see
+//! [`crate::identity`]), the shm segment it made, and its TCP socket itself:
+//! holding the descriptor is the proof of holding the socket, which the
+//! listener matches by cookie with the far end of the connection `accept()`
+//! returned (`crate::sock_diag`). The listener answers ([`IntroKind::Answer`])
+//! with its own identity and the accepted socket, which the client checks the
+//! same way, and both agree with one compare-and-swap on the segment's
+//! agreement word ([`Agreement`]): the listener commits, or the client,
+//! tired of waiting or not satisfied, withdraws. Whoever loses goes on with
+//! plain TCP, as does everything when anything fails, so a peer that is not
+//! under azsdp never sees a foreign byte.
+//!
+//! After the pair is made, the same socket carries [`IntroKind::Claim`]s:
+//! a process that takes over one side of the connection after `fork()` says
+//! so with its kernel identity, and the peer follows it only then.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use thiserror::Error;
 
-const MAGIC: [u8; 4] = *b"AZPR";
-/// Version of the request format.
-pub const VERSION: u16 = 1;
-/// Bytes of an encoded [`PairRequest`].
-pub const REQUEST_LEN: usize = 4 + 2 + 2 + 16 + 2 + 2 + 4 + 4;
+const MAGIC: [u8; 4] = *b"AZBT";
+/// Version of the side channel's format and of the registry names.
+pub const VERSION: u16 = 2;
+/// Bytes of an encoded [`Intro`].
+pub const INTRO_LEN: usize = 48;
 
-/// What a client asks of a listener.
+/// What an [`Intro`] is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PairRequest {
-    /// The address the client connects to (the listener's).
+pub enum IntroKind {
+    /// From the side that made the shm segment (it travels with it).
+    Offer,
+    /// From the side that mapped the offered segment.
+    Answer,
+    /// From a process taking over its side after a fork.
+    Claim,
+}
+
+impl IntroKind {
+    fn code(self) -> u8 {
+        match self {
+            IntroKind::Offer => 1,
+            IntroKind::Answer => 2,
+            IntroKind::Claim => 3,
+        }
+    }
+}
+
+/// One side-channel message. The sender's identity and descriptors travel
+/// beside it as control messages, never in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Intro {
+    pub kind: IntroKind,
+    /// The sender's page size.
+    pub page_size: u32,
+    /// For a client's offer: the address its TCP connection goes to (the
+    /// listener's) and the port it is bound to.
+    pub pair: Option<PairTarget>,
+}
+
+/// The TCP connection an offer is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PairTarget {
     pub dst: SocketAddr,
-    /// The port the client's TCP socket is bound to.
     pub client_port: u16,
-    /// The client's pid (the listener checks it against the Unix peer
-    /// credentials).
-    pub client_pid: u32,
+    /// The kernel's cookie of the client's TCP socket (`SO_COOKIE`). A
+    /// claim, not a proof: the listener matches it with the far end of the
+    /// accepted connection and checks that the kernel says that socket
+    /// belongs to the offer's (kernel-verified) user.
+    pub cookie: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum PairError {
-    #[error("pair request has {0} bytes, expected {REQUEST_LEN}")]
+    #[error("side-channel message has {0} bytes, expected {INTRO_LEN}")]
     Length(usize),
-    #[error("not a pair request (bad magic)")]
+    #[error("not an azsdp side-channel message (bad magic)")]
     Magic,
-    #[error("pair request version {0}, this side speaks {VERSION}")]
+    #[error("side-channel version {0}, this side speaks {VERSION}")]
     Version(u16),
-    #[error("pair request names address family {0}")]
-    Family(u16),
-    #[error("pair request names port 0")]
+    #[error("unknown side-channel message kind {0}")]
+    Kind(u8),
+    #[error("side-channel message names address family {0}")]
+    Family(u8),
+    #[error("side-channel message names port 0")]
     PortZero,
-    #[error("pair request has non-zero reserved bytes")]
+    #[error("page size {0} is not a power of two from 4 KiB to 1 GiB")]
+    PageSize(u32),
+    #[error("side-channel message has non-zero reserved bytes")]
     Reserved,
 }
 
-impl PairRequest {
-    pub fn emit(&self, out: &mut [u8; REQUEST_LEN]) {
-        out[0..4].copy_from_slice(&MAGIC);
-        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
-        let (family, ip) = match self.dst.ip() {
-            IpAddr::V4(a) => (4u16, a.to_ipv6_mapped()),
-            IpAddr::V6(a) => (6u16, a),
-        };
-        out[6..8].copy_from_slice(&family.to_le_bytes());
-        out[8..24].copy_from_slice(&ip.octets());
-        out[24..26].copy_from_slice(&self.dst.port().to_le_bytes());
-        out[26..28].copy_from_slice(&self.client_port.to_le_bytes());
-        out[28..32].copy_from_slice(&self.client_pid.to_le_bytes());
-        out[32..36].fill(0);
+impl Intro {
+    pub fn new(kind: IntroKind, page_size: u32) -> Intro {
+        Intro {
+            kind,
+            page_size,
+            pair: None,
+        }
     }
 
-    pub fn parse(b: &[u8]) -> Result<PairRequest, PairError> {
-        if b.len() != REQUEST_LEN {
+    pub fn emit(&self, out: &mut [u8; INTRO_LEN]) {
+        out.fill(0);
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        out[6] = self.kind.code();
+        out[8..12].copy_from_slice(&self.page_size.to_le_bytes());
+        if let Some(p) = self.pair {
+            let (family, ip) = match p.dst.ip() {
+                IpAddr::V4(a) => (4u8, a.to_ipv6_mapped()),
+                IpAddr::V6(a) => (6u8, a),
+            };
+            out[7] = family;
+            out[12..28].copy_from_slice(&ip.octets());
+            out[28..30].copy_from_slice(&p.dst.port().to_le_bytes());
+            out[30..32].copy_from_slice(&p.client_port.to_le_bytes());
+            out[32..40].copy_from_slice(&p.cookie.to_le_bytes());
+        }
+    }
+
+    pub fn parse(b: &[u8]) -> Result<Intro, PairError> {
+        if b.len() != INTRO_LEN {
             return Err(PairError::Length(b.len()));
         }
         if b[0..4] != MAGIC {
@@ -78,26 +138,50 @@ impl PairRequest {
         if version != VERSION {
             return Err(PairError::Version(version));
         }
-        let mut octets = [0u8; 16];
-        octets.copy_from_slice(&b[8..24]);
-        let v6 = Ipv6Addr::from(octets);
-        let ip = match u16_at(6) {
-            4 => IpAddr::V4(v6.to_ipv4_mapped().ok_or(PairError::Family(4))?),
-            6 => IpAddr::V6(v6),
-            f => return Err(PairError::Family(f)),
+        let kind = match b[6] {
+            1 => IntroKind::Offer,
+            2 => IntroKind::Answer,
+            3 => IntroKind::Claim,
+            k => return Err(PairError::Kind(k)),
         };
-        let port = u16_at(24);
-        let client_port = u16_at(26);
-        if port == 0 || client_port == 0 {
-            return Err(PairError::PortZero);
+        let page_size = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+        if !page_size.is_power_of_two() || !(4096..=1 << 30).contains(&page_size) {
+            return Err(PairError::PageSize(page_size));
         }
-        if b[32..36] != [0; 4] {
+        if b[40..] != [0; INTRO_LEN - 40] {
             return Err(PairError::Reserved);
         }
-        Ok(PairRequest {
-            dst: SocketAddr::new(ip, port),
-            client_port,
-            client_pid: u32::from_le_bytes([b[28], b[29], b[30], b[31]]),
+        let mut c = [0u8; 8];
+        c.copy_from_slice(&b[32..40]);
+        let cookie = u64::from_le_bytes(c);
+        let mut octets = [0u8; 16];
+        octets.copy_from_slice(&b[12..28]);
+        let v6 = Ipv6Addr::from(octets);
+        let (port, client_port) = (u16_at(28), u16_at(30));
+        let pair = match b[7] {
+            0 if v6.is_unspecified() && port == 0 && client_port == 0 && cookie == 0 => None,
+            0 => return Err(PairError::Reserved),
+            f @ (4 | 6) => {
+                let ip = if f == 4 {
+                    IpAddr::V4(v6.to_ipv4_mapped().ok_or(PairError::Family(4))?)
+                } else {
+                    IpAddr::V6(v6)
+                };
+                if port == 0 || client_port == 0 {
+                    return Err(PairError::PortZero);
+                }
+                Some(PairTarget {
+                    dst: SocketAddr::new(ip, port),
+                    client_port,
+                    cookie,
+                })
+            }
+            f => return Err(PairError::Family(f)),
+        };
+        Ok(Intro {
+            kind,
+            page_size,
+            pair,
         })
     }
 }
@@ -144,7 +228,7 @@ impl Agreement {
     pub const UNDECIDED: u32 = 0;
     /// The listener accepted the TCP connection and goes ahead.
     pub const COMMITTED: u32 = 1;
-    /// The client gave up waiting and stays on TCP.
+    /// The client gave up waiting (or was not satisfied) and stays on TCP.
     pub const WITHDRAWN: u32 = 2;
 }
 
@@ -158,7 +242,7 @@ mod tests {
             (any::<u32>(), 1u16..).prop_map(|(a, p)| SocketAddr::new(Ipv4Addr::from(a).into(), p)),
             (any::<u128>(), 1u16..).prop_map(|(a, p)| {
                 let v6 = Ipv6Addr::from(a);
-                // A mapped address in a v6 request would come back as v4.
+                // A mapped address in a v6 message would come back as v4.
                 let v6 = if v6.to_ipv4_mapped().is_some() {
                     Ipv6Addr::LOCALHOST
                 } else {
@@ -169,79 +253,113 @@ mod tests {
         ]
     }
 
+    fn intro() -> impl Strategy<Value = Intro> {
+        (
+            prop_oneof![
+                Just(IntroKind::Offer),
+                Just(IntroKind::Answer),
+                Just(IntroKind::Claim)
+            ],
+            12u32..=30,
+            proptest::option::of((addr(), 1u16.., any::<u64>())),
+        )
+            .prop_map(|(kind, shift, pair)| Intro {
+                kind,
+                page_size: 1 << shift,
+                pair: pair.map(|(dst, client_port, cookie)| PairTarget {
+                    dst,
+                    client_port,
+                    cookie,
+                }),
+            })
+    }
+
+    fn offer() -> Intro {
+        Intro {
+            kind: IntroKind::Offer,
+            page_size: 4096,
+            pair: Some(PairTarget {
+                dst: "127.0.0.1:80".parse().unwrap(),
+                client_port: 5,
+                cookie: 77,
+            }),
+        }
+    }
+
     proptest! {
         #[test]
-        fn requests_round_trip(dst in addr(), client_port in 1u16.., client_pid: u32) {
-            let r = PairRequest { dst, client_port, client_pid };
-            let mut b = [0u8; REQUEST_LEN];
-            r.emit(&mut b);
-            prop_assert_eq!(PairRequest::parse(&b), Ok(r));
+        fn intros_round_trip(i in intro()) {
+            let mut b = [0u8; INTRO_LEN];
+            i.emit(&mut b);
+            prop_assert_eq!(Intro::parse(&b), Ok(i));
         }
 
         #[test]
         fn garbage_is_an_error_not_a_panic(b in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let _ = PairRequest::parse(&b);
+            let _ = Intro::parse(&b);
         }
 
         #[test]
         fn a_corrupted_magic_or_version_is_refused(i in 0usize..6, x in 1u8..) {
-            let r = PairRequest { dst: "127.0.0.1:80".parse().unwrap(), client_port: 5, client_pid: 1 };
-            let mut b = [0u8; REQUEST_LEN];
-            r.emit(&mut b);
+            let mut b = [0u8; INTRO_LEN];
+            offer().emit(&mut b);
             b[i] ^= x;
-            prop_assert!(PairRequest::parse(&b).is_err());
+            prop_assert!(Intro::parse(&b).is_err());
         }
 
         #[test]
-        fn a_corrupted_byte_never_reads_as_the_same_request(i in 0usize..REQUEST_LEN, x in 1u8..) {
-            let r = PairRequest { dst: "127.0.0.1:80".parse().unwrap(), client_port: 5, client_pid: 1 };
-            let mut b = [0u8; REQUEST_LEN];
-            r.emit(&mut b);
+        fn a_corrupted_byte_never_reads_as_the_same_message(i in 0usize..INTRO_LEN, x in 1u8..) {
+            let mut b = [0u8; INTRO_LEN];
+            offer().emit(&mut b);
             b[i] ^= x;
-            prop_assert_ne!(PairRequest::parse(&b), Ok(r));
+            prop_assert_ne!(Intro::parse(&b), Ok(offer()));
         }
     }
 
     #[test]
     fn bad_fields_are_named() {
-        let r = PairRequest {
-            dst: "127.0.0.1:80".parse().unwrap(),
-            client_port: 5,
-            client_pid: 1,
-        };
-        let mut b = [0u8; REQUEST_LEN];
-        r.emit(&mut b);
-        assert_eq!(PairRequest::parse(&b[..10]), Err(PairError::Length(10)));
+        let mut b = [0u8; INTRO_LEN];
+        offer().emit(&mut b);
+        assert_eq!(Intro::parse(&b[..10]), Err(PairError::Length(10)));
         let mut z = b;
-        z[26] = 0;
-        z[27] = 0;
-        assert_eq!(PairRequest::parse(&z), Err(PairError::PortZero));
+        z[30] = 0;
+        z[31] = 0;
+        assert_eq!(Intro::parse(&z), Err(PairError::PortZero));
         let mut z = b;
-        z[35] = 1;
-        assert_eq!(PairRequest::parse(&z), Err(PairError::Reserved));
+        z[47] = 1;
+        assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
         let mut z = b;
-        z[8] = 1; // an IPv4 request whose address is not v4-mapped
-        assert_eq!(PairRequest::parse(&z), Err(PairError::Family(4)));
+        z[12] = 1; // an IPv4 message whose address is not v4-mapped
+        assert_eq!(Intro::parse(&z), Err(PairError::Family(4)));
+        let mut z = b;
+        z[6] = 9;
+        assert_eq!(Intro::parse(&z), Err(PairError::Kind(9)));
+        let mut z = b;
+        z[9] = 0x30;
+        assert!(matches!(Intro::parse(&z), Err(PairError::PageSize(_))));
+        let mut z = b;
+        z[7] = 0; // no pair, but an address
+        assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
     }
 
     #[test]
     fn names_and_candidates() {
         let v4: SocketAddr = "127.0.0.1:6379".parse().unwrap();
-        assert_eq!(registry_name(v4), "azsdp/v1/tcp/127.0.0.1/6379");
+        assert_eq!(registry_name(v4), "azsdp/v2/tcp/127.0.0.1/6379");
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:6379".parse().unwrap();
         assert_eq!(registry_name(mapped), registry_name(v4));
         assert_eq!(
             registry_candidates(v4),
             vec![
-                "azsdp/v1/tcp/127.0.0.1/6379",
-                "azsdp/v1/tcp/0.0.0.0/6379",
-                "azsdp/v1/tcp/::/6379"
+                "azsdp/v2/tcp/127.0.0.1/6379",
+                "azsdp/v2/tcp/0.0.0.0/6379",
+                "azsdp/v2/tcp/::/6379"
             ]
         );
         let v6: SocketAddr = "[::1]:80".parse().unwrap();
         assert_eq!(
             registry_candidates(v6),
-            vec!["azsdp/v1/tcp/::1/80", "azsdp/v1/tcp/::/80"]
+            vec!["azsdp/v2/tcp/::1/80", "azsdp/v2/tcp/::/80"]
         );
     }
 }

@@ -125,10 +125,17 @@ pub enum TcpReason {
     Mismatch,
     /// Socket options the fabric does not emulate (e.g. OOB data).
     Unsupported,
+    /// The kernel did not confirm who the other side is (a registry name
+    /// held by someone who does not own the listener, an answer without
+    /// the accepted socket, an offer from another user than the socket's).
+    PeerUnverified,
+    /// Client and listener are one process: its `accept()` may come only
+    /// after this `connect()` returns, so pairing could only time out.
+    SameProcess,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 8] = [
+    pub const ALL: [TcpReason; 10] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -137,6 +144,8 @@ impl TcpReason {
         TcpReason::BadConfig,
         TcpReason::Mismatch,
         TcpReason::Unsupported,
+        TcpReason::PeerUnverified,
+        TcpReason::SameProcess,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -156,6 +165,8 @@ impl TcpReason {
             TcpReason::BadConfig => "bad-config",
             TcpReason::Mismatch => "mismatch",
             TcpReason::Unsupported => "unsupported",
+            TcpReason::PeerUnverified => "peer-unverified",
+            TcpReason::SameProcess => "same-process",
         }
     }
 }

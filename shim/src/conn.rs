@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use azsdp::config::Settings;
-use azsdp::conn::{CallError, Capabilities, LockRegion, Role, TxMode};
+use azsdp::conn::{Capabilities, LockRegion, Role, TxMode};
 use azsdp::driver::threaded::ThreadedDriver;
 use azsdp::driver::{Driver, Protector, capabilities};
 use azsdp::fabric::shm::ShmEndpoint;
@@ -38,20 +38,22 @@ pub struct Conn {
 
 impl Conn {
     /// Start the engine for a pair whose segment is set up and agreed on.
+    /// Nothing waits for the peer here: the handshake completes in the
+    /// background, and calls that need it wait for it (bounded by
+    /// `peer_timeout`, and by the peer process's life).
     pub fn start(
         ep: ShmEndpoint,
         role: Role,
         settings: &Settings,
         local: SocketAddr,
         peer: SocketAddr,
-    ) -> Result<Arc<Conn>, CallError> {
+    ) -> Arc<Conn> {
         let peer_pid = ep.peer_pid() as u32;
         let p = protect::open(settings.protection);
         let caps: Capabilities = capabilities(ep.can_get().is_none(), p.protector.as_ref());
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let waiter = ep.waiter();
-        let mut d = Driver::new(cfg, ep, p.protector);
-        d.establish(settings.peer_timeout)?;
+        let d = Driver::new(cfg, ep, p.protector);
         let activity = Arc::new(AtomicU64::new(0));
         let a = Arc::clone(&activity);
         let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
@@ -86,7 +88,7 @@ impl Conn {
             path: Mutex::new(ConnPath::Azsdp),
         });
         c.publish();
-        Ok(c)
+        c
     }
 
     /// Copy the engine's counters into the stat file.

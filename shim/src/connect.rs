@@ -1,23 +1,30 @@
 //! The client side of pairing, run inside the program's `connect()`.
+//!
+//! Before anything goes to the listener's registry, the kernel must say
+//! that the registry's owner is the user who owns the listening socket this
+//! connection will reach (a name anyone can bind proves nothing by itself).
+//! The listener's answer must then carry the very socket `accept()` gave it
+//! for this connection. Anything short of that leaves the connection on TCP
+//! with a reason.
 
-use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use azsdp::config::{Settings, Use};
 use azsdp::conn::Role;
-use azsdp::fabric::shm::ShmEndpoint;
-use azsdp::pairing::{Agreement, PairRequest, REQUEST_LEN, registry_candidates};
+use azsdp::fabric::shm::{ShmOffer, recv_intro, send_intro};
+use azsdp::identity::Received;
+use azsdp::pairing::{Agreement, Intro, IntroKind, PairTarget, registry_candidates};
+use azsdp::sock_diag;
 use azsdp::stats::TcpReason;
 use libc::c_int;
 
 use crate::conn::Conn;
-use crate::listener::shm_params;
-use crate::log::debug;
+use crate::listener::{abstract_addr, peer_cred, seqpacket, shm_params};
+use crate::log::{debug, info, warning};
 use crate::net;
 use crate::real;
 
@@ -30,16 +37,46 @@ pub enum Outcome {
     Azsdp(Arc<Conn>),
 }
 
+/// A listener's registration that answered: the connected side-channel
+/// socket and its owner's credentials (pid, effective uid).
+struct Registry {
+    sock: OwnedFd,
+    pid: u32,
+    uid: u32,
+}
+
 /// The registration of an azsdp listener for `dst`, if one answers.
-fn find_listener(dst: SocketAddr) -> Option<UnixStream> {
+fn find_listener(dst: SocketAddr) -> Option<Registry> {
     registry_candidates(dst).into_iter().find_map(|name| {
-        let ua = UnixAddr::from_abstract_name(name.as_bytes()).ok()?;
-        UnixStream::connect_addr(&ua).ok()
+        let (a, len) = abstract_addr(&name)?;
+        let sock = seqpacket().ok()?;
+        // SAFETY: connect our own socket to our own encoded address (a
+        // full registry queue refuses at once: the socket is non-blocking).
+        let r = unsafe { real::connect(sock.as_raw_fd(), (&raw const a).cast(), len) };
+        if r != 0 {
+            return None;
+        }
+        let (pid, uid) = peer_cred(&sock)?;
+        Some(Registry { sock, pid, uid })
     })
 }
 
+/// Does the kernel say the registry's owner (`uid`) owns the socket that
+/// listens for `dst`? `Err` says why not.
+fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
+    let ls = sock_diag::listeners(dst.port()).map_err(|e| format!("sock_diag: {e}"))?;
+    let l = sock_diag::listener_for(&ls, dst).ok_or("no socket listens there")?;
+    if l.uid != uid {
+        return Err(format!(
+            "its registry is held by uid {uid}, the listening socket is uid {}'s",
+            l.uid
+        ));
+    }
+    Ok(())
+}
+
 /// Bind `fd` to an ephemeral port if the program did not bind it; the
-/// port names the connection in the pair request.
+/// port names the connection in the offer.
 fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
     if let Some(a) = net::local_of(fd) {
         if a.port() != 0 {
@@ -79,20 +116,7 @@ fn kernel_connect(
     if !(nonblocking && e == libc::EINPROGRESS) {
         return Err(e);
     }
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLOUT,
-        revents: 0,
-    };
-    // SAFETY: poll of one pollfd we own.
-    let n = unsafe {
-        real::poll(
-            &mut p,
-            1,
-            patience.as_millis().min(i32::MAX as u128) as c_int,
-        )
-    };
-    if n <= 0 {
+    if !wait_for(fd, libc::POLLOUT, Instant::now() + patience) {
         return Ok(false);
     }
     let mut err: c_int = 0;
@@ -108,6 +132,113 @@ fn kernel_connect(
         )
     };
     if err != 0 { Err(err) } else { Ok(true) }
+}
+
+/// Wait until `fd` is ready for `events` or `deadline` passes.
+fn wait_for(fd: c_int, events: i16, deadline: Instant) -> bool {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        // SAFETY: poll of one pollfd we own.
+        let n = unsafe { real::poll(&mut p, 1, left.as_millis().min(i32::MAX as u128) as c_int) };
+        if n > 0 {
+            return true;
+        }
+        if n == 0 || real::errno() != libc::EINTR {
+            return false;
+        }
+    }
+}
+
+/// The listener's answer, by `deadline`.
+fn await_answer(reg: BorrowedFd<'_>, deadline: Instant) -> Result<(Intro, Received), String> {
+    loop {
+        match recv_intro(reg, IntroKind::Answer, true) {
+            Err(e) if e.would_block() => {
+                if !wait_for(reg.as_raw_fd(), libc::POLLIN, deadline) {
+                    return Err("no answer in time".into());
+                }
+            }
+            r => return r.map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// Is the answer's socket the far end of our connection `fd`, as the
+/// kernel knows it?
+fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), String> {
+    let [accepted] = &answer.fds[..] else {
+        return Err("the answer carries no socket".into());
+    };
+    if !sock_diag::is_tcp(accepted.as_fd()) {
+        return Err("the answer's socket is not TCP".into());
+    }
+    let theirs = sock_diag::cookie_of(accepted.as_fd()).map_err(|e| e.to_string())?;
+    let (local, peer) = net::local_of(fd)
+        .zip(net::peer_of(fd))
+        .ok_or("our socket has no addresses")?;
+    let far = sock_diag::far_end(local, peer)
+        .map_err(|e| format!("sock_diag: {e}"))?
+        .ok_or("the kernel knows no far end of our connection")?;
+    if far.cookie != theirs {
+        return Err("the answer's socket is not the far end of our connection".into());
+    }
+    Ok(())
+}
+
+/// Withdraw from the pair (the listener then stays on TCP too). False if
+/// the listener had already committed.
+fn withdraw(word: &AtomicU32) -> bool {
+    match word.compare_exchange(
+        Agreement::UNDECIDED,
+        Agreement::WITHDRAWN,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => true,
+        Err(v) => v == Agreement::WITHDRAWN,
+    }
+}
+
+/// Wait until the listener commits (true) or `deadline` passes and we
+/// withdraw (false).
+fn await_commit(word: &AtomicU32, deadline: Instant) -> bool {
+    loop {
+        let v = word.load(Ordering::Acquire);
+        if v == Agreement::COMMITTED {
+            return true;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if v != Agreement::UNDECIDED || left.is_zero() {
+            if withdraw(word) {
+                return false;
+            }
+            continue;
+        }
+        azsdp::futex::wait(
+            word,
+            Agreement::UNDECIDED,
+            left.min(Duration::from_millis(20)),
+        );
+    }
+}
+
+/// Where a connection to `dst` goes: Linux delivers one to the unspecified
+/// address on this host's loopback.
+fn effective_dst(dst: SocketAddr) -> SocketAddr {
+    match net::canonical(dst.ip()) {
+        IpAddr::V4(a) if a.is_unspecified() => {
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), dst.port())
+        }
+        IpAddr::V6(a) if a.is_unspecified() => {
+            SocketAddr::new(Ipv6Addr::LOCALHOST.into(), dst.port())
+        }
+        _ => dst,
+    }
 }
 
 /// `connect(fd, dst)` for a socket under azsdp with `settings`.
@@ -128,82 +259,106 @@ pub fn connect(
     if settings.use_ == Use::Tcp {
         return plain(TcpReason::Rule);
     }
-    if !net::is_local(dst.ip()) {
+    let to = effective_dst(dst);
+    if !net::is_local(to.ip()) {
         return plain(TcpReason::PeerRemote);
     }
-    let Some(stream) = find_listener(dst) else {
+    let Some(reg) = find_listener(to) else {
         if settings.use_ == Use::Azsdp {
             debug!("connect {dst}: no azsdp listener and the rule says azsdp only");
             return Outcome::Tcp(-1, libc::ECONNREFUSED, None);
         }
         return plain(TcpReason::PeerNotAzsdp);
     };
+    if reg.pid == azsdp::process::pid() {
+        // Our own listener: its accept() may be ours to call, after this
+        // connect() returns, so waiting for it could only time out.
+        return plain(TcpReason::SameProcess);
+    }
+    if let Err(why) = owner_of_listener(to, reg.uid) {
+        info!("connect {dst}: the pairing registry is not proven to be the listener's: {why}");
+        return plain(TcpReason::PeerUnverified);
+    }
     let deadline = Instant::now() + settings.pair_timeout;
     let Some(port) = ensure_port(fd, family) else {
         return plain(TcpReason::SetupFailed);
     };
-    let request = PairRequest {
-        dst,
-        client_port: port,
-        client_pid: std::process::id(),
+    // SAFETY: `fd` is the program's socket, open for this call.
+    let tcp = unsafe { BorrowedFd::borrow_raw(fd) };
+    let Ok(cookie) = sock_diag::cookie_of(tcp) else {
+        return plain(TcpReason::SetupFailed);
     };
-    let mut b = [0u8; REQUEST_LEN];
-    request.emit(&mut b);
-    net::set_timeouts(&stream, settings.pair_timeout);
-    if (&stream).write_all(&b).is_err() {
+    let offer = match ShmOffer::new(shm_params(settings)) {
+        Ok(o) => o,
+        Err(e) => {
+            debug!("connect {dst}: no shm segment: {e}");
+            return plain(TcpReason::SetupFailed);
+        }
+    };
+    let intro = Intro {
+        kind: IntroKind::Offer,
+        page_size: azsdp::pages::system_page_size() as u32,
+        pair: Some(PairTarget {
+            dst: to,
+            client_port: port,
+            cookie,
+        }),
+    };
+    if let Err(e) = send_intro(reg.sock.as_fd(), &intro, &[offer.memfd()], true) {
+        debug!("connect {dst}: offer not sent: {e}");
         return plain(TcpReason::SetupFailed);
     }
-    // From here, the listener may match us: a failure below closes the side
-    // channel (the listener then keeps TCP too) or withdraws by the word.
+    // From here the listener may match us: a failure below withdraws by
+    // the word (or closes the side channel), and the listener keeps TCP too.
     match kernel_connect(fd, dst, nonblocking, settings.pair_timeout) {
         Ok(true) => {}
         Ok(false) => return Outcome::Tcp(-1, libc::EINPROGRESS, Some(TcpReason::PairTimeout)),
         Err(e) => return Outcome::Tcp(-1, e, None),
     }
-    let local = net::local_of(fd).unwrap_or(SocketAddr::new(dst.ip(), port));
+    let local = net::local_of(fd).unwrap_or(SocketAddr::new(to.ip(), port));
     let tcp_now = |reason: TcpReason| Outcome::Tcp(0, 0, Some(reason));
-    net::set_timeouts(&stream, deadline.saturating_duration_since(Instant::now()));
-    let ep = match ShmEndpoint::accept(&stream, shm_params(settings)) {
-        Ok(ep) => ep,
-        Err(e) => {
+    let word = offer.agreement();
+    let (answer_intro, answer) = match await_answer(reg.sock.as_fd(), deadline) {
+        Ok(a) => a,
+        Err(e) if withdraw(word) => {
             debug!("connect {dst}: no upgrade ({e})");
             return tcp_now(TcpReason::PairTimeout);
         }
+        // The listener committed as we gave up: its answer came first.
+        Err(_) => match await_answer(reg.sock.as_fd(), Instant::now()) {
+            Ok(a) => a,
+            Err(_) => return broken(dst, offer),
+        },
     };
-    let word = ep.agreement();
-    loop {
-        let v = word.load(Ordering::Acquire);
-        if v == Agreement::COMMITTED {
-            break;
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if v != Agreement::UNDECIDED || left.is_zero() {
-            if word
-                .compare_exchange(
-                    Agreement::UNDECIDED,
-                    Agreement::WITHDRAWN,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok()
-                || v == Agreement::WITHDRAWN
-            {
-                return tcp_now(TcpReason::PairTimeout);
-            }
-            continue;
-        }
-        azsdp::futex::wait(
-            word,
-            Agreement::UNDECIDED,
-            left.min(Duration::from_millis(20)),
+    if let Err(why) = answer_holds_our_peer(fd, &answer) {
+        warning!(
+            "connect {dst}: pid {} (uid {}) answered for the listener but {why}; staying on TCP",
+            answer.peer.pid(),
+            answer.peer.uid()
         );
+        return if withdraw(word) {
+            tcp_now(TcpReason::PeerUnverified)
+        } else {
+            broken(dst, offer)
+        };
     }
-    drop(stream);
-    match Conn::start(ep, Role::Client, settings, local, dst) {
-        Ok(c) => Outcome::Azsdp(c),
+    if !await_commit(word, deadline) {
+        return tcp_now(TcpReason::PairTimeout);
+    }
+    let peer_page = answer_intro.page_size;
+    match offer.into_endpoint(reg.sock, answer.peer, peer_page) {
+        Ok(ep) => Outcome::Azsdp(Conn::start(ep, Role::Client, settings, local, dst)),
         Err(e) => {
-            debug!("connect {dst}: azsdp handshake failed: {e}");
+            debug!("connect {dst}: {e}");
             Outcome::Tcp(-1, libc::ECONNRESET, None)
         }
     }
+}
+
+/// The listener committed to a pair we cannot accept: end it on both sides
+/// (the listener's engine sees us leave) and fail the call.
+fn broken(dst: SocketAddr, offer: ShmOffer) -> Outcome {
+    warning!("connect {dst}: the listener committed to a pair we refused; the connection is reset");
+    offer.abandon();
+    Outcome::Tcp(-1, libc::ECONNREFUSED, None)
 }

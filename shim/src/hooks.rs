@@ -84,32 +84,49 @@ pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) 
     unsafe { real::bind(fd, addr, len) }
 }
 
+/// A listener is registered for pairing before the kernel listens on it,
+/// so no client of a burst finds it unregistered (a port the kernel picks
+/// at `listen()` is registered right after).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let registered = guard(None, || {
+        let sock = fdtable::get(fd)?;
+        if !matches!(sock.role(), Role::Fresh) {
+            return None;
+        }
+        let local = net::local_of(fd).filter(|a| a.port() != 0)?;
+        Some((sock, register(local)?))
+    });
     // SAFETY: libc's listen.
     let r = unsafe { real::listen(fd, backlog) };
+    let e = real::errno();
     if r == 0 {
-        guard((), || {
-            let Some(sock) = fdtable::get(fd) else { return };
-            if !matches!(sock.role(), Role::Fresh) {
-                return;
-            }
-            let Some(local) = net::local_of(fd) else {
-                return;
-            };
-            let Some(s) = settings_for(EngineRole::Server, local.ip(), local.port()) else {
-                return;
-            };
-            if s.use_ == azsdp::config::Use::Tcp {
-                debug!("listener {local}: a rule keeps it on TCP");
-                return;
-            }
-            if let Some(l) = Listener::register(local, s) {
-                sock.set_role(Role::Listener(l));
+        guard((), || match registered {
+            Some((sock, l)) => sock.set_role(Role::Listener(l)),
+            None => {
+                let Some(sock) = fdtable::get(fd) else { return };
+                if !matches!(sock.role(), Role::Fresh) {
+                    return;
+                }
+                if let Some(l) = net::local_of(fd).and_then(register) {
+                    sock.set_role(Role::Listener(l));
+                }
             }
         });
     }
+    // A failed listen() drops the registration it did not need.
+    real::set_errno(e);
     r
+}
+
+/// Register a listener on `local` if the rules let it pair.
+fn register(local: std::net::SocketAddr) -> Option<Arc<Listener>> {
+    let s = settings_for(EngineRole::Server, local.ip(), local.port())?;
+    if s.use_ == azsdp::config::Use::Tcp {
+        debug!("listener {local}: a rule keeps it on TCP");
+        return None;
+    }
+    Listener::register(local, s)
 }
 
 unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
@@ -141,14 +158,14 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
             (Some(local), Some(peer)) => {
                 let s = settings_for(EngineRole::Server, peer.ip(), local.port())
                     .unwrap_or_else(|| listener.settings.clone());
-                match listener.upgrade(local, peer, &s) {
+                match listener.upgrade(nfd, local, peer, &s) {
                     Ok(c) => {
                         info!("{local} <- {peer}: azsdp (peer pid {})", c.peer_pid);
                         sock.set_role(Role::Azsdp(c));
                         seal(nfd);
                     }
                     Err(reason) => {
-                        debug!("{local} <- {peer}: tcp ({})", reason.name());
+                        info!("{local} <- {peer}: tcp ({})", reason.name());
                         sock.stay_tcp(Some(local), Some(peer), reason, true);
                     }
                 }
@@ -204,7 +221,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             }
             Outcome::Tcp(r, e, reason) => {
                 if let Some(reason) = reason {
-                    debug!("-> {dst}: tcp ({})", reason.name());
+                    info!("-> {dst}: tcp ({})", reason.name());
                     sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
                     sock.kernel_epolls
                         .lock()

@@ -1,41 +1,118 @@
-//! The server side of pairing: a listener's registration, and matching the
-//! connections `accept()` returns with the clients' requests.
+//! The server side of pairing: a listener's registration, the offers that
+//! clients send to it, and matching them with the connections `accept()`
+//! returns.
+//!
+//! Nothing here waits on a client: `accept()` takes in what has arrived
+//! (bounded work per call, non-blocking), matches, answers with one
+//! non-blocking message and commits, or leaves the connection on TCP. The
+//! offers a listener holds are bounded in all and per user, and expire on
+//! their own: every pump drops those older than their deadline, whether or
+//! not a connection was accepted.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::net::SocketAddr;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-use std::sync::Arc;
-use std::sync::Mutex;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use azsdp::config::Settings;
 use azsdp::conn::Role;
-use azsdp::fabric::shm::{ShmEndpoint, ShmParams};
-use azsdp::pairing::{Agreement, PairRequest, REQUEST_LEN, registry_name};
+use azsdp::fabric::shm::{ShmJoin, ShmParams, recv_intro, send_intro};
+use azsdp::identity::PeerId;
+use azsdp::pairing::{Agreement, Intro, IntroKind, registry_name};
+use azsdp::sock_diag;
 use azsdp::stats::TcpReason;
+use libc::c_int;
 
 use crate::conn::Conn;
-use crate::log::{debug, info};
+use crate::log::{debug, info, warning};
 use crate::net;
 
-/// Requests older than this were abandoned by their clients.
-const STALE: Duration = Duration::from_secs(30);
+/// Registry connections taken in per `accept()` call (the rest wait in the
+/// kernel's queue for the next call).
+const ACCEPT_PER_CALL: usize = 64;
 
-struct Pending {
-    stream: UnixStream,
-    request: PairRequest,
+/// A registry connection whose offer has not arrived yet.
+struct Waiting {
+    stream: OwnedFd,
+    uid: u32,
     since: Instant,
+}
+
+/// A client's offer, checked as far as it can be before its connection is
+/// accepted.
+struct Offer {
+    stream: OwnedFd,
+    /// Who sent it (kernel credentials, pinned by pidfd).
+    peer: PeerId,
+    /// The uid the registry connection came from (SO_PEERCRED), counted
+    /// against that user's quota.
+    uid: u32,
+    memfd: OwnedFd,
+    page_size: u32,
+    dst: SocketAddr,
+    since: Instant,
+}
+
+#[derive(Default)]
+struct Pending {
+    waiting: Vec<Waiting>,
+    /// By the cookie of the client's TCP socket (as the client claims it;
+    /// checked at accept). Several offers may claim one cookie: a lie
+    /// cannot push the true one out.
+    offers: HashMap<u64, Vec<Offer>>,
+}
+
+impl Pending {
+    fn len(&self) -> usize {
+        self.waiting.len() + self.offers.values().map(Vec::len).sum::<usize>()
+    }
+
+    fn of_user(&self, uid: u32) -> usize {
+        self.waiting.iter().filter(|w| w.uid == uid).count()
+            + self
+                .offers
+                .values()
+                .flatten()
+                .filter(|o| o.uid == uid)
+                .count()
+    }
+}
+
+/// How many offers a listener holds at most, in all and from one user:
+/// each holds two descriptors, so the bound follows the descriptor limit.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    total: usize,
+    per_user: usize,
+}
+
+impl Limits {
+    fn for_this_process() -> Limits {
+        let mut r = libc::rlimit {
+            rlim_cur: 1024,
+            rlim_max: 1024,
+        };
+        // SAFETY: getrlimit into our own struct.
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) };
+        let total = (r.rlim_cur / 8).clamp(16, 4096) as usize;
+        Limits {
+            total,
+            per_user: (total / 2).max(8),
+        }
+    }
 }
 
 /// A listening socket registered for pairing.
 pub struct Listener {
-    unix: UnixListener,
+    registry: OwnedFd,
     pub addr: SocketAddr,
     pub settings: Settings,
-    pending: Mutex<HashMap<u16, Pending>>,
+    limits: Limits,
+    /// How long an offer or a silent registry connection is kept.
+    expiry: Duration,
+    pending: Mutex<Pending>,
 }
 
 /// Shm segment sizes for a connection with `s`.
@@ -43,82 +120,239 @@ pub fn shm_params(s: &Settings) -> ShmParams {
     ShmParams {
         ring_capacity: (s.bsdp_buffer.max(64 << 10) * 2)
             .next_power_of_two()
-            .min(64 << 20) as usize,
+            .min(azsdp::fabric::shm::MAX_RING as u64) as usize,
         poll: s.poll,
         ..ShmParams::default()
     }
 }
 
+fn os_err() -> std::io::Error {
+    std::io::Error::last_os_error()
+}
+
+/// An abstract `SOCK_SEQPACKET` address (Linux's `sockaddr_un` with a
+/// leading NUL) and its length.
+pub fn abstract_addr(name: &str) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    // SAFETY: plain data; all-zero is valid.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let b = name.as_bytes();
+    if b.len() + 1 > a.sun_path.len() {
+        return None;
+    }
+    for (i, &c) in b.iter().enumerate() {
+        a.sun_path[i + 1] = c as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + b.len();
+    Some((a, len as libc::socklen_t))
+}
+
+/// A new non-blocking, close-on-exec Unix SEQPACKET socket.
+pub fn seqpacket() -> std::io::Result<OwnedFd> {
+    // SAFETY: plain system call.
+    let fd = unsafe {
+        crate::real::socket(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(os_err());
+    }
+    // SAFETY: a new descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The credentials (pid, effective uid) of the other end of a Unix socket.
+pub fn peer_cred(fd: &impl AsRawFd) -> Option<(u32, u32)> {
+    // SAFETY: plain data written by the kernel within `len`.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED into our own buffer.
+    let r = unsafe {
+        crate::real::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some((cred.pid as u32, cred.uid))
+}
+
+/// Who holds the registry name `name` (a squatter, or another listener).
+fn holder_of(name: &str) -> Option<(u32, u32)> {
+    let (a, len) = abstract_addr(name)?;
+    let s = seqpacket().ok()?;
+    // SAFETY: connect with our own encoded address.
+    let r = unsafe { crate::real::connect(s.as_raw_fd(), (&raw const a).cast(), len) };
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINPROGRESS) {
+        return None;
+    }
+    peer_cred(&s)
+}
+
 impl Listener {
-    /// Register `addr` (the listening socket's own address). `None` if
-    /// another listener holds the name (then connections here stay TCP).
+    /// Register `addr` (the listening socket's own address). `None` if the
+    /// name is taken (then this listener's connections stay on TCP, and the
+    /// log says who holds it).
     pub fn register(addr: SocketAddr, settings: Settings) -> Option<Arc<Listener>> {
         let name = registry_name(addr);
-        let ua = UnixAddr::from_abstract_name(name.as_bytes()).ok()?;
-        match UnixListener::bind_addr(&ua) {
-            Ok(unix) => {
-                unix.set_nonblocking(true).ok()?;
-                debug!("listener {addr} registered as @{name}");
-                Some(Arc::new(Listener {
-                    unix,
-                    addr,
-                    settings,
-                    pending: Mutex::new(HashMap::new()),
-                }))
-            }
+        let (a, len) = abstract_addr(&name)?;
+        let sock = match seqpacket() {
+            Ok(s) => s,
             Err(e) => {
-                info!(
-                    "listener {addr} not registered for azsdp (@{name}: {e}); its connections stay on TCP"
+                info!("listener {addr}: no registry socket ({e}); its connections stay on TCP");
+                return None;
+            }
+        };
+        // SAFETY: bind and listen on our own socket with our own address.
+        let r = unsafe {
+            if crate::real::bind(sock.as_raw_fd(), (&raw const a).cast(), len) != 0 {
+                -1
+            } else {
+                crate::real::listen(sock.as_raw_fd(), libc::SOMAXCONN)
+            }
+        };
+        if r != 0 {
+            let e = os_err();
+            match holder_of(&name) {
+                Some((pid, uid)) => warning!(
+                    "listener {addr}: its pairing name @{name} is held by pid {pid} (uid {uid}); \
+                     its connections stay on TCP, and clients that find the name are refused \
+                     unless that user owns this listener ({e})"
+                ),
+                None => {
+                    warning!(
+                        "listener {addr}: cannot register @{name} ({e}); its connections stay on TCP"
+                    )
+                }
+            }
+            return None;
+        }
+        let expiry = (settings.pair_timeout * 2).max(Duration::from_secs(1));
+        debug!("listener {addr} registered as @{name}");
+        Some(Arc::new(Listener {
+            registry: sock,
+            addr,
+            settings,
+            limits: Limits::for_this_process(),
+            expiry,
+            pending: Mutex::new(Pending::default()),
+        }))
+    }
+
+    /// Take in, without waiting, what clients sent: new registry
+    /// connections (up to [`ACCEPT_PER_CALL`], within the quotas) and the
+    /// offers that have arrived on those already taken. Drops what expired.
+    fn pump(&self, p: &mut Pending) {
+        let now = Instant::now();
+        let expiry = self.expiry;
+        p.waiting.retain(|w| now.duration_since(w.since) < expiry);
+        p.offers.retain(|_, v| {
+            v.retain(|o| now.duration_since(o.since) < expiry);
+            !v.is_empty()
+        });
+        for _ in 0..ACCEPT_PER_CALL {
+            // SAFETY: accept4 on our registry socket, without an address.
+            let fd = unsafe {
+                crate::real::accept4(
+                    self.registry.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                )
+            };
+            if fd < 0 {
+                // Nothing queued, or no descriptor to spare: next time.
+                break;
+            }
+            // SAFETY: a new descriptor we own.
+            let stream = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+            let Some((pid, uid)) = peer_cred(&stream) else {
+                continue;
+            };
+            if p.len() >= self.limits.total || p.of_user(uid) >= self.limits.per_user {
+                debug!(
+                    "listener {}: refused a pairing connection from pid {pid} uid {uid}: \
+                     {} pending, {} of that user (limits {}/{})",
+                    self.addr,
+                    p.len(),
+                    p.of_user(uid),
+                    self.limits.total,
+                    self.limits.per_user
                 );
-                None
+                continue;
+            }
+            p.waiting.push(Waiting {
+                stream,
+                uid,
+                since: now,
+            });
+        }
+        for w in std::mem::take(&mut p.waiting) {
+            match recv_intro(w.stream.as_fd(), IntroKind::Offer, true) {
+                Ok((intro, r)) => {
+                    let (Some(target), [memfd]) = (intro.pair, &r.fds[..]) else {
+                        debug!(
+                            "listener {}: an offer without its connection or segment",
+                            self.addr
+                        );
+                        continue;
+                    };
+                    if target.dst.port() != self.addr.port() {
+                        debug!(
+                            "listener {}: an offer for {} is not ours",
+                            self.addr, target.dst
+                        );
+                        continue;
+                    }
+                    let memfd = memfd.try_clone().ok();
+                    let Some(memfd) = memfd else { continue };
+                    p.offers.entry(target.cookie).or_default().push(Offer {
+                        stream: w.stream,
+                        peer: r.peer,
+                        uid: w.uid,
+                        memfd,
+                        page_size: intro.page_size,
+                        dst: target.dst,
+                        since: w.since,
+                    });
+                }
+                Err(e) if e.would_block() => p.waiting.push(w),
+                Err(e) => debug!("listener {}: dropped a pairing message: {e}", self.addr),
             }
         }
     }
 
-    /// Take in the requests that arrived (each was sent before its TCP
-    /// connect, so an accepted connection's request is already here).
-    fn drain(&self, pending: &mut HashMap<u16, Pending>) {
-        pending.retain(|_, p| p.since.elapsed() < STALE);
-        while let Ok((stream, _)) = self.unix.accept() {
-            if stream.set_nonblocking(false).is_err() {
-                continue;
-            }
-            net::set_timeouts(&stream, Duration::from_millis(200));
-            let mut b = [0u8; REQUEST_LEN];
-            let got = (&stream).read_exact(&mut b);
-            let request = match got
-                .map_err(|e| e.to_string())
-                .and_then(|()| PairRequest::parse(&b).map_err(|e| e.to_string()))
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    debug!("listener {}: dropped a pair request: {e}", self.addr);
-                    continue;
-                }
-            };
-            // The pid is the kernel's word, not the client's.
-            if net::peer_pid(&stream) != Some(request.client_pid) {
-                debug!(
-                    "listener {}: pair request claims pid {}, which is not the sender's",
-                    self.addr, request.client_pid
-                );
-                continue;
-            }
-            pending.insert(
-                request.client_port,
-                Pending {
-                    stream,
-                    request,
-                    since: Instant::now(),
-                },
+    /// The offer for the connection whose client end is `far` (as the
+    /// kernel describes it), if one is true: it claims that socket's
+    /// cookie, and its sender is the user the kernel says owns the socket.
+    fn take_offer(&self, p: &mut Pending, far: &sock_diag::TcpSocket) -> Option<Offer> {
+        let v = p.offers.get_mut(&far.cookie)?;
+        let i = v.iter().position(|o| o.peer.uid() == far.uid);
+        let offer = i.map(|i| v.remove(i));
+        for liar in v.drain(..) {
+            warning!(
+                "listener {}: pid {} (uid {}) offered to pair the connection of {} (uid {}); refused",
+                self.addr,
+                liar.peer.pid(),
+                liar.peer.uid(),
+                far.local,
+                far.uid
             );
         }
+        p.offers.remove(&far.cookie);
+        offer
     }
 
-    /// `accept()` returned a TCP connection from `peer` to `local`:
-    /// upgrade it if its client asked to; otherwise why not.
+    /// `accept()` returned the TCP connection `fd` from `peer` to `local`:
+    /// upgrade it if its client offered to; otherwise why not.
     pub fn upgrade(
         &self,
+        fd: c_int,
         local: SocketAddr,
         peer: SocketAddr,
         s: &Settings,
@@ -126,26 +360,56 @@ impl Listener {
         if !net::is_local(peer.ip()) {
             return Err(TcpReason::PeerRemote);
         }
-        let p = {
-            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            self.drain(&mut pending);
-            pending.remove(&peer.port())
+        let offer = {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            self.pump(&mut p);
+            if p.offers.is_empty() {
+                return Err(TcpReason::PeerNotAzsdp);
+            }
+            // The client end of this connection, as the kernel knows it.
+            let far = match sock_diag::far_end(local, peer) {
+                Ok(Some(far)) => far,
+                Ok(None) => return Err(TcpReason::PeerNotAzsdp),
+                Err(e) => {
+                    debug!("{local} <- {peer}: sock_diag: {e}");
+                    return Err(TcpReason::PeerUnverified);
+                }
+            };
+            self.take_offer(&mut p, &far)
         };
-        let Some(p) = p else {
+        let Some(offer) = offer else {
             return Err(TcpReason::PeerNotAzsdp);
         };
         if s.use_ == azsdp::config::Use::Tcp {
             // Dropping the side channel tells the client at once.
             return Err(TcpReason::Rule);
         }
-        if p.request.dst.port() != local.port() {
+        if offer.dst.port() != local.port() {
             return Err(TcpReason::Mismatch);
         }
-        net::set_timeouts(&p.stream, s.pair_timeout);
-        let ep = ShmEndpoint::offer(&p.stream, shm_params(s)).map_err(|e| {
-            debug!("{local} <- {peer}: shm setup failed: {e}");
+        let join = ShmJoin::open(offer.memfd, s.poll).map_err(|e| {
+            warning!(
+                "{local} <- {peer}: pid {} offered a bad segment: {e}",
+                offer.peer.pid()
+            );
             TcpReason::SetupFailed
         })?;
+        // Our answer proves to the client that we hold the accepted socket.
+        // SAFETY: `fd` is the descriptor accept() just returned, open for
+        // the duration of this call.
+        let accepted = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let answer = Intro::new(IntroKind::Answer, azsdp::pages::system_page_size() as u32);
+        if let Err(e) = send_intro(offer.stream.as_fd(), &answer, &[accepted], true) {
+            debug!("{local} <- {peer}: the client left before our answer ({e})");
+            return Err(TcpReason::PairTimeout);
+        }
+        let ep = join
+            .into_endpoint(offer.stream, offer.peer, offer.page_size)
+            .map_err(|e| {
+                debug!("{local} <- {peer}: {e}");
+                TcpReason::SetupFailed
+            })?;
+        // The last step that can fail: from here both sides are on azsdp.
         let word = ep.agreement();
         if word
             .compare_exchange(
@@ -159,9 +423,6 @@ impl Listener {
             return Err(TcpReason::PairTimeout);
         }
         azsdp::futex::wake_all(word);
-        Conn::start(ep, Role::Server, s, local, peer).map_err(|e| {
-            debug!("{local} <- {peer}: azsdp handshake failed: {e}");
-            TcpReason::SetupFailed
-        })
+        Ok(Conn::start(ep, Role::Server, s, local, peer))
     }
 }

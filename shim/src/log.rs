@@ -100,6 +100,7 @@ pub fn write(level: Level, args: std::fmt::Arguments<'_>) {
 }
 
 macro_rules! error { ($($t:tt)*) => { $crate::log::write($crate::log::Level::Error, format_args!($($t)*)) } }
+macro_rules! warning { ($($t:tt)*) => { $crate::log::write($crate::log::Level::Warn, format_args!($($t)*)) } }
 macro_rules! info { ($($t:tt)*) => { $crate::log::write($crate::log::Level::Info, format_args!($($t)*)) } }
 macro_rules! debug { ($($t:tt)*) => { $crate::log::write($crate::log::Level::Debug, format_args!($($t)*)) } }
-pub(crate) use {debug, error, info};
+pub(crate) use {debug, error, info, warning};

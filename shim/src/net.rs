@@ -4,7 +4,6 @@
 //! passed in, within the lengths it gave.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
-use std::time::Duration;
 
 use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_storage, socklen_t};
 
@@ -116,6 +115,18 @@ pub fn local_of(fd: c_int) -> Option<SocketAddr> {
     (r == 0).then(|| unsafe { from_raw(p, len) }).flatten()
 }
 
+/// The kernel socket's peer address (`getpeername`).
+pub fn peer_of(fd: c_int) -> Option<SocketAddr> {
+    // SAFETY: plain data, written by the kernel within `len`.
+    let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<sockaddr_storage>() as socklen_t;
+    let p = (&raw mut st).cast::<sockaddr>();
+    // SAFETY: getpeername into our own buffer.
+    let r = unsafe { crate::real::getpeername(fd, p, &mut len) };
+    // SAFETY: the kernel wrote `len` bytes.
+    (r == 0).then(|| unsafe { from_raw(p, len) }).flatten()
+}
+
 /// Unwrap IPv4-mapped IPv6 addresses.
 pub fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
@@ -135,29 +146,4 @@ pub fn is_local(ip: IpAddr) -> bool {
     }
     // Only a local address can be bound (without IP_FREEBIND).
     std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
-}
-
-/// Set a blocking socket's receive and send timeouts (for the side channel).
-pub fn set_timeouts(s: &std::os::unix::net::UnixStream, t: Duration) {
-    let t = Some(t.max(Duration::from_millis(1)));
-    let _ = s.set_read_timeout(t);
-    let _ = s.set_write_timeout(t);
-}
-
-/// The pid of the process at the other end of a Unix socket.
-pub fn peer_pid(s: &impl std::os::fd::AsRawFd) -> Option<u32> {
-    // SAFETY: plain data written by the kernel within `len`.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as socklen_t;
-    // SAFETY: SO_PEERCRED into our own buffer.
-    let r = unsafe {
-        crate::real::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut cred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred.pid as u32)
 }

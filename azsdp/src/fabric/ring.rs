@@ -53,6 +53,10 @@ pub enum RingError {
     BadMagic,
     #[error("message of {0} bytes does not fit in the ring")]
     TooLarge(usize),
+    /// The shared positions or a record length make no sense: only a
+    /// corrupted (or hostile) peer writes these. The ring is unusable.
+    #[error("ring corrupted by the peer")]
+    Corrupt,
 }
 
 /// One end of a ring (either end: producer and consumer use the same type,
@@ -173,6 +177,20 @@ impl Ring {
         (4 + n).next_multiple_of(ALIGN)
     }
 
+    /// Both positions, checked: the peer can write them (the header is
+    /// shared), so nothing is trusted that would put an access outside the
+    /// data area. Records start 8-aligned; at most `cap` bytes are in use.
+    fn positions(&self) -> Result<(u64, u64), RingError> {
+        let h = self.h();
+        let head = h.head.load(Ordering::Acquire);
+        let tail = h.tail.load(Ordering::Acquire);
+        let used = tail.wrapping_sub(head);
+        if used > self.cap as u64 || head % ALIGN as u64 != 0 || tail % ALIGN as u64 != 0 {
+            return Err(RingError::Corrupt);
+        }
+        Ok((head, tail))
+    }
+
     /// Producer: copy `msg` in as one record. `Ok(false)` when there is no
     /// room now (retry after the consumer has made progress).
     pub fn push(&self, msg: &[u8]) -> Result<bool, RingError> {
@@ -180,9 +198,8 @@ impl Ring {
             return Err(RingError::TooLarge(msg.len()));
         }
         let h = self.h();
-        let tail = h.tail.load(Ordering::Relaxed);
-        let head = h.head.load(Ordering::Acquire);
-        let used = (tail - head) as usize;
+        let (head, tail) = self.positions()?;
+        let used = tail.wrapping_sub(head) as usize;
         let off = (tail as usize) & (self.cap - 1);
         let rec = Self::record_len(msg.len());
         let to_end = self.cap - off;
@@ -208,40 +225,46 @@ impl Ring {
                 .write_unaligned(msg.len() as u32);
             std::ptr::copy_nonoverlapping(msg.as_ptr(), self.data.add(start + 4), msg.len());
         }
-        h.tail.store(tail + need as u64, Ordering::Release);
+        h.tail
+            .store(tail.wrapping_add(need as u64), Ordering::Release);
         h.published.fetch_add(1, Ordering::Release);
         Ok(true)
     }
 
     /// Consumer: hand the next message to `f` (valid only during the call),
-    /// then release its space. `None` when the ring is empty.
-    pub fn pop<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+    /// then release its space. `Ok(None)` when the ring is empty;
+    /// [`RingError::Corrupt`] when the peer wrote nonsense (the bytes of a
+    /// message may still change under `f`: the peer can write them, so `f`
+    /// must treat them as untrusted input, as it does).
+    pub fn pop<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>, RingError> {
         let h = self.h();
-        let mut head = h.head.load(Ordering::Relaxed);
-        let tail = h.tail.load(Ordering::Acquire);
+        let (mut head, tail) = self.positions()?;
         if head == tail {
-            return None;
+            return Ok(None);
         }
         let mut off = (head as usize) & (self.cap - 1);
-        // SAFETY: off + 4 <= cap; the producer published these bytes.
+        // SAFETY: off is 8-aligned and below cap, so off + 4 <= cap; the
+        // producer published these bytes.
         let mut len = unsafe { self.data.add(off).cast::<u32>().read_unaligned() };
         if len == WRAP {
-            head += (self.cap - off) as u64;
+            head = head.wrapping_add((self.cap - off) as u64);
             off = 0;
             // SAFETY: as above, at offset 0.
             len = unsafe { self.data.cast::<u32>().read_unaligned() };
         }
         let len = len as usize;
-        if len > self.max_message() || off + 4 + len > self.cap {
-            // Only a corrupted (or hostile) peer writes this: stop reading.
-            return None;
+        let rec = Self::record_len(len) as u64;
+        if len > self.max_message()
+            || off + 4 + len > self.cap
+            || head.wrapping_add(rec).wrapping_sub(tail) as i64 > 0
+        {
+            return Err(RingError::Corrupt);
         }
         // SAFETY: [off+4, off+4+len) is inside the data area and published.
         let msg = unsafe { std::slice::from_raw_parts(self.data.add(off + 4), len) };
         let r = f(msg);
-        h.head
-            .store(head + Self::record_len(len) as u64, Ordering::Release);
-        Some(r)
+        h.head.store(head.wrapping_add(rec), Ordering::Release);
+        Ok(Some(r))
     }
 
     /// Is there a message to pop?
@@ -256,10 +279,10 @@ impl Ring {
         RingWatch { hdr: self.hdr }
     }
 
-    /// Bytes in use (for tests and stats).
+    /// Bytes in use (for tests and stats); the whole ring if corrupted.
     pub fn used(&self) -> usize {
-        let h = self.h();
-        (h.tail.load(Ordering::Acquire) - h.head.load(Ordering::Acquire)) as usize
+        self.positions()
+            .map_or(self.cap, |(head, tail)| tail.wrapping_sub(head) as usize)
     }
 
     /// The consumer's futex word and sleeping flag, for the waiting logic of
@@ -318,12 +341,12 @@ mod tests {
                 n = n.wrapping_add(1);
             }
             if round % 3 == 0 {
-                while let Some(got) = c.pop(<[u8]>::to_vec) {
+                while let Some(got) = c.pop(<[u8]>::to_vec).unwrap() {
                     assert_eq!(got, expect.pop_front().unwrap());
                 }
             }
         }
-        while let Some(got) = c.pop(<[u8]>::to_vec) {
+        while let Some(got) = c.pop(<[u8]>::to_vec).unwrap() {
             assert_eq!(got, expect.pop_front().unwrap());
         }
         assert!(expect.is_empty());
@@ -340,7 +363,7 @@ mod tests {
             pushed += 1;
         }
         assert!(pushed >= 4);
-        assert!(p.pop(|m| m.len()).is_some());
+        assert!(p.pop(|m| m.len()).unwrap().is_some());
         assert!(p.push(&[1u8; 20]).unwrap());
     }
 
@@ -357,6 +380,43 @@ mod tests {
         assert_eq!(init, Err(RingError::BadSize));
         // SAFETY: allocated with this layout.
         unsafe { dealloc(ptr, layout) };
+    }
+
+    /// A peer that rewrites the shared positions or a record's length:
+    /// an error on either end, never an access outside the data area.
+    #[test]
+    fn a_corrupted_ring_is_an_error_not_an_overrun() {
+        let r = Region::new(256);
+        let (p, c) = (r.ring(), r.ring());
+        assert!(p.push(b"hello").unwrap());
+        let h = p.h();
+        let (head, tail) = (
+            h.head.load(Ordering::Relaxed),
+            h.tail.load(Ordering::Relaxed),
+        );
+        for (bad_head, bad_tail) in [
+            (tail + 8, tail),    // consumer ahead of the producer
+            (head, head + 4096), // more in use than the ring holds
+            (head, tail + 3),    // a misaligned position
+            (head + 1, tail),
+        ] {
+            h.head.store(bad_head, Ordering::Relaxed);
+            h.tail.store(bad_tail, Ordering::Relaxed);
+            assert_eq!(c.pop(|m| m.len()), Err(RingError::Corrupt));
+            assert_eq!(p.push(b"x"), Err(RingError::Corrupt));
+            assert_eq!(c.used(), c.capacity());
+        }
+        h.head.store(head, Ordering::Relaxed);
+        h.tail.store(tail, Ordering::Relaxed);
+        // A record length beyond the published bytes, or beyond the ring.
+        for len in [200u32, 5000, u32::MAX - 1] {
+            // SAFETY: offset 0 of the data area, which holds our record.
+            unsafe { p.data.cast::<u32>().write_unaligned(len) };
+            assert_eq!(c.pop(|m| m.len()), Err(RingError::Corrupt));
+        }
+        // SAFETY: as above: restore the true length.
+        unsafe { p.data.cast::<u32>().write_unaligned(5) };
+        assert_eq!(c.pop(|m| m.to_vec()), Ok(Some(b"hello".to_vec())));
     }
 
     #[test]
@@ -379,11 +439,14 @@ mod tests {
             s.spawn(move || {
                 let mut i = 0u32;
                 while i < total {
-                    if let Some(ok) = c.pop(|m| {
-                        m.len() == 2 + (i as usize % 61)
-                            && m[0] == i as u8
-                            && m[m.len() - 1] == (i >> 8) as u8
-                    }) {
+                    if let Some(ok) = c
+                        .pop(|m| {
+                            m.len() == 2 + (i as usize % 61)
+                                && m[0] == i as u8
+                                && m[m.len() - 1] == (i >> 8) as u8
+                        })
+                        .unwrap()
+                    {
                         assert!(ok, "message {i} corrupted");
                         i += 1;
                     } else {

@@ -2,48 +2,75 @@
 //!
 //! A `memfd` segment, mapped by both, holds a [`Ring`] per direction for
 //! messages, each side's lock words (so the peer's compare-and-swap is a real
-//! atomic on shared memory, one-sided as on a NIC), and per-side flags. GET is
-//! one `process_vm_readv` from the peer's pages straight into the destination
-//! (the intra-host RDMA READ: one copy, no peer involvement). A side that
-//! waits polls for a while, then sleeps on a futex in the segment.
+//! atomic on shared memory, one-sided as on a NIC), each side's table of
+//! registrations, and per-side flags. GET is one `process_vm_readv` from the
+//! peer's pages straight into the destination (the intra-host RDMA READ: one
+//! copy, no peer involvement). A side that waits polls for a while, then
+//! sleeps on a futex in the segment.
 //!
-//! Bootstrap ([`ShmEndpoint::offer`] / [`ShmEndpoint::accept`]) runs over a
-//! connected Unix or TCP socket: over Unix the creator passes the memfd with
-//! SCM_RIGHTS; over TCP the acceptor takes it from the creator with
-//! `pidfd_getfd` (which needs the permission reading its memory needs) and
-//! checks the segment's random key, so a peer lying about its pid gets
-//! nowhere. Both exchange pid, uid and page size, and each probes whether it
-//! may read the other's memory. If it may not (another user, no ptrace permission), the
-//! connection stays on the rings (BSDP) and [`ShmEndpoint::can_get`] says why.
+//! **Trust.** The peer can write every byte of the segment at any time, so
+//! nothing read from it is trusted beyond the connection it belongs to:
+//! ring positions and lengths are checked on every access (a corrupted ring
+//! ends the connection), the header's sizes are read once and checked at
+//! [`ShmJoin::open`], and the segment is sealed against shrinking (a peer
+//! could otherwise truncate it under us). Who the peer *is* comes only from
+//! the kernel ([`crate::identity`]): the process whose memory GETs read is
+//! the one whose credentials and pidfd came with its side-channel message,
+//! pinned by that pidfd; a process that takes the peer's side over after a
+//! fork is followed only when it says so over the side channel with its own
+//! kernel identity ([`IntroKind::Claim`]), never because a word in the
+//! segment names it.
 //!
-//! Keys are not enforced here: `process_vm_readv` can read any of the peer's
-//! memory that the kernel lets it, so this provider is for processes that
-//! trust each other; the `azsdpd` broker will check ranges for those that
-//! do not.
+//! **Keys.** Every GET names a key, and the reader checks it against the
+//! owner's registration table in the segment, as an RNIC checks an rkey: the
+//! key must be live, and the range inside the registered one, before the
+//! read and still after it (a registration withdrawn meanwhile voids the
+//! read, as does the pinned process having exited, which could have freed
+//! its pid for another). A peer can only make us read its own memory; one
+//! of another user is never read at all ([`NoGet::OtherUser`]).
+//!
+//! Bootstrap runs over a connected Unix socket, which stays open for the
+//! connection's life as its control channel (claims after fork): the side
+//! that makes the segment ([`ShmOffer`]) sends it with an
+//! [`IntroKind::Offer`]; the other ([`ShmJoin`]) maps it and answers. Both
+//! messages carry the sender's kernel identity. [`ShmEndpoint::offer`] and
+//! [`ShmEndpoint::accept`] do the whole exchange for programs that own both
+//! ends' setup; the preload shim runs the same steps inside `connect()` and
+//! `accept()` with its own checks between them.
 //!
 //! `unsafe` here: mapping the segment, atomics and futexes on shared memory,
 //! and the raw destination of GETs (application memory named by address).
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::net::UnixStream;
+use std::io::IoSliceMut;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use memmap2::MmapMut;
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use memmap2::{MmapMut, MmapOptions};
 use nix::sys::uio::{RemoteIoVec, process_vm_readv};
 use nix::unistd::Pid;
 
 use super::ring::{self, Ring, RingWatch};
 use super::{Fabric, FabricError, FabricEvent, OpResult, Ownership};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+use crate::identity::{self, IdentityError, PeerId};
+use crate::pairing::{INTRO_LEN, Intro, IntroKind};
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const HEADER_LEN: usize = 4096;
+/// Largest ring a segment may have (a peer's segment asking for more is
+/// refused rather than mapped).
+pub const MAX_RING: usize = 64 << 20;
+const MAX_LOCK_SLOTS: u32 = 4096;
+const MAX_REG_SLOTS: u32 = 1 << KEY_SLOT_BITS;
+
+/// A registration key: the table slot in the low bits, a generation above
+/// (never 0, so no key is 0 and a reused slot never revives an old key).
+const KEY_SLOT_BITS: u32 = 14;
+const KEY_SLOT_MASK: u32 = (1 << KEY_SLOT_BITS) - 1;
 
 /// Segment header, at offset 0.
 #[repr(C, align(64))]
@@ -52,6 +79,7 @@ struct SegHeader {
     version: AtomicU32,
     ring_cap: AtomicU32,
     lock_slots: AtomicU32,
+    reg_slots: AtomicU32,
     /// Random identity, used as the lock words' key.
     key: AtomicU32,
     /// Per side: set before that side unprotects anything on abort; a GET
@@ -63,7 +91,9 @@ struct SegHeader {
     /// returned (the survivor of a death compares it with what it got).
     sent: [AtomicU64; 2],
     /// Per side: the pid of the process running that side, with
-    /// [`FROZEN`] set from a fork until a process claims it.
+    /// [`FROZEN`] set from a fork until a process claims it. Each side
+    /// reads its own to know whether it runs the connection; the peer's
+    /// is only a hint that a claim may be waiting on the side channel.
     owner: [AtomicU32; 2],
     /// Free for whoever set the pair up to agree on it (the preload shim's
     /// commit-or-withdraw word, see [`ShmEndpoint::agreement`]).
@@ -71,6 +101,19 @@ struct SegHeader {
 }
 
 const _: () = assert!(std::mem::size_of::<SegHeader>() <= HEADER_LEN);
+
+/// One registration, written by its owner, checked by the peer's GETs.
+#[repr(C, align(32))]
+struct RegEntry {
+    /// The live key, or 0 when the slot is free. Stored last (release)
+    /// when registering, first when withdrawing.
+    key: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+}
+
+const REG_ENTRY_LEN: usize = std::mem::size_of::<RegEntry>();
+const _: () = assert!(REG_ENTRY_LEN == 32);
 
 /// In an owner word: frozen since a fork (pids stay below 2^22).
 const FROZEN: u32 = 1 << 31;
@@ -96,28 +139,41 @@ impl Default for ShmParams {
     }
 }
 
+impl ShmParams {
+    /// Registrations per side: every outstanding advertisement (at most one
+    /// per lock word) and its copy-on-write copy, with room to spare.
+    fn reg_slots(&self) -> u32 {
+        (u32::from(self.lock_slots) * 4).clamp(64, MAX_REG_SLOTS)
+    }
+}
+
 /// Layout of the segment: where each part starts.
 #[derive(Clone, Copy, Debug)]
 struct Layout {
     ring: [usize; 2],
     ring_len: usize,
     locks: [usize; 2],
+    regs: [usize; 2],
     len: usize,
 }
 
 impl Layout {
-    fn new(ring_cap: usize, slots: u16) -> Layout {
+    fn new(ring_cap: usize, slots: u32, reg_slots: u32) -> Layout {
         let ring_len = ring::region_len(ring_cap).next_multiple_of(64);
         let r0 = HEADER_LEN;
         let r1 = r0 + ring_len;
         let l0 = r1 + ring_len;
-        let locks_len = (usize::from(slots) * 8).next_multiple_of(64);
+        let locks_len = (slots as usize * 8).next_multiple_of(64);
         let l1 = l0 + locks_len;
+        let g0 = l1 + locks_len;
+        let regs_len = reg_slots as usize * REG_ENTRY_LEN;
+        let g1 = g0 + regs_len;
         Layout {
             ring: [r0, r1],
             ring_len,
             locks: [l0, l1],
-            len: (l1 + locks_len).next_multiple_of(4096),
+            regs: [g0, g1],
+            len: (g1 + regs_len).next_multiple_of(4096),
         }
     }
 }
@@ -128,15 +184,22 @@ struct Segment {
     map: MmapMut,
     layout: Layout,
     slots: u16,
+    reg_slots: u32,
     key: u32,
-    fd: OwnedFd,
+}
+
+fn bad(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!("shm segment: {what}"),
+    )
 }
 
 impl Segment {
     fn hdr(&self) -> &SegHeader {
         // SAFETY: the mapping is at least HEADER_LEN bytes, page-aligned, and
         // lives as long as self; SegHeader is all atomics (any bit pattern
-        // that the creator wrote, or zero, is valid).
+        // is valid).
         unsafe { &*self.map.as_ptr().cast::<SegHeader>() }
     }
 
@@ -156,24 +219,60 @@ impl Segment {
         Some(unsafe { &*self.base().add(off).cast::<AtomicU64>() })
     }
 
-    fn ring(&self, dir: usize) -> Ring {
-        // SAFETY: the ring region lies inside the mapping, is 64-aligned, and
-        // the mapping outlives the Ring (the endpoint holds both; Ring is
-        // dropped first as a field declared earlier). One producer and one
-        // consumer per direction by construction of the endpoints.
-        unsafe { Ring::attach(self.base().add(self.layout.ring[dir]), self.layout.ring_len) }
-            .expect("initialised ring")
+    /// Registration `slot` of `side`.
+    fn reg(&self, side: usize, slot: u32) -> Option<&RegEntry> {
+        if slot >= self.reg_slots {
+            return None;
+        }
+        let off = self.layout.regs[side] + slot as usize * REG_ENTRY_LEN;
+        // SAFETY: in bounds (slot < reg_slots, the table holds reg_slots
+        // entries), 32-aligned (tables start 64-aligned), shared and only
+        // ever accessed atomically.
+        Some(unsafe { &*self.base().add(off).cast::<RegEntry>() })
     }
 
-    fn create(p: &ShmParams) -> std::io::Result<Segment> {
-        let layout = Layout::new(p.ring_capacity, p.lock_slots);
-        let fd =
-            nix::sys::memfd::memfd_create(c"azsdp-shm", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+    fn ring(&self, dir: usize) -> std::io::Result<Ring> {
+        // SAFETY: the ring region lies inside the mapping and is 64-aligned;
+        // the mapping outlives the Ring (the endpoint holds both; Ring is
+        // dropped first as a field declared earlier). One producer and one
+        // consumer per direction by construction of the endpoints. Attach
+        // checks the ring's header against the region's length.
+        let r =
+            unsafe { Ring::attach(self.base().add(self.layout.ring[dir]), self.layout.ring_len) }
+                .map_err(|e| bad(&format!("ring {dir}: {e}")))?;
+        if r.capacity() != self.layout.ring_len - ring::HEADER {
+            return Err(bad(&format!(
+                "ring {dir}: capacity differs from the header's"
+            )));
+        }
+        Ok(r)
+    }
+
+    /// A new segment and its memfd, sealed so that nobody can shrink or
+    /// grow it.
+    fn create(p: &ShmParams) -> std::io::Result<(Segment, OwnedFd)> {
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+        use nix::sys::memfd::{MFdFlags, memfd_create};
+        if !p.ring_capacity.is_power_of_two() || !(64..=MAX_RING).contains(&p.ring_capacity) {
+            return Err(bad("ring capacity must be a power of two up to 64 MiB"));
+        }
+        let reg_slots = p.reg_slots();
+        let layout = Layout::new(p.ring_capacity, u32::from(p.lock_slots), reg_slots);
+        let fd = memfd_create(
+            c"azsdp-shm",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )?;
         let file = std::fs::File::from(fd.try_clone()?);
         file.set_len(layout.len as u64)?;
+        fcntl(
+            &fd,
+            FcntlArg::F_ADD_SEALS(
+                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
+            ),
+        )?;
         // SAFETY: a fresh memfd of the right length, mapped shared; nobody
         // else has it yet.
-        let mut map = unsafe { MmapMut::map_mut(&file)? };
+        let mut map = unsafe { MmapOptions::new().len(layout.len).map_mut(&file)? };
         let base = map.as_mut_ptr();
         for dir in 0..2 {
             // SAFETY: in bounds, 64-aligned, not yet shared.
@@ -188,34 +287,39 @@ impl Segment {
             map,
             layout,
             slots: p.lock_slots,
+            reg_slots,
             key,
-            fd,
         };
         let h = seg.hdr();
         h.version.store(VERSION, Ordering::Relaxed);
         h.ring_cap.store(p.ring_capacity as u32, Ordering::Relaxed);
         h.lock_slots
             .store(u32::from(p.lock_slots), Ordering::Relaxed);
+        h.reg_slots.store(reg_slots, Ordering::Relaxed);
         h.key.store(key, Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
-        Ok(seg)
+        Ok((seg, fd))
     }
 
+    /// Map a segment the peer made. Everything in it is the peer's word:
+    /// sizes are read once, checked, and used from our copy.
     fn open(fd: OwnedFd) -> std::io::Result<Segment> {
-        let bad = |what: &str| {
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("shm segment: {what}"),
-            )
-        };
-        let file = std::fs::File::from(fd.try_clone()?);
-        let len = file.metadata()?.len() as usize;
-        if len < HEADER_LEN {
-            return Err(bad("too short"));
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+        let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|_| bad("not a sealable memfd"))?;
+        let seals = SealFlag::from_bits_truncate(seals);
+        if !seals.contains(SealFlag::F_SEAL_SHRINK) {
+            return Err(bad("not sealed against shrinking"));
         }
-        // SAFETY: mapping a memfd the peer passed us; we only access it
-        // through atomics and rings that validate every length they read.
-        let map = unsafe { MmapMut::map_mut(&file)? };
+        let file = std::fs::File::from(fd);
+        let len = file.metadata()?.len() as usize;
+        let largest = Layout::new(MAX_RING, MAX_LOCK_SLOTS, MAX_REG_SLOTS).len;
+        if !(HEADER_LEN..=largest).contains(&len) {
+            return Err(bad("size out of range"));
+        }
+        // SAFETY: mapping a sealed memfd the peer passed us, at most its
+        // (unshrinkable) length; we only access it through atomics and rings
+        // that check every position and length they read.
+        let map = unsafe { MmapOptions::new().len(len).map_mut(&file)? };
         // SAFETY: HEADER_LEN bytes are mapped (checked above).
         let h = unsafe { &*map.as_ptr().cast::<SegHeader>() };
         if h.magic.load(Ordering::Acquire) != MAGIC || h.version.load(Ordering::Relaxed) != VERSION
@@ -223,79 +327,29 @@ impl Segment {
             return Err(bad("bad magic or version"));
         }
         let cap = h.ring_cap.load(Ordering::Relaxed) as usize;
-        let slots =
-            u16::try_from(h.lock_slots.load(Ordering::Relaxed)).map_err(|_| bad("lock slots"))?;
-        if !cap.is_power_of_two() || cap < 64 {
+        let slots = h.lock_slots.load(Ordering::Relaxed);
+        let reg_slots = h.reg_slots.load(Ordering::Relaxed);
+        if !cap.is_power_of_two() || !(64..=MAX_RING).contains(&cap) {
             return Err(bad("ring capacity"));
         }
-        let layout = Layout::new(cap, slots);
+        if !(1..=MAX_LOCK_SLOTS).contains(&slots) || !(1..=MAX_REG_SLOTS).contains(&reg_slots) {
+            return Err(bad("lock or registration slots"));
+        }
+        let layout = Layout::new(cap, slots, reg_slots);
         if layout.len > len {
             return Err(bad("shorter than its layout"));
         }
         let key = h.key.load(Ordering::Relaxed);
-        Ok(Segment {
+        let seg = Segment {
             map,
             layout,
-            slots,
+            slots: slots as u16,
+            reg_slots,
             key,
-            fd,
-        })
-    }
-}
-
-/// What each side tells the other at bootstrap.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct Intro {
-    magic: u64,
-    pid: u32,
-    uid: u32,
-    page_size: u32,
-    /// The creator's descriptor number of the segment (for a peer that
-    /// takes it with `pidfd_getfd`, over TCP); 0 from the acceptor.
-    seg_fd: u32,
-    /// Address of a word in the sender's memory holding `canary`.
-    probe_addr: u64,
-    canary: u64,
-    /// The segment's key, which the acceptor checks in the segment it got
-    /// (a peer lying about its pid would name a process without it).
-    seg_key: u32,
-}
-
-/// Bytes of an [`Intro`] on the wire.
-const INTRO_LEN: usize = 48;
-
-impl Intro {
-    fn bytes(&self) -> [u8; INTRO_LEN] {
-        let mut b = [0u8; INTRO_LEN];
-        b[0..8].copy_from_slice(&self.magic.to_le_bytes());
-        b[8..12].copy_from_slice(&self.pid.to_le_bytes());
-        b[12..16].copy_from_slice(&self.uid.to_le_bytes());
-        b[16..20].copy_from_slice(&self.page_size.to_le_bytes());
-        b[20..24].copy_from_slice(&self.seg_fd.to_le_bytes());
-        b[24..32].copy_from_slice(&self.probe_addr.to_le_bytes());
-        b[32..40].copy_from_slice(&self.canary.to_le_bytes());
-        b[40..44].copy_from_slice(&self.seg_key.to_le_bytes());
-        b
-    }
-
-    fn parse(b: &[u8]) -> Option<Intro> {
-        if b.len() != INTRO_LEN || b[44..48] != [0; 4] {
-            return None;
-        }
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let intro = Intro {
-            magic: u64_at(0),
-            pid: u32_at(8),
-            uid: u32_at(12),
-            page_size: u32_at(16),
-            seg_fd: u32_at(20),
-            probe_addr: u64_at(24),
-            canary: u64_at(32),
-            seg_key: u32_at(40),
         };
-        (intro.magic == MAGIC && intro.pid != 0).then_some(intro)
+        seg.ring(0)?;
+        seg.ring(1)?;
+        Ok(seg)
     }
 }
 
@@ -308,6 +362,49 @@ pub enum NoGet {
     Refused(String),
 }
 
+/// Whether we may read `peer`'s memory, asked of the kernel without
+/// touching any of it: `process_vm_readv` checks permission before it
+/// looks at addresses, so reading address 0 fails with EFAULT when we may
+/// and EPERM when we may not.
+fn get_permission(peer: &PeerId) -> Option<NoGet> {
+    let mine = nix::unistd::geteuid().as_raw();
+    if peer.uid() != mine {
+        return Some(NoGet::OtherUser {
+            mine,
+            peer: peer.uid(),
+        });
+    }
+    let mut byte = [0u8; 1];
+    let remote = [RemoteIoVec { base: 0, len: 1 }];
+    let pid = Pid::from_raw(peer.pid() as i32);
+    let r = process_vm_readv(pid, &mut [IoSliceMut::new(&mut byte)], &remote);
+    if !peer.alive() {
+        return Some(NoGet::Refused("the peer exited".into()));
+    }
+    match r {
+        Ok(_) | Err(nix::Error::EFAULT) => None,
+        Err(e) => Some(NoGet::Refused(e.desc().to_string())),
+    }
+}
+
+/// This side's registrations: which slots are free and each slot's last
+/// generation (kept in our own memory; the table in the segment is only
+/// what the peer checks).
+#[derive(Debug)]
+struct Registrations {
+    generation: Vec<u32>,
+    free: Vec<u32>,
+}
+
+impl Registrations {
+    fn new(slots: u32) -> Registrations {
+        Registrations {
+            generation: vec![0; slots as usize],
+            free: (0..slots).rev().collect(),
+        }
+    }
+}
+
 /// One side of a `shm` connection.
 #[derive(Debug)]
 pub struct ShmEndpoint {
@@ -316,15 +413,18 @@ pub struct ShmEndpoint {
     rx: Ring,
     seg: Arc<Segment>,
     side: usize,
-    peer_pid: Pid,
+    /// The process running the peer side, verified and pinned.
+    peer: PeerId,
+    /// The side channel: claims after fork come over it.
+    control: OwnedFd,
     peer_page_size: u32,
     no_get: Option<NoGet>,
     params: ShmParams,
     completions: VecDeque<(OpId, OpResult)>,
-    next_key: u32,
+    regs: Registrations,
     gone_reported: bool,
-    /// Readable once the peer process has exited (zombie or reaped).
-    peer_fd: Option<OwnedFd>,
+    /// The peer wrote nonsense into the segment: the connection is over.
+    corrupt: bool,
     /// When the peer process was last seen alive: an idle poll asks the
     /// kernel (a system call) at most once per [`ALIVE_EVERY`].
     alive_at: Option<Instant>,
@@ -335,133 +435,157 @@ pub struct ShmEndpoint {
 /// that dies without closing).
 const ALIVE_EVERY: Duration = Duration::from_millis(1);
 
-fn io_err(e: impl std::fmt::Display) -> std::io::Error {
-    std::io::Error::other(e.to_string())
-}
-
-/// A connected stream socket the bootstrap runs over: Unix (the segment
-/// travels with SCM_RIGHTS) or TCP (the peer takes it with `pidfd_getfd`).
-pub trait BootstrapSocket: AsFd {}
-impl BootstrapSocket for UnixStream {}
-impl BootstrapSocket for std::net::TcpStream {}
-
-fn is_unix(sock: &impl AsFd) -> bool {
-    nix::sys::socket::getsockname::<nix::sys::socket::UnixAddr>(sock.as_fd().as_raw_fd()).is_ok()
-}
-
-fn write_all(sock: &impl AsFd, mut b: &[u8]) -> std::io::Result<()> {
-    while !b.is_empty() {
-        let n = nix::unistd::write(sock.as_fd(), b).map_err(io_err)?;
-        if n == 0 {
-            return Err(io_err("the bootstrap socket closed"));
-        }
-        b = &b[n..];
-    }
-    Ok(())
-}
-
-fn read_exact(sock: &impl AsFd, mut b: &mut [u8]) -> std::io::Result<()> {
-    while !b.is_empty() {
-        let n = nix::unistd::read(sock.as_fd(), b).map_err(io_err)?;
-        if n == 0 {
-            return Err(io_err("the bootstrap socket closed"));
-        }
-        b = &mut b[n..];
-    }
-    Ok(())
-}
-
-fn send_intro(sock: &impl AsFd, intro: &Intro, fd: Option<&OwnedFd>) -> std::io::Result<()> {
-    let bytes = intro.bytes();
-    if !is_unix(sock) {
-        return write_all(sock, &bytes);
-    }
-    let iov = [IoSlice::new(&bytes)];
-    let fds = fd.map(|f| [f.as_raw_fd()]);
-    let cmsgs: Vec<ControlMessage<'_>> = fds
-        .as_ref()
-        .map(|f| ControlMessage::ScmRights(f))
-        .into_iter()
-        .collect();
-    let n = sendmsg::<()>(
-        sock.as_fd().as_raw_fd(),
-        &iov,
-        &cmsgs,
-        MsgFlags::MSG_NOSIGNAL,
-        None,
-    )
-    .map_err(io_err)?;
-    write_all(sock, &bytes[n..])
-}
-
-fn recv_intro(sock: &impl AsFd) -> std::io::Result<(Intro, Option<OwnedFd>)> {
-    let mut bytes = [0u8; INTRO_LEN];
-    let mut fd = None;
-    let mut n = 0;
-    if is_unix(sock) {
-        let mut iov = [IoSliceMut::new(&mut bytes)];
-        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-        let msg = recvmsg::<()>(
-            sock.as_fd().as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(io_err)?;
-        for c in msg.cmsgs().map_err(io_err)? {
-            if let ControlMessageOwned::ScmRights(fds) = c {
-                for raw in fds {
-                    // SAFETY: the kernel just installed this descriptor for us.
-                    let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-                    fd.get_or_insert(owned);
-                }
-            }
-        }
-        n = msg.bytes;
-        if n == 0 {
-            return Err(io_err("the bootstrap socket closed"));
-        }
-    }
-    read_exact(sock, &mut bytes[n..])?;
-    let intro = Intro::parse(&bytes).ok_or_else(|| io_err("malformed shm introduction"))?;
-    Ok((intro, fd))
-}
-
-/// Both sides say they are done probing; then the canaries may go.
-fn handshake_done(sock: &impl AsFd) -> std::io::Result<()> {
-    write_all(sock, &[1])?;
-    let mut b = [0u8; 1];
-    read_exact(sock, &mut b)?;
-    if b[0] != 1 {
-        return Err(io_err("malformed shm handshake"));
-    }
-    Ok(())
-}
-
-/// Take descriptor `fd` of process `pid` (TCP bootstrap: needs the same
-/// permission as reading its memory).
-fn take_peer_fd(pid: u32, fd: u32) -> std::io::Result<OwnedFd> {
-    let pidfd = pidfd_open(Pid::from_raw(pid as i32))
-        .ok_or_else(|| io_err("pidfd_open of the peer failed"))?;
-    // SAFETY: plain syscall with integer arguments.
-    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd as i32, 0) };
-    if got < 0 {
-        return Err(io_err(format!(
-            "cannot take the peer's shm segment (pidfd_getfd: {}); over TCP that needs \
-             permission to trace the peer",
-            std::io::Error::last_os_error()
-        )));
-    }
-    // SAFETY: the kernel just installed this descriptor for us.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(got as i32) })
-}
-
 fn page_size() -> u32 {
     crate::pages::system_page_size() as u32
 }
 
+/// Send a side-channel message of `kind` with this process's identity and
+/// `fds`, whole or not at all.
+pub fn send_intro(
+    sock: BorrowedFd<'_>,
+    intro: &Intro,
+    fds: &[BorrowedFd<'_>],
+    nonblocking: bool,
+) -> std::io::Result<()> {
+    let mut b = [0u8; INTRO_LEN];
+    intro.emit(&mut b);
+    if nonblocking {
+        identity::send_nonblocking(sock, &b, fds)
+    } else {
+        identity::send(sock, &b, fds)
+    }
+}
+
+/// Why a side-channel message was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum IntroError {
+    #[error("{0}")]
+    Identity(#[from] IdentityError),
+    #[error("{0}")]
+    Format(#[from] crate::pairing::PairError),
+    #[error("expected {want:?}, got {got:?}")]
+    Kind { want: IntroKind, got: IntroKind },
+}
+
+impl IntroError {
+    /// Nothing was queued (non-blocking receive).
+    pub fn would_block(&self) -> bool {
+        matches!(self, IntroError::Identity(IdentityError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
+}
+
+impl From<IntroError> for std::io::Error {
+    fn from(e: IntroError) -> Self {
+        match e {
+            IntroError::Identity(IdentityError::Io(e)) => e,
+            e => std::io::Error::other(e.to_string()),
+        }
+    }
+}
+
+/// Receive one side-channel message of kind `want`, with its sender's
+/// verified identity and descriptors.
+pub fn recv_intro(
+    sock: BorrowedFd<'_>,
+    want: IntroKind,
+    nonblocking: bool,
+) -> Result<(Intro, identity::Received), IntroError> {
+    let mut b = [0u8; INTRO_LEN];
+    let r = identity::recv(sock, &mut b, nonblocking)?;
+    let intro = Intro::parse(&b)?;
+    if intro.kind != want {
+        return Err(IntroError::Kind {
+            want,
+            got: intro.kind,
+        });
+    }
+    Ok((intro, r))
+}
+
+/// A segment this side made, before the peer has joined.
+#[derive(Debug)]
+pub struct ShmOffer {
+    seg: Segment,
+    memfd: OwnedFd,
+    params: ShmParams,
+}
+
+impl ShmOffer {
+    pub fn new(params: ShmParams) -> std::io::Result<ShmOffer> {
+        let (seg, memfd) = Segment::create(&params)?;
+        Ok(ShmOffer { seg, memfd, params })
+    }
+
+    /// The segment's descriptor, to pass to the peer with the offer.
+    pub fn memfd(&self) -> BorrowedFd<'_> {
+        self.memfd.as_fd()
+    }
+
+    /// See [`ShmEndpoint::agreement`].
+    pub fn agreement(&self) -> &AtomicU32 {
+        &self.seg.hdr().agreement
+    }
+
+    /// Give up on a pair the peer may already have committed to: mark our
+    /// side closed, so that the peer's engine sees us leave.
+    pub fn abandon(self) {
+        self.seg.hdr().closed[0].store(1, Ordering::Release);
+        for dir in 0..2 {
+            if let Ok(r) = self.seg.ring(dir) {
+                crate::futex::wake_all(r.wait_words().0);
+            }
+        }
+    }
+
+    /// The peer joined (its answer named it): run side 0 over `control`.
+    pub fn into_endpoint(
+        self,
+        control: OwnedFd,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
+        ShmEndpoint::new(self.seg, 0, control, peer, peer_page_size, self.params)
+    }
+}
+
+/// A segment the peer offered, mapped and checked.
+#[derive(Debug)]
+pub struct ShmJoin {
+    seg: Segment,
+    params: ShmParams,
+}
+
+impl ShmJoin {
+    /// Map the offered `memfd`; `poll` is this side's busy-poll time.
+    pub fn open(memfd: OwnedFd, poll: Duration) -> std::io::Result<ShmJoin> {
+        let seg = Segment::open(memfd)?;
+        let params = ShmParams {
+            ring_capacity: seg.layout.ring_len - ring::HEADER,
+            lock_slots: seg.slots,
+            poll,
+        };
+        Ok(ShmJoin { seg, params })
+    }
+
+    /// See [`ShmEndpoint::agreement`].
+    pub fn agreement(&self) -> &AtomicU32 {
+        &self.seg.hdr().agreement
+    }
+
+    /// Run side 1 over `control`, with the offering `peer`.
+    pub fn into_endpoint(
+        self,
+        control: OwnedFd,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
+        ShmEndpoint::new(self.seg, 1, control, peer, peer_page_size, self.params)
+    }
+}
+
 /// Read `len` bytes at `src` in process `pid` into `dst`, all or nothing.
-fn read_remote(pid: Pid, src: u64, dst: *mut u8, len: usize) -> Result<(), nix::Error> {
+fn read_remote(pid: u32, src: u64, dst: *mut u8, len: usize) -> Result<(), nix::Error> {
+    let pid = Pid::from_raw(pid as i32);
     let mut done = 0usize;
     while done < len {
         // SAFETY: the caller guarantees `dst` is valid for `len` bytes of
@@ -482,105 +606,65 @@ fn read_remote(pid: Pid, src: u64, dst: *mut u8, len: usize) -> Result<(), nix::
 }
 
 impl ShmEndpoint {
-    /// Bootstrap as the creator of the segment (side 0).
-    pub fn offer(sock: &impl BootstrapSocket, params: ShmParams) -> std::io::Result<ShmEndpoint> {
-        let seg = Segment::create(&params)?;
-        let canary = Box::new(seg.key as u64 ^ 0x5a5a_5a5a_0000_0000);
-        let mut mine = Self::intro(&canary);
-        mine.seg_fd = seg.fd.as_raw_fd() as u32;
-        mine.seg_key = seg.key;
-        send_intro(sock, &mine, Some(&seg.fd))?;
-        let (peer, _) = recv_intro(sock)?;
-        Self::finish(sock, seg, 0, &mine, &peer, params)
-    }
-
-    /// Bootstrap as the side that maps the peer's segment (side 1).
-    pub fn accept(sock: &impl BootstrapSocket, params: ShmParams) -> std::io::Result<ShmEndpoint> {
-        let (peer, fd) = recv_intro(sock)?;
-        let fd = match fd {
-            Some(fd) => fd,
-            None if !is_unix(sock) => take_peer_fd(peer.pid, peer.seg_fd)?,
-            None => return Err(io_err("the peer sent no shm segment")),
-        };
-        let seg = Segment::open(fd)?;
-        if seg.key != peer.seg_key {
-            return Err(io_err(
-                "the shm segment is not the one the peer announced (wrong pid or descriptor)",
-            ));
-        }
-        let canary = Box::new(seg.key as u64 ^ 0xa5a5_a5a5_0000_0000);
-        let mine = Self::intro(&canary);
-        send_intro(sock, &mine, None)?;
-        let params = ShmParams {
-            ring_capacity: seg.layout.ring_len - ring::HEADER,
-            lock_slots: seg.slots,
-            ..params
-        };
-        Self::finish(sock, seg, 1, &mine, &peer, params)
-    }
-
-    fn intro(canary: &u64) -> Intro {
-        Intro {
-            magic: MAGIC,
-            pid: std::process::id(),
-            uid: nix::unistd::getuid().as_raw(),
-            page_size: page_size(),
-            seg_fd: 0,
-            probe_addr: std::ptr::from_ref(canary) as u64,
-            canary: *canary,
-            seg_key: 0,
-        }
-    }
-
-    fn finish(
-        sock: &impl AsFd,
+    fn new(
         seg: Segment,
         side: usize,
-        mine: &Intro,
-        peer: &Intro,
+        control: OwnedFd,
+        peer: PeerId,
+        peer_page_size: u32,
         params: ShmParams,
     ) -> std::io::Result<ShmEndpoint> {
-        let peer_pid = Pid::from_raw(peer.pid as i32);
-        // May we read the peer's memory? Try it on the word it told us about.
-        // (Its canary lives until it has read ours and answered, which
-        // happens after this probe in both bootstrap orders.)
-        let no_get = if mine.uid != peer.uid {
-            Some(NoGet::OtherUser {
-                mine: mine.uid,
-                peer: peer.uid,
-            })
-        } else {
-            let mut got = 0u64;
-            match read_remote(
-                peer_pid,
-                peer.probe_addr,
-                std::ptr::from_mut(&mut got).cast(),
-                8,
-            ) {
-                Ok(()) if got == peer.canary => None,
-                Ok(()) => Some(NoGet::Refused("probe read the wrong value".into())),
-                Err(e) => Some(NoGet::Refused(e.desc().to_string())),
-            }
-        };
+        let no_get = get_permission(&peer);
         seg.hdr().owner[side].store(crate::process::pid(), Ordering::Release);
-        // Keep our canary alive until the peer has probed it too.
-        handshake_done(sock)?;
-        let seg = Arc::new(seg);
+        let regs = Registrations::new(seg.reg_slots);
+        let (tx, rx) = (seg.ring(side)?, seg.ring(1 - side)?);
         Ok(ShmEndpoint {
-            tx: seg.ring(side),
-            rx: seg.ring(1 - side),
+            tx,
+            rx,
+            seg: Arc::new(seg),
             side,
-            peer_pid,
-            peer_page_size: peer.page_size,
+            peer,
+            control,
+            peer_page_size,
             no_get,
             params,
             completions: VecDeque::new(),
-            next_key: 0x1000 * (side as u32 + 1),
+            regs,
             gone_reported: false,
+            corrupt: false,
             alive_at: None,
-            peer_fd: pidfd_open(peer_pid),
-            seg,
         })
+    }
+
+    /// Bootstrap over a connected Unix socket as the side that makes the
+    /// segment (side 0). The socket (a duplicate of it) stays the
+    /// connection's control channel.
+    pub fn offer(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        let offer = ShmOffer::new(params)?;
+        let fd = sock.as_fd();
+        send_intro(
+            fd,
+            &Intro::new(IntroKind::Offer, page_size()),
+            &[offer.memfd()],
+            false,
+        )?;
+        let (intro, answer) = recv_intro(fd, IntroKind::Answer, false)?;
+        offer.into_endpoint(fd.try_clone_to_owned()?, answer.peer, intro.page_size)
+    }
+
+    /// Bootstrap over a connected Unix socket as the side that maps the
+    /// peer's segment (side 1).
+    pub fn accept(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        let fd = sock.as_fd();
+        let (intro, offer) = recv_intro(fd, IntroKind::Offer, false)?;
+        let memfd = offer
+            .fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| bad("the peer sent no segment"))?;
+        let join = ShmJoin::open(memfd, params.poll)?;
+        send_intro(fd, &Intro::new(IntroKind::Answer, page_size()), &[], false)?;
+        join.into_endpoint(fd.try_clone_to_owned()?, offer.peer, intro.page_size)
     }
 
     /// A waiter for this endpoint's incoming messages (it only looks).
@@ -605,8 +689,14 @@ impl ShmEndpoint {
         self.no_get.as_ref()
     }
 
+    /// The pid of the (verified) process running the peer side.
     pub fn peer_pid(&self) -> i32 {
-        self.peer_pid.as_raw()
+        self.peer.pid() as i32
+    }
+
+    /// The (verified) uid of the peer.
+    pub fn peer_uid(&self) -> u32 {
+        self.peer.uid()
     }
 
     pub fn peer_page_size(&self) -> u32 {
@@ -631,13 +721,28 @@ impl ShmEndpoint {
         self.seg.hdr().closed[1 - self.side].load(Ordering::Acquire) != 0
     }
 
-    /// Follow the peer side to the process that runs it now (a forked
-    /// child may have claimed it): its memory is where GETs read.
+    /// Follow the peer side to the process that runs it now. The owner
+    /// word in the segment only says that a claim may be waiting: the
+    /// claim itself comes over the side channel with the claimer's kernel
+    /// identity, and only a claimer of the peer's user is followed.
     fn follow_peer(&mut self) {
         let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
-        if w != 0 && w as i32 != self.peer_pid.as_raw() {
-            self.peer_pid = Pid::from_raw(w as i32);
-            self.peer_fd = pidfd_open(self.peer_pid);
+        if w == 0 || w == self.peer.pid() {
+            return;
+        }
+        loop {
+            match recv_intro(self.control.as_fd(), IntroKind::Claim, true) {
+                Ok((_, claim)) => {
+                    if claim.peer.uid() == self.peer.uid() {
+                        self.peer = claim.peer;
+                        self.no_get = get_permission(&self.peer);
+                    }
+                }
+                Err(e) if e.would_block() => return,
+                Err(IntroError::Identity(IdentityError::Closed)) => return,
+                // A refused message: skip it, look at the next.
+                Err(_) => {}
+            }
         }
     }
 
@@ -650,12 +755,7 @@ impl ShmEndpoint {
             return true;
         }
         self.follow_peer();
-        let alive = match &self.peer_fd {
-            Some(fd) => !pidfd_exited(fd),
-            // Without pidfd: a zombie still answers kill(0); the peer
-            // timeout catches that case.
-            None => nix::sys::signal::kill(self.peer_pid, None).is_ok(),
-        };
+        let alive = self.peer.alive();
         self.alive_at = alive.then_some(now);
         alive
     }
@@ -683,6 +783,64 @@ impl ShmEndpoint {
                 Ok(v) | Err(v) => v,
             },
         )
+    }
+
+    /// The peer's registration `key`, if it is live and covers `[addr, addr+len)`.
+    fn registered(&self, key: u32, addr: u64, len: u64) -> bool {
+        let Some(e) = self.seg.reg(1 - self.side, key & KEY_SLOT_MASK) else {
+            return false;
+        };
+        if key == 0 || e.key.load(Ordering::Acquire) != u64::from(key) {
+            return false;
+        }
+        let (a, l) = (
+            e.addr.load(Ordering::Acquire),
+            e.len.load(Ordering::Acquire),
+        );
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        addr >= a && end <= a.saturating_add(l)
+    }
+
+    fn still_registered(&self, key: u32) -> bool {
+        self.seg
+            .reg(1 - self.side, key & KEY_SLOT_MASK)
+            .is_some_and(|e| e.key.load(Ordering::Acquire) == u64::from(key))
+    }
+
+    /// A GET, checked as an RNIC checks an rkey, from the pinned peer.
+    fn get(&self, src: RemoteBuf, dst: u64, len: u64) -> Result<(), OpError> {
+        if self.no_get.is_some() {
+            return Err(OpError::RemoteAccess);
+        }
+        let revoked = || self.seg.hdr().revoked[1 - self.side].load(Ordering::Acquire) != 0;
+        if revoked() {
+            return Err(OpError::Unreachable);
+        }
+        if !self.registered(src.key, src.addr, len) {
+            return Err(OpError::RemoteAccess);
+        }
+        let r = read_remote(self.peer.pid(), src.addr, dst as *mut u8, len as usize);
+        // The pid named the pinned process throughout only if it is still
+        // alive now (until it exits, no other process can have its pid).
+        if !self.peer.alive() {
+            return Err(OpError::Unreachable);
+        }
+        match r {
+            Err(nix::Error::ESRCH) => return Err(OpError::Unreachable),
+            Err(_) => return Err(OpError::RemoteAccess),
+            Ok(()) => {}
+        }
+        // A registration withdrawn, or an abort, while we read: what we
+        // read may no longer be what was advertised.
+        if !self.still_registered(src.key) {
+            return Err(OpError::RemoteAccess);
+        }
+        if revoked() {
+            return Err(OpError::Unreachable);
+        }
+        Ok(())
     }
 }
 
@@ -715,6 +873,8 @@ impl Fabric for ShmEndpoint {
         );
     }
 
+    /// Take the side for this process, and tell the peer so with our kernel
+    /// identity (it follows nothing else).
     fn claim(&self) -> bool {
         let me = crate::process::pid();
         let word = &self.seg.hdr().owner[self.side];
@@ -727,7 +887,14 @@ impl Fabric for ShmEndpoint {
                 return false;
             }
             match word.compare_exchange(w, me, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return true,
+                Ok(was) => {
+                    if was & !FROZEN != me {
+                        let claim = Intro::new(IntroKind::Claim, page_size());
+                        // A peer that is gone needs no claim.
+                        let _ = send_intro(self.control.as_fd(), &claim, &[], true);
+                    }
+                    return true;
+                }
                 Err(now) => w = now,
             }
         }
@@ -741,13 +908,32 @@ impl Fabric for ShmEndpoint {
         }
     }
 
-    /// Keys are handed out but not enforced (see the module docs).
-    fn register(&mut self, _addr: u64, _len: u64) -> Result<u32, OpError> {
-        self.next_key = self.next_key.wrapping_add(1);
-        Ok(self.next_key)
+    /// Publish `[addr, addr+len)` in our table, for the peer's GETs.
+    fn register(&mut self, addr: u64, len: u64) -> Result<u32, OpError> {
+        let slot = self.regs.free.pop().ok_or(OpError::Local)?;
+        let g = &mut self.regs.generation[slot as usize];
+        *g = g.wrapping_add(1) & (u32::MAX >> KEY_SLOT_BITS);
+        if *g == 0 {
+            *g = 1;
+        }
+        let key = (*g << KEY_SLOT_BITS) | slot;
+        let e = self.seg.reg(self.side, slot).ok_or(OpError::Local)?;
+        e.addr.store(addr, Ordering::Relaxed);
+        e.len.store(len, Ordering::Relaxed);
+        e.key.store(u64::from(key), Ordering::Release);
+        Ok(key)
     }
 
-    fn deregister(&mut self, _key: u32) {}
+    fn deregister(&mut self, key: u32) {
+        let slot = key & KEY_SLOT_MASK;
+        if let Some(e) = self.seg.reg(self.side, slot)
+            && e.key.load(Ordering::Relaxed) == u64::from(key)
+            && self.regs.generation.get(slot as usize) == Some(&(key >> KEY_SLOT_BITS))
+        {
+            e.key.store(0, Ordering::Release);
+            self.regs.free.push(slot);
+        }
+    }
 
     fn send_credits(&self) -> usize {
         // Messages of the largest size that surely fit now.
@@ -755,7 +941,7 @@ impl Fabric for ShmEndpoint {
     }
 
     fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
-        if self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0 {
+        if self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0 || self.corrupt {
             return Err(FabricError::Broken);
         }
         match self.tx.push(msg) {
@@ -766,7 +952,11 @@ impl Fabric for ShmEndpoint {
             // A full ring whose reader is gone never drains.
             Ok(false) if self.gone_reported => Err(FabricError::Broken),
             Ok(false) => Err(FabricError::NoCredits),
-            Err(_) => Err(FabricError::TooLarge),
+            Err(ring::RingError::TooLarge(_)) => Err(FabricError::TooLarge),
+            Err(_) => {
+                self.corrupt = true;
+                Err(FabricError::Broken)
+            }
         }
     }
 
@@ -783,22 +973,8 @@ impl Fabric for ShmEndpoint {
             // UFFDIO_MOVE; without it, receive-side protection is off.
             return Err(FabricError::Unsupported);
         }
-        let peer = 1 - self.side;
         self.follow_peer();
-        let result = if self.no_get.is_some() {
-            Err(OpError::RemoteAccess)
-        } else {
-            match read_remote(self.peer_pid, src.addr, dst as *mut u8, len as usize) {
-                // A GET that overlapped the peer's abort read pages it may
-                // have rewritten after unprotecting: void.
-                Ok(()) if self.seg.hdr().revoked[peer].load(Ordering::Acquire) != 0 => {
-                    Err(OpError::Unreachable)
-                }
-                Ok(()) => Ok(()),
-                Err(nix::Error::ESRCH) => Err(OpError::Unreachable),
-                Err(_) => Err(OpError::RemoteAccess),
-            }
-        };
+        let result = self.get(src, dst, len);
         self.completions.push_back((op, OpResult::Get(result)));
         Ok(())
     }
@@ -843,10 +1019,23 @@ impl Fabric for ShmEndpoint {
             on_event(FabricEvent::Done { op, result });
             n += 1;
         }
-        while self.rx.pop(|m| on_event(FabricEvent::Message(m))).is_some() {
-            n += 1;
+        while !self.corrupt {
+            match self.rx.pop(|m| on_event(FabricEvent::Message(m))) {
+                Ok(Some(())) => n += 1,
+                Ok(None) => break,
+                Err(_) => self.corrupt = true,
+            }
         }
-        if n == 0 && !self.gone_reported && !self.peer_alive() && self.rx.is_empty() {
+        if self.gone_reported {
+            return n;
+        }
+        if self.corrupt {
+            // Whatever the peer claims to have sent, the stream is broken.
+            self.gone_reported = true;
+            on_event(FabricEvent::PeerGone { sent: None });
+            return n + 1;
+        }
+        if n == 0 && !self.peer_alive() && self.rx.is_empty() {
             self.gone_reported = true;
             let sent = self.seg.hdr().sent[1 - self.side].load(Ordering::Acquire);
             on_event(FabricEvent::PeerGone { sent: Some(sent) });
@@ -854,26 +1043,6 @@ impl Fabric for ShmEndpoint {
         }
         n
     }
-}
-
-/// A pidfd for `pid`, if the kernel has them (Linux 5.3+).
-fn pidfd_open(pid: Pid) -> Option<OwnedFd> {
-    // SAFETY: plain syscall with integer arguments.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
-    // SAFETY: on success the kernel returned a new descriptor that we own.
-    (fd >= 0).then(|| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
-}
-
-/// Has the process behind `fd` exited? (A pidfd polls readable then.)
-fn pidfd_exited(fd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & libc::POLLIN != 0
 }
 
 /// Busy-poll `rx` for `poll`, then sleep on its futex until a message is

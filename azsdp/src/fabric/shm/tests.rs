@@ -1,5 +1,6 @@
 use super::*;
 use crate::fabric::{Fabric, FabricEvent, OpResult};
+use std::os::unix::net::UnixStream;
 
 fn params() -> ShmParams {
     ShmParams {
@@ -164,67 +165,208 @@ fn full_ring_and_oversize_messages() {
 fn bootstrap_rejects_garbage() {
     let (a, b) = UnixStream::pair().unwrap();
     use std::io::Write;
+    // Bytes without the sender's kernel identity.
     (&a).write_all(&[0u8; INTRO_LEN]).unwrap();
     assert!(ShmEndpoint::accept(&b, params()).is_err());
     // A peer that goes away in the middle of its introduction.
     let (a, b) = UnixStream::pair().unwrap();
     (&a).write_all(&[0u8; 20]).unwrap();
     drop(a);
+    assert!(ShmEndpoint::accept(&b, params()).is_err());
+    // An identified offer of the wrong kind, or without a segment.
+    let (a, b) = UnixStream::pair().unwrap();
+    send_intro(a.as_fd(), &Intro::new(IntroKind::Claim, 4096), &[], false).unwrap();
     let e = ShmEndpoint::accept(&b, params()).unwrap_err();
-    assert!(e.to_string().contains("closed"), "{e}");
+    assert!(e.to_string().contains("expected Offer"), "{e}");
+    let (a, b) = UnixStream::pair().unwrap();
+    send_intro(a.as_fd(), &Intro::new(IntroKind::Offer, 4096), &[], false).unwrap();
+    let e = ShmEndpoint::accept(&b, params()).unwrap_err();
+    assert!(e.to_string().contains("no segment"), "{e}");
 }
 
-fn tcp_pair() -> (std::net::TcpStream, std::net::TcpStream) {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-    let (s, _) = l.accept().unwrap();
-    (c, s)
+/// A way to spoil a segment before it is offered.
+type Spoil = Box<dyn FnOnce(&Segment, &OwnedFd)>;
+
+/// The segment `mutate` spoiled, offered to a joining side.
+fn join_spoiled(mutate: impl FnOnce(&Segment, &OwnedFd)) -> std::io::Result<ShmJoin> {
+    let (seg, fd) = Segment::create(&params()).unwrap();
+    mutate(&seg, &fd);
+    ShmJoin::open(fd, params().poll)
 }
 
-/// Over TCP the segment cannot travel with SCM_RIGHTS: the acceptor takes
-/// it from the creator with pidfd_getfd, and the rings and GETs work.
+/// Sizes, seals and ring headers of an offered segment are checked before
+/// anything in it is used: a malicious segment is an error, not a panic.
 #[test]
-fn bootstrap_over_tcp() {
-    let (a, b) = tcp_pair();
-    let t = std::thread::spawn(move || ShmEndpoint::accept(&b, params()).unwrap());
-    let mut e0 = ShmEndpoint::offer(&a, params()).unwrap();
-    let mut e1 = t.join().unwrap();
-    assert_eq!(e1.can_get(), None);
-    e0.post_message(b"over tcp").unwrap();
-    let got = drain(&mut e1);
-    assert!(matches!(&got[..], [Got::Msg(m)] if m == b"over tcp"));
-    let src = vec![9u8; 8192];
-    let mut dst = vec![0u8; 8192];
-    let key = e0.register(src.as_ptr() as u64, 8192).unwrap();
-    let remote = RemoteBuf {
-        addr: src.as_ptr() as u64,
+fn a_malformed_segment_is_refused() {
+    assert!(join_spoiled(|_, _| {}).is_ok());
+    let cases: Vec<(&str, Spoil)> = vec![
+        (
+            "bad magic",
+            Box::new(|s, _| s.hdr().magic.store(1, Ordering::Relaxed)),
+        ),
+        (
+            "ring capacity",
+            Box::new(|s, _| s.hdr().ring_cap.store(1 << 30, Ordering::Relaxed)),
+        ),
+        (
+            "ring capacity",
+            Box::new(|s, _| s.hdr().ring_cap.store(1000, Ordering::Relaxed)),
+        ),
+        (
+            "shorter than its layout",
+            Box::new(|s, _| s.hdr().ring_cap.store(1 << 20, Ordering::Relaxed)),
+        ),
+        (
+            "slots",
+            Box::new(|s, _| s.hdr().lock_slots.store(0, Ordering::Relaxed)),
+        ),
+        (
+            "slots",
+            Box::new(|s, _| s.hdr().reg_slots.store(u32::MAX, Ordering::Relaxed)),
+        ),
+        (
+            "ring 0",
+            Box::new(|s, _| {
+                // SAFETY: the first ring's magic word, inside our own mapping.
+                unsafe { s.base().add(s.layout.ring[0]).cast::<u64>().write(0) }
+            }),
+        ),
+        (
+            "ring 1",
+            Box::new(move |s, _| {
+                // SAFETY: the second ring's capacity word, inside our mapping.
+                unsafe { s.base().add(s.layout.ring[1] + 8).cast::<u64>().write(64) }
+            }),
+        ),
+    ];
+    for (want, spoil) in cases {
+        let e = join_spoiled(spoil).unwrap_err();
+        assert!(e.to_string().contains(want), "{want}: {e}");
+    }
+    // Not sealed against shrinking (the peer could truncate it under us).
+    let plain =
+        nix::sys::memfd::memfd_create(c"not-sealed", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .unwrap();
+    std::fs::File::from(plain.try_clone().unwrap())
+        .set_len(1 << 20)
+        .unwrap();
+    let e = ShmJoin::open(plain, params().poll).unwrap_err();
+    assert!(e.to_string().contains("seal"), "{e}");
+    // Not a memfd at all.
+    let (x, _y) = UnixStream::pair().unwrap();
+    let e = ShmJoin::open(x.into(), params().poll).unwrap_err();
+    assert!(e.to_string().contains("memfd"), "{e}");
+}
+
+/// GETs name a key: one that is not live, or a range outside it, is
+/// refused without reading anything.
+#[test]
+fn gets_are_checked_against_live_registrations() {
+    let (mut a, mut b) = pair();
+    let src = vec![7u8; 3 * 4096];
+    let secret = vec![0x5au8; 4096];
+    let key = a.register(src.as_ptr() as u64, 4096).unwrap();
+    let at = |addr: *const u8, key| RemoteBuf {
+        addr: addr as u64,
         key,
     };
-    e1.post_get(OpId(1), remote, dst.as_mut_ptr() as u64, 8192, false)
-        .unwrap();
-    let got = drain(&mut e1);
-    assert!(matches!(
-        &got[..],
-        [Got::Done(OpId(1), OpResult::Get(Ok(())))]
-    ));
-    assert_eq!(dst, src);
+    let get = |b: &mut ShmEndpoint, remote: RemoteBuf, len: u64| {
+        let mut dst = vec![0u8; len as usize];
+        b.post_get(OpId(1), remote, dst.as_mut_ptr() as u64, len, false)
+            .unwrap();
+        let r = match drain(b).pop() {
+            Some(Got::Done(_, OpResult::Get(r))) => r,
+            _ => panic!("no completion"),
+        };
+        (r, dst)
+    };
+    assert_eq!(get(&mut b, at(src.as_ptr(), key), 4096).0, Ok(()));
+    // Inside the buffer, but past the registered range.
+    let (r, dst) = get(&mut b, at(src.as_ptr(), key), 4097);
+    assert_eq!(r, Err(OpError::RemoteAccess));
+    assert!(dst.iter().all(|&x| x == 0), "nothing was read");
+    // Memory that was never advertised, under a live key.
+    let (r, dst) = get(&mut b, at(secret.as_ptr(), key), 16);
+    assert_eq!(r, Err(OpError::RemoteAccess));
+    assert!(!dst.contains(&0x5a));
+    // Keys that were never handed out.
+    for bogus in [0, key ^ (1 << KEY_SLOT_BITS), key | KEY_SLOT_MASK, u32::MAX] {
+        assert_eq!(
+            get(&mut b, at(src.as_ptr(), bogus), 8).0,
+            Err(OpError::RemoteAccess)
+        );
+    }
+    // A stale key: withdrawn, and its slot reused for another range.
+    a.deregister(key);
+    assert_eq!(
+        get(&mut b, at(src.as_ptr(), key), 8).0,
+        Err(OpError::RemoteAccess)
+    );
+    let again = a.register(secret.as_ptr() as u64, 4096).unwrap();
+    assert_ne!(again, key);
+    assert_eq!(
+        get(&mut b, at(src.as_ptr(), key), 8).0,
+        Err(OpError::RemoteAccess)
+    );
+    assert_eq!(
+        get(&mut b, at(secret.as_ptr(), key), 8).0,
+        Err(OpError::RemoteAccess)
+    );
+    assert_eq!(get(&mut b, at(secret.as_ptr(), again), 8).0, Ok(()));
+    // A full table refuses registration instead of reusing a live slot.
+    let mut keys = Vec::new();
+    while let Ok(k) = a.register(src.as_ptr() as u64, 8) {
+        keys.push(k);
+    }
+    assert_eq!(keys.len() as u32 + 1, params().reg_slots());
+    assert_eq!(a.register(src.as_ptr() as u64, 8), Err(OpError::Local));
 }
 
-/// A TCP peer that names a descriptor which is not its segment (a lie, or
-/// another process's pid) is refused.
+/// The peer's owner word is only a hint: rewriting it to another process
+/// (without that process's own claim over the side channel) changes
+/// nothing about whose memory GETs read or whose death ends the connection.
 #[test]
-fn bootstrap_over_tcp_refuses_a_lying_peer() {
-    let (a, b) = tcp_pair();
-    let not_a_segment =
-        nix::sys::memfd::memfd_create(c"not-azsdp", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+fn a_rewritten_owner_word_is_not_followed() {
+    let (mut a, mut b) = pair();
+    let me = std::process::id() as i32;
+    for forged in [1, 1 | FROZEN, 0x3f_ffff] {
+        a.seg.hdr().owner[0].store(forged, Ordering::Release);
+        b.alive_at = None;
+        let src = vec![3u8; 64];
+        let key = a.register(src.as_ptr() as u64, 64).unwrap();
+        let mut dst = vec![0u8; 64];
+        let remote = RemoteBuf {
+            addr: src.as_ptr() as u64,
+            key,
+        };
+        b.post_get(OpId(1), remote, dst.as_mut_ptr() as u64, 64, false)
             .unwrap();
-    let canary = 0u64;
-    let mut lie = ShmEndpoint::intro(&canary);
-    lie.seg_fd = not_a_segment.as_raw_fd() as u32;
-    lie.seg_key = 12345;
-    send_intro(&a, &lie, None).unwrap();
-    let e = ShmEndpoint::accept(&b, params()).unwrap_err();
-    assert!(e.to_string().contains("shm segment"), "{e}");
+        assert!(matches!(
+            drain(&mut b)[..],
+            [Got::Done(_, OpResult::Get(Ok(())))]
+        ));
+        assert_eq!(dst, src);
+        assert_eq!(b.peer_pid(), me, "still the pinned process");
+        a.deregister(key);
+    }
+}
+
+/// A peer that corrupts the ring's positions ends the connection with an
+/// error (PeerGone without a stream length), on both directions.
+#[test]
+fn a_corrupted_ring_ends_the_connection() {
+    let (mut a, mut b) = pair();
+    a.post_message(b"first").unwrap();
+    // The peer (a) rewrites the tail of the ring b reads: past the head
+    // by more than the ring holds.
+    let ring = a.seg.layout.ring[0];
+    // SAFETY: the ring header's tail word (offset 64), in the mapping.
+    unsafe { a.seg.base().add(ring + 64).cast::<u64>().write(1 << 40) };
+    let got = drain(&mut b);
+    assert!(matches!(&got[..], [Got::Gone]), "{}", got.len());
+    assert_eq!(b.post_message(b"x"), Err(FabricError::Broken));
+    // Nothing more is reported.
+    assert!(drain(&mut b).is_empty());
 }
 
 /// Two real processes: the child GETs from the parent and CASes its lock word.

@@ -1,0 +1,403 @@
+//! Who is at the other end of a Unix socket, as the kernel says, pinned.
+//!
+//! Every decision about a peer (may we pair, whose memory do GETs read,
+//! who runs the peer side after a fork) rests on an identity the kernel
+//! vouches for, never on bytes the peer wrote. A message that carries an
+//! identity ([`send`]) has two control messages:
+//!
+//! - `SCM_CREDENTIALS`: pid, uid and gid, which the kernel checks at
+//!   `sendmsg` (a process can only send its own, without CAP_SYS_ADMIN /
+//!   CAP_SETUID);
+//! - `SCM_RIGHTS`, whose first descriptor is a pidfd of the sender.
+//!
+//! The receiver ([`recv`]) checks that the pidfd names the process the
+//! credentials name. At `sendmsg` the sender was alive with that pid, and
+//! no two live processes share a pid, so a pidfd that names that pid names
+//! the sender: from then on the pidfd pins it, and a pid it reads memory
+//! from is the verified one ([`PeerId::alive`] after the read proves the
+//! pid was not reused meanwhile).
+//!
+//! `unsafe` here: the `pidfd_open` and `pidfd_send_signal` system calls.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{
+    ControlMessage, ControlMessageOwned, MsgFlags, UnixCredentials, recvmsg, sendmsg, setsockopt,
+    sockopt,
+};
+
+/// Most descriptors one identity message carries after the pidfd.
+pub const MAX_FDS: usize = 3;
+
+/// A peer process, verified by the kernel and pinned by a pidfd.
+#[derive(Debug)]
+pub struct PeerId {
+    pid: u32,
+    uid: u32,
+    gid: u32,
+    pidfd: OwnedFd,
+}
+
+impl PeerId {
+    /// The pinned process itself (for a process's view of itself).
+    pub fn this_process() -> std::io::Result<PeerId> {
+        let pid = std::process::id();
+        Ok(PeerId {
+            pid,
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+            pidfd: pidfd_open(pid)?,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn uid(&self) -> u32 {
+        self.uid
+    }
+
+    pub fn gid(&self) -> u32 {
+        self.gid
+    }
+
+    pub fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
+    }
+
+    /// Has the pinned process not exited? (A pidfd polls readable once it
+    /// has; until then its pid cannot name another process.)
+    pub fn alive(&self) -> bool {
+        !pidfd_exited(self.pidfd.as_fd())
+    }
+}
+
+/// Why an identity message was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the socket closed")]
+    Closed,
+    #[error("the message carries no kernel credentials")]
+    NoCredentials,
+    #[error("the message carries no pidfd")]
+    NoPidfd,
+    #[error("the message's descriptors were truncated")]
+    Truncated,
+    #[error("the pidfd names pid {got:?}, the credentials pid {creds}")]
+    PidfdMismatch { creds: u32, got: Option<i64> },
+    #[error("the sender is not visible in this pid namespace")]
+    Invisible,
+    #[error("the message has {got} bytes, expected {want}")]
+    Length { got: usize, want: usize },
+}
+
+fn os_err(e: nix::Error) -> std::io::Error {
+    std::io::Error::from_raw_os_error(e as i32)
+}
+
+/// A pidfd for `pid`.
+pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    let pid = i32::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: plain system call with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Has the process behind pidfd `fd` exited?
+pub fn pidfd_exited(fd: BorrowedFd<'_>) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on our stack, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+}
+
+/// The pid a pidfd names, in our pid namespace (`-1`: it has exited),
+/// or `None` if `fd` is not a pidfd.
+fn pidfd_pid(fd: BorrowedFd<'_>) -> Option<i64> {
+    // A pidfd accepts signal 0 (success, EPERM or ESRCH); anything else
+    // refuses it with EBADF or EINVAL.
+    // SAFETY: plain system call; a null siginfo is allowed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error().raw_os_error();
+        if !matches!(e, Some(libc::EPERM) | Some(libc::ESRCH)) {
+            return None;
+        }
+    }
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The credentials we send: the effective uid and gid, which the kernel
+/// accepts as ours and records as the owner of the sockets we create (what
+/// the peer compares them with).
+fn own_credentials() -> UnixCredentials {
+    UnixCredentials::from(libc::ucred {
+        pid: std::process::id() as libc::pid_t,
+        uid: nix::unistd::geteuid().as_raw(),
+        gid: nix::unistd::getegid().as_raw(),
+    })
+}
+
+/// Send `bytes` as one message with this process's identity and `fds`.
+/// The whole message goes in one `sendmsg` (refused if it would not).
+pub fn send(sock: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+    send_flags(sock, bytes, fds, MsgFlags::empty())
+}
+
+/// [`send`], but never blocking (EAGAIN if the socket has no room).
+pub fn send_nonblocking(
+    sock: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    send_flags(sock, bytes, fds, MsgFlags::MSG_DONTWAIT)
+}
+
+fn send_flags(
+    sock: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+    flags: MsgFlags,
+) -> std::io::Result<()> {
+    assert!(fds.len() <= MAX_FDS, "at most {MAX_FDS} descriptors");
+    let me = pidfd_open(std::process::id())?;
+    let mut raw = vec![me.as_raw_fd()];
+    raw.extend(fds.iter().map(|f| f.as_raw_fd()));
+    let creds = own_credentials();
+    let cmsgs = [
+        ControlMessage::ScmCredentials(&creds),
+        ControlMessage::ScmRights(&raw),
+    ];
+    let iov = [IoSlice::new(bytes)];
+    let n = sendmsg::<()>(
+        sock.as_raw_fd(),
+        &iov,
+        &cmsgs,
+        flags | MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(os_err)?;
+    if n != bytes.len() {
+        return Err(std::io::Error::other("identity message sent in part"));
+    }
+    Ok(())
+}
+
+/// One received identity message.
+#[derive(Debug)]
+pub struct Received {
+    /// The verified, pinned sender.
+    pub peer: PeerId,
+    /// The descriptors it passed after its pidfd, in order.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Receive one message of exactly `buf.len()` bytes carrying an identity.
+/// With `nonblocking`, `Err(WouldBlock)` when none is queued. Descriptors of
+/// a refused message are closed.
+pub fn recv(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    nonblocking: bool,
+) -> Result<Received, IdentityError> {
+    setsockopt(&sock, sockopt::PassCred, &true).map_err(os_err)?;
+    let mut space = nix::cmsg_space!(libc::ucred, [RawFd; 1 + MAX_FDS]);
+    let mut flags = MsgFlags::MSG_CMSG_CLOEXEC;
+    if nonblocking {
+        flags |= MsgFlags::MSG_DONTWAIT;
+    }
+    let want = buf.len();
+    let (n, mut creds, mut fds, truncated) = {
+        let mut iov = [IoSliceMut::new(buf)];
+        let msg = loop {
+            match recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), flags) {
+                Err(nix::Error::EINTR) => continue,
+                r => break r.map_err(os_err)?,
+            }
+        };
+        let mut creds = None;
+        let mut fds = Vec::new();
+        for c in msg.cmsgs().map_err(os_err)? {
+            match c {
+                ControlMessageOwned::ScmCredentials(u) => creds = Some(u),
+                ControlMessageOwned::ScmRights(v) => {
+                    for raw in v {
+                        // SAFETY: the kernel just installed this descriptor
+                        // for us; we own it from here.
+                        fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
+                    }
+                }
+                _ => {}
+            }
+        }
+        let truncated = msg
+            .flags
+            .intersects(MsgFlags::MSG_CTRUNC | MsgFlags::MSG_TRUNC);
+        (msg.bytes, creds.take(), fds, truncated)
+    };
+    if n == 0 && fds.is_empty() {
+        return Err(IdentityError::Closed);
+    }
+    if truncated {
+        return Err(IdentityError::Truncated);
+    }
+    if n != want {
+        // A stream socket may split a message only if the sender did;
+        // ours never do. Either way the message is not ours.
+        return Err(IdentityError::Length { got: n, want });
+    }
+    let creds = creds.take().ok_or(IdentityError::NoCredentials)?;
+    if fds.is_empty() {
+        return Err(IdentityError::NoPidfd);
+    }
+    let pidfd = fds.remove(0);
+    let pid = u32::try_from(creds.pid()).map_err(|_| IdentityError::Invisible)?;
+    if pid == 0 {
+        return Err(IdentityError::Invisible);
+    }
+    match pidfd_pid(pidfd.as_fd()) {
+        Some(p) if p == i64::from(pid) => {}
+        got => return Err(IdentityError::PidfdMismatch { creds: pid, got }),
+    }
+    Ok(Received {
+        peer: PeerId {
+            pid,
+            uid: creds.uid(),
+            gid: creds.gid(),
+            pidfd,
+        },
+        fds,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixDatagram;
+
+    fn pair() -> (
+        std::os::unix::net::UnixStream,
+        std::os::unix::net::UnixStream,
+    ) {
+        let (a, b) = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::SeqPacket,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        (a.into(), b.into())
+    }
+
+    #[test]
+    fn a_message_names_its_sender_and_carries_descriptors() {
+        let (a, b) = pair();
+        let (x, _y) = UnixDatagram::pair().unwrap();
+        send(a.as_fd(), b"hello", &[x.as_fd()]).unwrap();
+        let mut buf = [0u8; 5];
+        let r = recv(b.as_fd(), &mut buf, false).unwrap();
+        assert_eq!(&buf, b"hello");
+        assert_eq!(r.peer.pid(), std::process::id());
+        assert_eq!(r.peer.uid(), nix::unistd::geteuid().as_raw());
+        assert!(r.peer.alive());
+        assert_eq!(r.fds.len(), 1);
+    }
+
+    #[test]
+    fn a_message_without_credentials_or_with_a_foreign_pidfd_is_refused() {
+        let (a, b) = pair();
+        let mut buf = [0u8; 3];
+        // Plain bytes: no identity.
+        nix::unistd::write(&a, b"abc").unwrap();
+        assert!(matches!(
+            recv(b.as_fd(), &mut buf, false),
+            Err(IdentityError::NoPidfd | IdentityError::NoCredentials)
+        ));
+        // Our credentials, but a pidfd of another process (pid 1).
+        let other = pidfd_open(1).unwrap();
+        let creds = own_credentials();
+        let raw = [other.as_raw_fd()];
+        let cmsgs = [
+            ControlMessage::ScmCredentials(&creds),
+            ControlMessage::ScmRights(&raw),
+        ];
+        sendmsg::<()>(
+            a.as_raw_fd(),
+            &[IoSlice::new(b"abc")],
+            &cmsgs,
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert!(matches!(
+            recv(b.as_fd(), &mut buf, false),
+            Err(IdentityError::PidfdMismatch { .. })
+        ));
+        // A descriptor that is no pidfd at all.
+        let (x, _y) = UnixDatagram::pair().unwrap();
+        let raw = [x.as_raw_fd()];
+        let cmsgs = [
+            ControlMessage::ScmCredentials(&creds),
+            ControlMessage::ScmRights(&raw),
+        ];
+        sendmsg::<()>(
+            a.as_raw_fd(),
+            &[IoSlice::new(b"abc")],
+            &cmsgs,
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert!(matches!(
+            recv(b.as_fd(), &mut buf, false),
+            Err(IdentityError::PidfdMismatch { got: None, .. })
+        ));
+        // Wrong length, then nothing queued, then the peer gone.
+        send(a.as_fd(), b"toolong", &[]).unwrap();
+        assert!(matches!(
+            recv(b.as_fd(), &mut buf, false),
+            Err(IdentityError::Length { .. } | IdentityError::Truncated)
+        ));
+        assert!(matches!(
+            recv(b.as_fd(), &mut buf, true),
+            Err(IdentityError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock
+        ));
+        drop(a);
+        assert!(matches!(
+            recv(b.as_fd(), &mut buf, false),
+            Err(IdentityError::Closed)
+        ));
+    }
+
+    #[test]
+    fn a_dead_process_is_seen_dead() {
+        let child = std::process::Command::new("true").spawn().unwrap();
+        let fd = pidfd_open(child.id()).unwrap();
+        let mut child = child;
+        child.wait().unwrap();
+        assert!(pidfd_exited(fd.as_fd()));
+    }
+}

@@ -1,0 +1,382 @@
+//! What the kernel says about TCP sockets: `NETLINK_SOCK_DIAG` (the
+//! interface `ss` uses) and `SO_COOKIE`.
+//!
+//! Pairing rests on these facts, none of which a peer can forge:
+//! - who owns the socket listening on a port ([`listeners`]);
+//! - which socket is the far end of a connection ([`far_end`]), named by
+//!   its cookie: a 64-bit number the kernel gives each socket once per
+//!   boot and never reuses;
+//! - the cookie of a socket someone handed us ([`cookie_of`]): holding the
+//!   descriptor is the proof of holding the socket.
+//!
+//! Queries run in the caller's network namespace, the one whose abstract
+//! Unix names the pairing registry uses. No privilege is needed.
+//!
+//! `unsafe` here: the netlink structures, read from and written to byte
+//! buffers, and `getsockopt`.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+const NETLINK_SOCK_DIAG: i32 = 4;
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const TCP_LISTEN: u32 = 10;
+const NOCOOKIE: u32 = !0;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct NlMsgHdr {
+    len: u32,
+    ty: u16,
+    flags: u16,
+    seq: u32,
+    pid: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SockId {
+    sport: u16, // network order
+    dport: u16, // network order
+    src: [u8; 16],
+    dst: [u8; 16],
+    iface: u32,
+    cookie: [u32; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ReqV2 {
+    family: u8,
+    protocol: u8,
+    ext: u8,
+    pad: u8,
+    states: u32,
+    id: SockId,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct DiagMsg {
+    family: u8,
+    state: u8,
+    timer: u8,
+    retrans: u8,
+    id: SockId,
+    expires: u32,
+    rqueue: u32,
+    wqueue: u32,
+    uid: u32,
+    inode: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<SockId>() == 48);
+const _: () = assert!(std::mem::size_of::<ReqV2>() == 56);
+const _: () = assert!(std::mem::size_of::<DiagMsg>() == 72);
+
+/// A TCP socket as the kernel describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpSocket {
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
+    /// The uid of the process that created it.
+    pub uid: u32,
+    pub inode: u32,
+    /// Unique per socket and boot (as `SO_COOKIE` reports it).
+    pub cookie: u64,
+    pub state: u8,
+}
+
+fn addr_bytes(ip: IpAddr) -> (u8, [u8; 16]) {
+    let mut b = [0u8; 16];
+    match canonical(ip) {
+        IpAddr::V4(a) => {
+            b[..4].copy_from_slice(&a.octets());
+            (libc::AF_INET as u8, b)
+        }
+        IpAddr::V6(a) => (libc::AF_INET6 as u8, a.octets()),
+    }
+}
+
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(a) => a.to_ipv4_mapped().map_or(IpAddr::V6(a), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+fn addr_of(family: u8, b: &[u8; 16], port_be: u16) -> SocketAddr {
+    let port = u16::from_be(port_be);
+    if i32::from(family) == libc::AF_INET {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::new(b[0], b[1], b[2], b[3])), port)
+    } else {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::from(*b)), port)
+    }
+}
+
+fn as_bytes<T: Copy>(v: &T) -> &[u8] {
+    // SAFETY: T is a plain repr(C) struct of integers without padding
+    // (sizes asserted above); any byte view of it is initialised.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+}
+
+fn read_at<T: Copy + Default>(b: &[u8], at: usize) -> Option<T> {
+    let end = at.checked_add(std::mem::size_of::<T>())?;
+    if end > b.len() {
+        return None;
+    }
+    // SAFETY: in bounds (checked); T is plain integers, valid for any bits;
+    // read_unaligned copes with the buffer's alignment.
+    Some(unsafe { std::ptr::read_unaligned(b[at..].as_ptr().cast::<T>()) })
+}
+
+/// One request, answered by zero or more socket descriptions.
+fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
+    // SAFETY: plain system call.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            NETLINK_SOCK_DIAG,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut flags = libc::NLM_F_REQUEST as u16;
+    if dump {
+        flags |= libc::NLM_F_DUMP as u16;
+    }
+    let hdr = NlMsgHdr {
+        len: (std::mem::size_of::<NlMsgHdr>() + std::mem::size_of::<ReqV2>()) as u32,
+        ty: SOCK_DIAG_BY_FAMILY,
+        flags,
+        seq: 1,
+        pid: 0,
+    };
+    let mut msg = Vec::with_capacity(hdr.len as usize);
+    msg.extend_from_slice(as_bytes(&hdr));
+    msg.extend_from_slice(as_bytes(&req));
+    // SAFETY: send of our own buffer to the kernel (address: none, the
+    // netlink socket's default destination is the kernel).
+    let n = unsafe { libc::send(sock.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 32 << 10];
+    loop {
+        // SAFETY: recv into our own buffer, within its length.
+        let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        let b = &buf[..n as usize];
+        let mut at = 0;
+        while let Some(h) = read_at::<NlMsgHdr>(b, at) {
+            let len = h.len as usize;
+            if len < std::mem::size_of::<NlMsgHdr>() || at + len > b.len() {
+                return Err(std::io::Error::other("malformed sock_diag answer"));
+            }
+            let body = at + std::mem::size_of::<NlMsgHdr>();
+            match h.ty {
+                NLMSG_DONE => return Ok(out),
+                NLMSG_ERROR => {
+                    let code = read_at::<i32>(b, body).unwrap_or(-libc::EIO);
+                    if code == 0 {
+                        return Ok(out);
+                    }
+                    return Err(std::io::Error::from_raw_os_error(-code));
+                }
+                SOCK_DIAG_BY_FAMILY => {
+                    if let Some(m) = read_at::<DiagMsg>(b, body) {
+                        out.push(TcpSocket {
+                            local: addr_of(m.family, &m.id.src, m.id.sport),
+                            remote: addr_of(m.family, &m.id.dst, m.id.dport),
+                            uid: m.uid,
+                            inode: m.inode,
+                            cookie: u64::from(m.id.cookie[0]) | (u64::from(m.id.cookie[1]) << 32),
+                            state: m.state,
+                        });
+                    }
+                    if !dump {
+                        return Ok(out);
+                    }
+                }
+                _ => {}
+            }
+            at += len.next_multiple_of(4);
+        }
+    }
+}
+
+/// The socket whose local address is `local` and remote address is
+/// `remote` (an established connection, or one the kernel is setting up).
+pub fn socket(local: SocketAddr, remote: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
+    let (family, src) = addr_bytes(local.ip());
+    let (f2, dst) = addr_bytes(remote.ip());
+    if family != f2 {
+        return Ok(None);
+    }
+    let req = ReqV2 {
+        family,
+        protocol: libc::IPPROTO_TCP as u8,
+        states: !0,
+        id: SockId {
+            sport: local.port().to_be(),
+            dport: remote.port().to_be(),
+            src,
+            dst,
+            cookie: [NOCOOKIE, NOCOOKIE],
+            ..SockId::default()
+        },
+        ..ReqV2::default()
+    };
+    match query(req, false) {
+        Ok(v) => Ok(v.into_iter().next()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The far end of the connection of socket `fd`: the socket whose local
+/// address is `fd`'s peer and whose remote address is `fd`'s own.
+pub fn far_end(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
+    socket(peer, local)
+}
+
+/// The sockets listening on TCP `port`, of both families.
+pub fn listeners(port: u16) -> std::io::Result<Vec<TcpSocket>> {
+    let mut out = Vec::new();
+    for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+        let req = ReqV2 {
+            family,
+            protocol: libc::IPPROTO_TCP as u8,
+            states: 1 << TCP_LISTEN,
+            ..ReqV2::default()
+        };
+        match query(req, true) {
+            Ok(v) => out.extend(v.into_iter().filter(|s| s.local.port() == port)),
+            // A kernel without IPv6 has no such family to dump.
+            Err(_) if family == libc::AF_INET6 as u8 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// Of `listeners`, the one a connection to `dst` reaches: a socket bound
+/// to exactly `dst`'s address wins over a wildcard one.
+pub fn listener_for(listeners: &[TcpSocket], dst: SocketAddr) -> Option<TcpSocket> {
+    let ip = canonical(dst.ip());
+    let exact = listeners.iter().find(|l| canonical(l.local.ip()) == ip);
+    // An IPv4 connection goes to 0.0.0.0 before a dual-stack [::].
+    let any4 = || {
+        ip.is_ipv4()
+            .then(|| {
+                listeners
+                    .iter()
+                    .find(|l| l.local.ip() == Ipv4Addr::UNSPECIFIED)
+            })
+            .flatten()
+    };
+    let any6 = || {
+        listeners
+            .iter()
+            .find(|l| l.local.ip() == Ipv6Addr::UNSPECIFIED)
+    };
+    exact.or_else(any4).or_else(any6).copied()
+}
+
+/// The kernel's cookie of socket `fd` (`SO_COOKIE`).
+pub fn cookie_of(fd: BorrowedFd<'_>) -> std::io::Result<u64> {
+    let mut v: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into our own u64, within `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_COOKIE,
+            (&raw mut v).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
+/// Is `fd` a TCP socket? (`SO_PROTOCOL`)
+pub fn is_tcp(fd: BorrowedFd<'_>) -> bool {
+    let mut v: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: getsockopt into our own int, within `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PROTOCOL,
+            (&raw mut v).cast(),
+            &mut len,
+        )
+    };
+    r == 0 && v == libc::IPPROTO_TCP
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn the_kernel_names_both_ends_and_the_listener() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let c = TcpStream::connect(addr).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let (cl, sl) = (c.local_addr().unwrap(), s.local_addr().unwrap());
+        let far = far_end(cl, c.peer_addr().unwrap()).unwrap().unwrap();
+        assert_eq!(far.cookie, cookie_of(s.as_fd()).unwrap());
+        assert_eq!(far.uid, nix::unistd::getuid().as_raw());
+        let far = far_end(sl, s.peer_addr().unwrap()).unwrap().unwrap();
+        assert_eq!(far.cookie, cookie_of(c.as_fd()).unwrap());
+        assert_ne!(cookie_of(c.as_fd()).unwrap(), cookie_of(s.as_fd()).unwrap());
+        let ls = listeners(addr.port()).unwrap();
+        let found = listener_for(&ls, addr).unwrap();
+        assert_eq!(found.cookie, cookie_of(l.as_fd()).unwrap());
+        assert!(is_tcp(c.as_fd()));
+        // No such connection.
+        let nobody: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        assert_eq!(far_end(cl, nobody).unwrap(), None);
+    }
+
+    #[test]
+    fn exact_listeners_win_over_wildcards() {
+        let mk = |a: &str, cookie| TcpSocket {
+            local: a.parse().unwrap(),
+            remote: "0.0.0.0:0".parse().unwrap(),
+            uid: cookie as u32,
+            inode: 0,
+            cookie,
+            state: TCP_LISTEN as u8,
+        };
+        let ls = [mk("[::]:80", 1), mk("127.0.0.2:80", 2), mk("0.0.0.0:80", 3)];
+        let pick = |d: &str| listener_for(&ls, d.parse().unwrap()).map(|l| l.cookie);
+        assert_eq!(pick("127.0.0.2:80"), Some(2));
+        assert_eq!(pick("127.0.0.1:80"), Some(3));
+        assert_eq!(pick("[::1]:80"), Some(1));
+        let v4_only = [mk("0.0.0.0:80", 3)];
+        assert_eq!(listener_for(&v4_only, "[::1]:80".parse().unwrap()), None);
+    }
+}
