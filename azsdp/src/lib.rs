@@ -27,5 +27,6 @@ pub mod protect;
 pub mod sim;
 pub mod sock_diag;
 pub mod stats;
+pub mod sync;
 pub mod time;
 pub mod wire;

@@ -23,9 +23,10 @@
 //!
 //! `unsafe` here: the `PROCMAP_QUERY` ioctl.
 
+use crate::sync::Lock;
 use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 /// What a mapping is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,13 +140,13 @@ const VMA_SHARED: u64 = 0x08;
 
 /// `/proc/self/maps`, opened by this process (a child reopens it: the
 /// descriptor names the process that opened it).
-static QUERY_FD: Mutex<Option<(u32, std::fs::File)>> = Mutex::new(None);
+static QUERY_FD: Lock<Option<(u32, std::fs::File)>> = Lock::new(None);
 
 /// The mapping holding `addr`, asked of the kernel. `Err` if the kernel
 /// cannot answer such questions; `Ok(None)` if nothing is mapped there.
 fn query(addr: u64) -> Result<Option<Vma>, ()> {
     use std::os::fd::AsRawFd;
-    let mut fd = QUERY_FD.lock().unwrap_or_else(|e| e.into_inner());
+    let mut fd = QUERY_FD.lock();
     let pid = crate::process::pid();
     if fd.as_ref().is_none_or(|(p, _)| *p != pid) {
         *fd = Some((pid, std::fs::File::open("/proc/self/maps").map_err(|_| ())?));
@@ -222,7 +223,7 @@ pub struct MemoryMap {
 /// Shared anonymous objects (device, inode) this process created and no
 /// other process maps: they are protected with all their aliases. Filled by
 /// the `mmap` hook; emptied before `fork()` (the child maps them too).
-static PROCESS_PRIVATE: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+static PROCESS_PRIVATE: Lock<Vec<(String, u64)>> = Lock::new(Vec::new());
 
 /// `MAP_SHARED | MAP_ANONYMOUS` memory was just mapped at `addr` by this
 /// process: its object is the process's own until it forks.
@@ -231,7 +232,7 @@ pub fn note_process_private(addr: u64) {
         && v.kind == Kind::Shared
         && v.path.starts_with("/dev/zero")
     {
-        let mut l = PROCESS_PRIVATE.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = PROCESS_PRIVATE.lock();
         let key = (v.dev, v.inode);
         if !l.contains(&key) {
             l.push(key);
@@ -242,24 +243,20 @@ pub fn note_process_private(addr: u64) {
 /// The locks of this module, held by the fork handler across `fork()`.
 pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
     vec![
-        Box::new(QUERY_FD.lock().unwrap_or_else(|e| e.into_inner())),
-        Box::new(CACHE.lock().unwrap_or_else(|e| e.into_inner())),
-        Box::new(PROCESS_PRIVATE.lock().unwrap_or_else(|e| e.into_inner())),
+        Box::new(QUERY_FD.lock()),
+        Box::new(CACHE.lock()),
+        Box::new(PROCESS_PRIVATE.lock()),
     ]
 }
 
 /// The process is about to fork: its shared objects are shared from now on.
 pub fn forget_process_private() {
-    PROCESS_PRIVATE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clear();
+    PROCESS_PRIVATE.lock().clear();
 }
 
 fn process_private(v: &Vma) -> bool {
     PROCESS_PRIVATE
         .lock()
-        .unwrap_or_else(|e| e.into_inner())
         .iter()
         .any(|(d, i)| *d == v.dev && *i == v.inode)
 }
@@ -357,7 +354,7 @@ impl MemoryMap {
     }
 }
 
-static CACHE: Mutex<Option<Arc<MemoryMap>>> = Mutex::new(None);
+static CACHE: Lock<Option<Arc<MemoryMap>>> = Lock::new(None);
 static STALE: AtomicBool = AtomicBool::new(true);
 
 /// The mappings changed (or may have): reread before the next answer.
@@ -367,7 +364,7 @@ pub fn invalidate() {
 
 /// The cached map, reread if stale.
 pub fn current() -> Arc<MemoryMap> {
-    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = CACHE.lock();
     if STALE.swap(false, Ordering::AcqRel) || c.is_none() {
         *c = Some(Arc::new(MemoryMap::read().unwrap_or_default()));
     }

@@ -118,8 +118,12 @@ impl Registry {
     }
 
     /// Run `f` on the list, under the lock. `f` must not call back into
-    /// the registry.
+    /// the registry. The thread counts as inside azsdp meanwhile: an
+    /// allocation in `f` (the list growing, a dead entry's memory freed)
+    /// re-enters the memory hooks, which would otherwise take this very
+    /// lock again and spin for ever.
     fn with<R>(&self, f: impl FnOnce(&mut Vec<Entry>) -> R) -> R {
+        let _inside = Inside::enter();
         self.acquire();
         // SAFETY: we hold `busy`, so no one else has a reference to the list.
         let r = f(unsafe { &mut *self.list.get() });
@@ -225,37 +229,42 @@ pub fn register(p: Weak<dyn Participant>, held: Arc<HeldBounds>) {
         COUNT.store(l.len(), Ordering::SeqCst);
         dead
     });
+    let _inside = Inside::enter();
     drop(dead);
 }
 
 thread_local! {
-    /// This thread is inside a driver (holds its lock): memory it frees
-    /// is azsdp's own, and asking the driver would deadlock.
-    static INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// How many reasons this thread has to count as inside azsdp (a lock
+    /// of ours held, a driver turned): memory it frees is azsdp's own, and
+    /// asking a driver would deadlock. A count, so that guards may be let
+    /// go in any order.
+    static INSIDE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
 /// Marks the current thread as inside azsdp while it lives.
 #[derive(Debug)]
 pub struct Inside {
-    was: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Inside {
     pub fn enter() -> Inside {
-        let was = INSIDE.try_with(|c| c.replace(true)).unwrap_or(true);
-        Inside { was }
+        let _ = INSIDE.try_with(|c| c.set(c.get() + 1));
+        Inside {
+            _not_send: std::marker::PhantomData,
+        }
     }
 }
 
 impl Drop for Inside {
     fn drop(&mut self) {
-        let _ = INSIDE.try_with(|c| c.set(self.was));
+        let _ = INSIDE.try_with(|c| c.set(c.get().saturating_sub(1)));
     }
 }
 
 /// Is the current thread inside azsdp (so hooks must let it pass)?
 pub fn inside() -> bool {
-    INSIDE.try_with(|c| c.get()).unwrap_or(true)
+    INSIDE.try_with(|c| c.get() > 0).unwrap_or(true)
 }
 
 /// Settle whatever holds `range`. Cheap when nothing can.

@@ -1,17 +1,24 @@
 //! Per-process connection statistics in shared memory, for `azsdp stat`.
 //!
 //! Every process under azsdp that has a connection keeps one file,
-//! `<dir>/azsdp-stat.<pid>` (dir: `AZSDP_STAT_DIR`, else `/dev/shm`), of
-//! fixed-size slots, one per connection, each a row of 64-bit atomic words
-//! the process updates as it goes. `azsdp stat` maps the files read-only and
-//! copies the rows; no daemon and no locking (a row may be a few updates
-//! stale, never torn within a word). Files of processes that are gone are
-//! skipped and removed by the reader.
+//! `<dir>/azsdp-stat.<pid>`, of fixed-size slots, one per connection, each
+//! a row of 64-bit atomic words the process updates as it goes. `azsdp
+//! stat` maps the files read-only and copies the rows; no daemon and no
+//! locking (a row may be a few updates stale, never torn within a word).
+//!
+//! The directory is the user's own: `/dev/shm/azsdp-<euid>`, made 0700
+//! (or `AZSDP_STAT_DIR`), and checked before use: it must be a real
+//! directory, owned by the user, that nobody else can write. A name in a
+//! world-writable place can be squatted, so files are created relative to
+//! the checked directory's descriptor, with `O_EXCL | O_NOFOLLOW`. A process
+//! removes its file at exit; files of processes that died are removed by
+//! the next process that makes one there and by `azsdp stat`.
 //!
 //! `unsafe` here: the shared mapping viewed as atomics.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -21,7 +28,8 @@ use crate::conn::{Counters, FallbackReason, Role};
 
 const MAGIC: u64 = 0x617a_7364_7073_7431; // "azsdpst1"
 /// Connections one process file can show (more are counted, not shown).
-pub const SLOTS: usize = 512;
+/// The file is sparse: only pages of slots in use take memory.
+pub const SLOTS: usize = 4096;
 const WORDS: usize = 32;
 const HEADER_WORDS: usize = 32;
 
@@ -193,15 +201,112 @@ fn zc_name(c: u64) -> Option<&'static str> {
     })
 }
 
-/// Directory of the stat files.
+/// Where the stat files of all users live, unless `AZSDP_STAT_DIR` says.
+pub const SHARED_ROOT: &str = "/dev/shm";
+
+/// Directory of this user's stat files: `AZSDP_STAT_DIR`, else
+/// `/dev/shm/azsdp-<euid>`.
 pub fn dir() -> PathBuf {
     std::env::var_os("AZSDP_STAT_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/dev/shm"))
+        .unwrap_or_else(|| own_dir(nix::unistd::geteuid().as_raw()))
+}
+
+fn own_dir(uid: u32) -> PathBuf {
+    Path::new(SHARED_ROOT).join(format!("azsdp-{uid}"))
+}
+
+/// Directories `azsdp stat` reads: `AZSDP_STAT_DIR`, else every user's
+/// directory under `/dev/shm` (those it may read).
+pub fn dirs_to_read() -> Vec<PathBuf> {
+    if let Some(d) = std::env::var_os("AZSDP_STAT_DIR") {
+        return vec![PathBuf::from(d)];
+    }
+    let mut v: Vec<PathBuf> = std::fs::read_dir(SHARED_ROOT)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("azsdp-"))
+                .is_some_and(|u| u.parse::<u32>().is_ok())
+        })
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Why a stat directory was not used.
+#[derive(Debug, thiserror::Error)]
+pub enum StatDirError {
+    #[error("{0}: {1}")]
+    Io(PathBuf, std::io::Error),
+    #[error("{0} is owned by uid {1}, not by us (uid {2}): not used")]
+    Owner(PathBuf, u32, u32),
+    #[error("{0} can be written by other users (mode {1:o}): not used")]
+    Mode(PathBuf, u32),
+}
+
+/// Open `dir` for our files after checking that it is a directory (not a
+/// symlink to one) that we own and nobody else can write. Our own default
+/// directory is made, 0700, if missing.
+pub fn open_dir(dir: &Path) -> Result<OwnedFd, StatDirError> {
+    use nix::fcntl::{OFlag, open};
+    use nix::sys::stat::{Mode, fstat};
+    let euid = nix::unistd::geteuid().as_raw();
+    let io = |e: nix::Error| StatDirError::Io(dir.to_path_buf(), e.into());
+    if std::env::var_os("AZSDP_STAT_DIR").is_none() && dir == own_dir(euid) {
+        match nix::unistd::mkdir(dir, Mode::S_IRWXU) {
+            Ok(()) | Err(nix::Error::EEXIST) => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    let fd = open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io)?;
+    let st = fstat(&fd).map_err(io)?;
+    if st.st_uid != euid {
+        return Err(StatDirError::Owner(dir.to_path_buf(), st.st_uid, euid));
+    }
+    let mode = st.st_mode & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(StatDirError::Mode(dir.to_path_buf(), mode));
+    }
+    Ok(fd)
+}
+
+fn file_name(pid: u32) -> String {
+    format!("azsdp-stat.{pid}")
 }
 
 fn file_of(dir: &Path, pid: u32) -> PathBuf {
-    dir.join(format!("azsdp-stat.{pid}"))
+    dir.join(file_name(pid))
+}
+
+/// Remove the files of processes that are gone, in the checked `dir`.
+fn sweep(dirfd: &OwnedFd, dir: &Path) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("azsdp-stat."))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !alive(pid) {
+            let _ = nix::unistd::unlinkat(
+                dirfd,
+                name.as_os_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
+    }
 }
 
 fn file_len() -> usize {
@@ -229,26 +334,47 @@ fn ip_of(hi: u64, lo: u64) -> IpAddr {
 #[derive(Debug)]
 pub struct StatFile {
     map: MmapMut,
+    dirfd: OwnedFd,
     path: PathBuf,
     pid: u32,
 }
 
 impl StatFile {
-    /// Create (or take over, after exec) this process's file.
+    /// Create this process's file in `dir` (checked with [`open_dir`]); a
+    /// file of the same pid (ours before an exec, or a dead process's)
+    /// is replaced.
     pub fn create(dir: &Path, program: &str) -> std::io::Result<StatFile> {
+        use nix::fcntl::{OFlag, openat};
+        use nix::sys::stat::Mode;
+        let dirfd = open_dir(dir).map_err(|e| std::io::Error::other(e.to_string()))?;
+        sweep(&dirfd, dir);
         let pid = std::process::id();
-        let path = file_of(dir, pid);
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)?;
+        let name = file_name(pid);
+        let flags =
+            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let mode = Mode::S_IRUSR | Mode::S_IWUSR;
+        let fd = match openat(&dirfd, name.as_str(), flags, mode) {
+            Err(nix::Error::EEXIST) => {
+                nix::unistd::unlinkat(
+                    &dirfd,
+                    name.as_str(),
+                    nix::unistd::UnlinkatFlags::NoRemoveDir,
+                )?;
+                openat(&dirfd, name.as_str(), flags, mode)?
+            }
+            r => r?,
+        };
+        let f = File::from(fd);
         f.set_len(file_len() as u64)?;
-        // SAFETY: a regular file we just sized; only this process writes it,
-        // and only through atomics.
+        // SAFETY: a regular file we just made, in our own directory; only
+        // this process writes it, and only through atomics.
         let map = unsafe { MmapMut::map_mut(&f)? };
-        let s = StatFile { map, path, pid };
+        let s = StatFile {
+            map,
+            dirfd,
+            path: file_of(dir, pid),
+            pid,
+        };
         let hdr = s.words(0, HEADER_WORDS);
         hdr[h::PID].store(u64::from(pid), Ordering::Relaxed);
         hdr[h::SLOTS].store(SLOTS as u64, Ordering::Relaxed);
@@ -262,6 +388,22 @@ impl StatFile {
         }
         hdr[h::MAGIC].store(MAGIC, Ordering::Release);
         Ok(s)
+    }
+
+    /// Where the file is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Remove the file (at exit). Only the process that made it does.
+    pub fn remove(&self) {
+        if crate::process::pid() == self.pid {
+            let _ = nix::unistd::unlinkat(
+                self.dirfd.as_fd(),
+                file_name(self.pid).as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
     }
 
     fn words(&self, at: usize, n: usize) -> &[AtomicU64] {
@@ -384,9 +526,7 @@ impl StatFile {
 
 impl Drop for StatFile {
     fn drop(&mut self) {
-        if crate::process::pid() == self.pid {
-            let _ = std::fs::remove_file(&self.path);
-        }
+        self.remove();
     }
 }
 
@@ -432,10 +572,27 @@ fn alive(pid: u32) -> bool {
     r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
+/// Read every live process's connections in `dirs`.
+pub fn read_dirs(dirs: &[PathBuf]) -> Vec<ConnStat> {
+    let mut out: Vec<ConnStat> = dirs.iter().flat_map(|d| read_all(d)).collect();
+    out.sort_by_key(|c| (c.pid, c.opened_ms));
+    out
+}
+
 /// Read every live process's connections under `dir`; files of processes
-/// that are gone are removed. Unreadable or foreign files are skipped.
+/// that are gone are removed. Unreadable or foreign files (not owned by
+/// the directory's owner, or not regular files) are skipped.
 pub fn read_all(dir: &Path) -> Vec<ConnStat> {
     let mut out = Vec::new();
+    let Ok(owner) = std::fs::symlink_metadata(dir).map(|m| {
+        use std::os::unix::fs::MetadataExt;
+        (m.is_dir(), m.uid())
+    }) else {
+        return out;
+    };
+    if !owner.0 {
+        return out;
+    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return out;
     };
@@ -452,7 +609,7 @@ pub fn read_all(dir: &Path) -> Vec<ConnStat> {
             let _ = std::fs::remove_file(e.path());
             continue;
         }
-        if let Some(rows) = read_file(&e.path(), pid) {
+        if let Some(rows) = read_file(&e.path(), pid, owner.1) {
             out.extend(rows);
         }
     }
@@ -460,9 +617,15 @@ pub fn read_all(dir: &Path) -> Vec<ConnStat> {
     out
 }
 
-fn read_file(path: &Path, pid: u32) -> Option<Vec<ConnStat>> {
-    let f = File::open(path).ok()?;
-    if f.metadata().ok()?.len() < file_len() as u64 {
+fn read_file(path: &Path, pid: u32, owner: u32) -> Option<Vec<ConnStat>> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let m = f.metadata().ok()?;
+    if !m.is_file() || m.uid() != owner || m.len() < file_len() as u64 {
         return None;
     }
     // SAFETY: read-only shared mapping, read only through atomics below.
@@ -573,6 +736,46 @@ mod tests {
         assert!(!dir.join("azsdp-stat.4000000000").exists());
         drop(f);
         assert!(read_all(&dir).is_empty());
+        assert!(!file_of(&dir, std::process::id()).exists(), "removed");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A directory others can write, one owned by someone else, or a
+    /// symlink to a directory is not used; a symlink planted where our
+    /// file goes is replaced, never followed.
+    #[test]
+    fn squatted_directories_and_planted_symlinks_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("azsdp-stat-trap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let open = base.join("open");
+        std::fs::create_dir_all(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(open_dir(&open), Err(StatDirError::Mode(..))));
+        assert!(StatFile::create(&open, "p").is_err());
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&open, &link).unwrap();
+        assert!(matches!(open_dir(&link), Err(StatDirError::Io(..))));
+        if nix::unistd::geteuid().is_root() {
+            let theirs = base.join("theirs");
+            std::fs::create_dir_all(&theirs).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+            assert!(matches!(open_dir(&theirs), Err(StatDirError::Owner(..))));
+        }
+        let ours = base.join("ours");
+        std::fs::create_dir_all(&ours).unwrap();
+        let victim = base.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        std::os::unix::fs::symlink(&victim, file_of(&ours, std::process::id())).unwrap();
+        let f = StatFile::create(&ours, "p").unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(
+            !std::fs::symlink_metadata(f.path())
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        drop(f);
+        let _ = std::fs::remove_dir_all(&base);
     }
 }

@@ -138,7 +138,7 @@ enum RoleArg {
 }
 
 fn load(file: Option<&PathBuf>) -> Result<Config, ExitCode> {
-    Config::from_environment(file.map(PathBuf::as_path), std::env::vars()).map_err(|e| {
+    Config::from_environment(file.map(PathBuf::as_path), std::env::vars_os()).map_err(|e| {
         eprintln!("azsdp: {e}");
         ExitCode::from(2)
     })

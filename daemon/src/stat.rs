@@ -1,7 +1,7 @@
 //! `azsdp stat`: the host's live azsdp connections.
 
 use azsdp::conn::Role;
-use azsdp::stats::{ConnStat, read_all};
+use azsdp::stats::{ConnStat, dirs_to_read, read_dirs};
 use serde_json::json;
 
 fn role(r: Role) -> &'static str {
@@ -65,7 +65,7 @@ fn to_json(c: &ConnStat) -> serde_json::Value {
 }
 
 pub fn print(json: bool) {
-    let rows = read_all(&azsdp::stats::dir());
+    let rows = read_dirs(&dirs_to_read());
     if json {
         let v: Vec<_> = rows.iter().map(to_json).collect();
         println!("{}", serde_json::Value::Array(v));

@@ -1,9 +1,10 @@
 //! A connection as the shim holds it: upgraded ([`Conn`], an engine on the
 //! shm fabric) or plain TCP ([`TcpConn`], only counted).
 
+use azsdp::sync::Lock;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use azsdp::config::Settings;
@@ -31,9 +32,9 @@ pub struct Conn {
     linger: Duration,
     closed: AtomicBool,
     reported: AtomicBool,
-    stat: Mutex<Option<(Arc<StatFile>, usize)>>,
+    stat: Lock<Option<(Arc<StatFile>, usize)>>,
     /// Last path published (to log changes once).
-    path: Mutex<ConnPath>,
+    path: Lock<ConnPath>,
 }
 
 impl Conn {
@@ -84,8 +85,8 @@ impl Conn {
             linger: settings.linger,
             closed: AtomicBool::new(false),
             reported: AtomicBool::new(false),
-            stat: Mutex::new(stat),
-            path: Mutex::new(ConnPath::Azsdp),
+            stat: Lock::new(stat),
+            path: Lock::new(ConnPath::Azsdp),
         });
         c.publish();
         c
@@ -100,7 +101,7 @@ impl Conn {
             TxMode::Buffered => ConnPath::Bsdp,
         };
         {
-            let mut last = self.path.lock().unwrap_or_else(|e| e.into_inner());
+            let mut last = self.path.lock();
             if *last != path {
                 debug!(
                     "{} -> {}: sends now {} ({:?})",
@@ -112,7 +113,7 @@ impl Conn {
                 *last = path;
             }
         }
-        let mut stat = self.stat.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stat = self.stat.lock();
         let me = std::process::id();
         if stat.as_ref().is_some_and(|(f, _)| f.pid() != me) && self.engine.is_mine() {
             // A forked child took the connection over: its own slot.
@@ -158,7 +159,7 @@ impl Conn {
     }
 
     fn close_slot(&self) {
-        if let Some((f, slot)) = self.stat.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some((f, slot)) = self.stat.lock().as_ref() {
             f.close_slot(*slot);
         }
     }
@@ -169,8 +170,12 @@ impl Conn {
             return;
         }
         let (c, _, _) = self.engine.snapshot();
+        let end = match self.engine.state() {
+            azsdp::conn::State::Aborted(r) => format!("reset ({r})"),
+            _ => "closed".to_string(),
+        };
         info!(
-            "{} -> {}: closed; sent azsdp {} zsdp {} bsdp {} bytes, received zero-copy {} bsdp {} bytes; \
+            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes, received zero-copy {} bsdp {} bytes; \
              gets {}, faults {}, copy-on-writes {}, fallbacks {}",
             self.local,
             self.peer,

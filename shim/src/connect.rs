@@ -23,7 +23,7 @@ use azsdp::stats::TcpReason;
 use libc::c_int;
 
 use crate::conn::Conn;
-use crate::listener::{abstract_addr, peer_cred, seqpacket, shm_params};
+use crate::listener::{abstract_addr, peer_cred, seqpacket_with, shm_params};
 use crate::log::{debug, info, warning};
 use crate::net;
 use crate::real;
@@ -37,28 +37,61 @@ pub enum Outcome {
     Azsdp(Arc<Conn>),
 }
 
-/// A listener's registration that answered: the connected side-channel
-/// socket and its owner's credentials (pid, effective uid).
+/// A listener's registration that answered and is the listener's: the
+/// connected side-channel socket and its owner's pid.
 struct Registry {
     sock: OwnedFd,
     pid: u32,
-    uid: u32,
 }
 
-/// The registration of an azsdp listener for `dst`, if one answers.
-fn find_listener(dst: SocketAddr) -> Option<Registry> {
-    registry_candidates(dst).into_iter().find_map(|name| {
-        let (a, len) = abstract_addr(&name)?;
-        let sock = seqpacket().ok()?;
-        // SAFETY: connect our own socket to our own encoded address (a
-        // full registry queue refuses at once: the socket is non-blocking).
-        let r = unsafe { real::connect(sock.as_raw_fd(), (&raw const a).cast(), len) };
+/// The registration of the azsdp listener for `dst`: the first name that
+/// answers and whose owner the kernel says owns the socket listening for
+/// `dst`. `Err(None)`: no name answers; `Err(Some(why))`: names answer,
+/// but none is proven to be the listener's (squatted).
+fn find_listener(dst: SocketAddr, patience: Duration) -> Result<Registry, Option<String>> {
+    let mut refused = None;
+    for name in registry_candidates(dst) {
+        let Some((a, len)) = abstract_addr(&name) else {
+            continue;
+        };
+        let Ok(sock) = seqpacket_with(0) else {
+            continue;
+        };
+        // A full registry queue (a flood) gets a moment to drain: the
+        // listener takes its queue in every 100 ms.
+        let t = libc::timeval {
+            tv_sec: 0,
+            tv_usec: patience.as_micros().min(999_999) as libc::suseconds_t,
+        };
+        // SAFETY: connect our own socket to our own encoded address, with
+        // a send timeout of our own (which bounds a connect's wait).
+        let r = unsafe {
+            real::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                (&raw const t).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            );
+            real::connect(sock.as_raw_fd(), (&raw const a).cast(), len)
+        };
         if r != 0 {
-            return None;
+            continue;
         }
-        let (pid, uid) = peer_cred(&sock)?;
-        Some(Registry { sock, pid, uid })
-    })
+        let Some((pid, uid)) = peer_cred(&sock) else {
+            continue;
+        };
+        match owner_of_listener(dst, uid) {
+            Ok(()) => return Ok(Registry { sock, pid }),
+            Err(why) => {
+                info!(
+                    "connect {dst}: @{name} (pid {pid}) is not proven to be the listener's: {why}"
+                );
+                refused = Some(why);
+            }
+        }
+    }
+    Err(refused)
 }
 
 /// Does the kernel say the registry's owner (`uid`) owns the socket that
@@ -68,7 +101,7 @@ fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
     let l = sock_diag::listener_for(&ls, dst).ok_or("no socket listens there")?;
     if l.uid != uid {
         return Err(format!(
-            "its registry is held by uid {uid}, the listening socket is uid {}'s",
+            "it is uid {uid}'s, the listening socket is uid {}'s",
             l.uid
         ));
     }
@@ -263,21 +296,22 @@ pub fn connect(
     if !net::is_local(to.ip()) {
         return plain(TcpReason::PeerRemote);
     }
-    let Some(reg) = find_listener(to) else {
-        if settings.use_ == Use::Azsdp {
+    let reg = match find_listener(
+        to,
+        (settings.pair_timeout / 4).min(Duration::from_millis(150)),
+    ) {
+        Ok(reg) => reg,
+        Err(_) if settings.use_ == Use::Azsdp => {
             debug!("connect {dst}: no azsdp listener and the rule says azsdp only");
             return Outcome::Tcp(-1, libc::ECONNREFUSED, None);
         }
-        return plain(TcpReason::PeerNotAzsdp);
+        Err(None) => return plain(TcpReason::PeerNotAzsdp),
+        Err(Some(_)) => return plain(TcpReason::PeerUnverified),
     };
     if reg.pid == azsdp::process::pid() {
         // Our own listener: its accept() may be ours to call, after this
         // connect() returns, so waiting for it could only time out.
         return plain(TcpReason::SameProcess);
-    }
-    if let Err(why) = owner_of_listener(to, reg.uid) {
-        info!("connect {dst}: the pairing registry is not proven to be the listener's: {why}");
-        return plain(TcpReason::PeerUnverified);
     }
     let deadline = Instant::now() + settings.pair_timeout;
     let Some(port) = ensure_port(fd, family) else {

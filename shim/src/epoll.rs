@@ -11,9 +11,10 @@
 //!
 //! `unsafe` here: the program's `epoll_event` arrays.
 
+use azsdp::sync::Lock;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use libc::{
@@ -45,7 +46,7 @@ struct Set {
     interests: BTreeMap<c_int, Interest>,
 }
 
-static SETS: Mutex<BTreeMap<c_int, Arc<Mutex<Set>>>> = Mutex::new(BTreeMap::new());
+static SETS: Lock<BTreeMap<c_int, Arc<Lock<Set>>>> = Lock::new(BTreeMap::new());
 /// Sets in [`SETS`] (read without the lock on every `close` and `epoll_wait`).
 static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -54,17 +55,14 @@ pub fn has_sets() -> bool {
     COUNT.load(Ordering::Relaxed) > 0
 }
 
-fn set_of(epfd: c_int) -> Option<Arc<Mutex<Set>>> {
-    SETS.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&epfd)
-        .cloned()
+fn set_of(epfd: c_int) -> Option<Arc<Lock<Set>>> {
+    SETS.lock().get(&epfd).cloned()
 }
 
 /// The shim's part of `epfd`, made (with its eventfd in the kernel set) if
 /// it has none yet.
-fn set_for(epfd: c_int) -> Option<Arc<Mutex<Set>>> {
-    let mut sets = SETS.lock().unwrap_or_else(|e| e.into_inner());
+fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
+    let mut sets = SETS.lock();
     if let Some(s) = sets.get(&epfd) {
         return Some(Arc::clone(s));
     }
@@ -77,7 +75,7 @@ fn set_for(epfd: c_int) -> Option<Arc<Mutex<Set>>> {
     if unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, wake.fd(), &mut ev) } != 0 {
         return None;
     }
-    let s = Arc::new(Mutex::new(Set {
+    let s = Arc::new(Lock::new(Set {
         wake,
         interests: BTreeMap::new(),
     }));
@@ -89,7 +87,7 @@ fn set_for(epfd: c_int) -> Option<Arc<Mutex<Set>>> {
 /// `epfd` was closed.
 pub fn forget_set(epfd: c_int) {
     let gone = {
-        let mut sets = SETS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut sets = SETS.lock();
         let gone = sets.remove(&epfd);
         COUNT.store(sets.len(), Ordering::Relaxed);
         gone
@@ -100,17 +98,9 @@ pub fn forget_set(epfd: c_int) {
 
 /// `fd` (upgraded) was closed: drop it from every set.
 pub fn forget_fd(fd: c_int) {
-    let sets: Vec<_> = SETS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-        .cloned()
-        .collect();
+    let sets: Vec<_> = SETS.lock().values().cloned().collect();
     for s in sets {
-        s.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .interests
-            .remove(&fd);
+        s.lock().interests.remove(&fd);
     }
 }
 
@@ -120,7 +110,7 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
         real::set_errno(libc::ENOMEM);
         return -1;
     };
-    let mut set = set.lock().unwrap_or_else(|e| e.into_inner());
+    let mut set = set.lock();
     let exists = set.interests.contains_key(&fd);
     match op {
         libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
@@ -166,7 +156,7 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
 
 /// A socket in kernel epoll sets was upgraded: move it to ours.
 pub fn adopt(sock: &Arc<Sock>) {
-    let regs = std::mem::take(&mut *sock.kernel_epolls.lock().unwrap_or_else(|e| e.into_inner()));
+    let regs = std::mem::take(&mut *sock.kernel_epolls.lock());
     for r in regs {
         // SAFETY: removing the descriptor from the program's set.
         unsafe { real::epoll_ctl(r.epfd, libc::EPOLL_CTL_DEL, r.fd, std::ptr::null_mut()) };
@@ -253,16 +243,12 @@ pub unsafe fn wait(
     }
     let max = max as usize;
     let deadline = timeout.map(|t| Instant::now() + t);
-    let wake = Arc::clone(&set.lock().unwrap_or_else(|e| e.into_inner()).wake);
+    let wake = Arc::clone(&set.lock().wake);
     let mut kernel: Vec<epoll_event> = vec![epoll_event { events: 0, u64: 0 }; max];
     loop {
         wake.arm();
         let mut out = Vec::new();
-        collect(
-            &mut set.lock().unwrap_or_else(|e| e.into_inner()),
-            &mut out,
-            max,
-        );
+        collect(&mut set.lock(), &mut out, max);
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let wait_ms: c_int = if !out.is_empty() {
             0

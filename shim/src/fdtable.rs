@@ -6,9 +6,10 @@
 //! load and no lock; only descriptors flagged there are looked up in the
 //! map. Several descriptors (dup, fork) may name one [`Sock`].
 
+use azsdp::sync::RwLock;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
 
 use crate::sock::Sock;
 
@@ -38,15 +39,12 @@ pub fn get(fd: i32) -> Option<Arc<Sock>> {
     if !flagged(fd) {
         return None;
     }
-    MAP.read()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&fd)
-        .cloned()
+    MAP.read().get(&fd).cloned()
 }
 
 /// Track `fd` as `sock` (replacing whatever it named: the kernel reused it).
 pub fn insert(fd: i32, sock: Arc<Sock>) -> Option<Arc<Sock>> {
-    let mut m = MAP.write().unwrap_or_else(|e| e.into_inner());
+    let mut m = MAP.write();
     let old = m.insert(fd, sock);
     set_flag(fd, true);
     old
@@ -57,19 +55,14 @@ pub fn remove(fd: i32) -> Option<Arc<Sock>> {
     if !flagged(fd) {
         return None;
     }
-    let mut m = MAP.write().unwrap_or_else(|e| e.into_inner());
+    let mut m = MAP.write();
     set_flag(fd, false);
     m.remove(&fd)
 }
 
 /// Every tracked socket (each once), for exit and stats.
 pub fn all() -> Vec<Arc<Sock>> {
-    let mut v: Vec<Arc<Sock>> = MAP
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-        .cloned()
-        .collect();
+    let mut v: Vec<Arc<Sock>> = MAP.read().values().cloned().collect();
     v.sort_unstable_by_key(|s| Arc::as_ptr(s) as usize);
     v.dedup_by(|a, b| Arc::ptr_eq(a, b));
     v

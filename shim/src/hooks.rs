@@ -89,28 +89,31 @@ pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) 
 /// at `listen()` is registered right after).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
-    let registered = guard(None, || {
+    // (the socket, its port before listen(), the registration made then)
+    let before = guard(None, || {
         let sock = fdtable::get(fd)?;
         if !matches!(sock.role(), Role::Fresh) {
             return None;
         }
-        let local = net::local_of(fd).filter(|a| a.port() != 0)?;
-        Some((sock, register(local)?))
+        let local = net::local_of(fd)?;
+        let l = (local.port() != 0).then(|| register(local)).flatten();
+        Some((sock, local.port(), l))
     });
     // SAFETY: libc's listen.
     let r = unsafe { real::listen(fd, backlog) };
     let e = real::errno();
-    if r == 0 {
-        guard((), || match registered {
-            Some((sock, l)) => sock.set_role(Role::Listener(l)),
-            None => {
-                let Some(sock) = fdtable::get(fd) else { return };
-                if !matches!(sock.role(), Role::Fresh) {
-                    return;
-                }
-                if let Some(l) = net::local_of(fd).and_then(register) {
-                    sock.set_role(Role::Listener(l));
-                }
+    if r == 0
+        && let Some((sock, port, l)) = before
+    {
+        guard((), || {
+            // A port the kernel picked at listen() is known only now.
+            let l = if port == 0 {
+                net::local_of(fd).and_then(register)
+            } else {
+                l
+            };
+            if let Some(l) = l {
+                sock.set_role(Role::Listener(l));
             }
         });
     }
@@ -126,7 +129,9 @@ fn register(local: std::net::SocketAddr) -> Option<Arc<Listener>> {
         debug!("listener {local}: a rule keeps it on TCP");
         return None;
     }
-    Listener::register(local, s)
+    let l = Listener::register(local, s)?;
+    runtime::start_publisher();
+    Some(l)
 }
 
 unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
@@ -223,10 +228,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 if let Some(reason) = reason {
                     info!("-> {dst}: tcp ({})", reason.name());
                     sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
-                    sock.kernel_epolls
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .clear();
+                    sock.kernel_epolls.lock().clear();
                 }
                 real::set_errno(e);
                 r
@@ -885,7 +887,7 @@ pub unsafe extern "C" fn epoll_ctl(
         let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
         if r == 0 && matches!(sock.role(), Role::Fresh) {
             // Remember it: if the socket is upgraded, it moves to our part.
-            let mut regs = sock.kernel_epolls.lock().unwrap_or_else(|e| e.into_inner());
+            let mut regs = sock.kernel_epolls.lock();
             regs.retain(|x| !(x.epfd == epfd && x.fd == fd));
             if let (true, Some(e)) = (op != libc::EPOLL_CTL_DEL, event) {
                 regs.push(EpollReg {
@@ -1079,7 +1081,7 @@ pub unsafe extern "C" fn setsockopt(
     if r == 0 && level == libc::SOL_SOCKET {
         if let Some(sock) = fdtable::get(fd) {
             guard((), || {
-                let mut o = sock.opts.lock().unwrap_or_else(|e| e.into_inner());
+                let mut o = sock.opts.lock();
                 match name {
                     libc::SO_RCVTIMEO => o.rcvtimeo = timeval_duration(val, len),
                     libc::SO_SNDTIMEO => o.sndtimeo = timeval_duration(val, len),

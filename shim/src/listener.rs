@@ -9,11 +9,12 @@
 //! their own: every pump drops those older than their deadline, whether or
 //! not a connection was accepted.
 
+use azsdp::sync::Lock;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use azsdp::config::Settings;
@@ -29,9 +30,9 @@ use crate::conn::Conn;
 use crate::log::{debug, info, warning};
 use crate::net;
 
-/// Registry connections taken in per `accept()` call (the rest wait in the
-/// kernel's queue for the next call).
-const ACCEPT_PER_CALL: usize = 64;
+/// Registry connections taken in per pump (the rest wait in the kernel's
+/// queue for the next one).
+const ACCEPT_PER_PUMP: usize = 256;
 
 /// A registry connection whose offer has not arrived yet.
 struct Waiting {
@@ -80,12 +81,14 @@ impl Pending {
     }
 }
 
-/// How many offers a listener holds at most, in all and from one user:
-/// each holds two descriptors, so the bound follows the descriptor limit.
+/// How many offers a listener holds at most, in all and from one user
+/// other than its own and root (who could stop the server anyway): each
+/// holds up to three descriptors, so the bound follows the descriptor limit.
 #[derive(Clone, Copy, Debug)]
 struct Limits {
     total: usize,
-    per_user: usize,
+    per_other_user: usize,
+    own_uid: u32,
 }
 
 impl Limits {
@@ -99,8 +102,15 @@ impl Limits {
         let total = (r.rlim_cur / 8).clamp(16, 4096) as usize;
         Limits {
             total,
-            per_user: (total / 2).max(8),
+            per_other_user: (total / 8).clamp(4, 256),
+            // SAFETY: plain system call.
+            own_uid: unsafe { libc::geteuid() },
         }
+    }
+
+    fn admits(&self, p: &Pending, uid: u32) -> bool {
+        p.len() < self.total
+            && (uid == self.own_uid || uid == 0 || p.of_user(uid) < self.per_other_user)
     }
 }
 
@@ -112,7 +122,7 @@ pub struct Listener {
     limits: Limits,
     /// How long an offer or a silent registry connection is kept.
     expiry: Duration,
-    pending: Mutex<Pending>,
+    pending: Lock<Pending>,
 }
 
 /// Shm segment sizes for a connection with `s`.
@@ -149,11 +159,16 @@ pub fn abstract_addr(name: &str) -> Option<(libc::sockaddr_un, libc::socklen_t)>
 
 /// A new non-blocking, close-on-exec Unix SEQPACKET socket.
 pub fn seqpacket() -> std::io::Result<OwnedFd> {
+    seqpacket_with(libc::SOCK_NONBLOCK)
+}
+
+/// A new close-on-exec Unix SEQPACKET socket with `flags`.
+pub fn seqpacket_with(flags: c_int) -> std::io::Result<OwnedFd> {
     // SAFETY: plain system call.
     let fd = unsafe {
         crate::real::socket(
             libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | flags,
             0,
         )
     };
@@ -240,14 +255,15 @@ impl Listener {
             settings,
             limits: Limits::for_this_process(),
             expiry,
-            pending: Mutex::new(Pending::default()),
+            pending: Lock::new(Pending::default()),
         }))
     }
 
     /// Take in, without waiting, what clients sent: new registry
-    /// connections (up to [`ACCEPT_PER_CALL`], within the quotas) and the
+    /// connections (up to [`ACCEPT_PER_PUMP`], within the quotas) and the
     /// offers that have arrived on those already taken. Drops what expired.
-    fn pump(&self, p: &mut Pending) {
+    /// Whether the registry's queue may hold more.
+    fn pump(&self, p: &mut Pending) -> bool {
         let now = Instant::now();
         let expiry = self.expiry;
         p.waiting.retain(|w| now.duration_since(w.since) < expiry);
@@ -255,7 +271,8 @@ impl Listener {
             v.retain(|o| now.duration_since(o.since) < expiry);
             !v.is_empty()
         });
-        for _ in 0..ACCEPT_PER_CALL {
+        let mut saturated = true;
+        for _ in 0..ACCEPT_PER_PUMP {
             // SAFETY: accept4 on our registry socket, without an address.
             let fd = unsafe {
                 crate::real::accept4(
@@ -267,6 +284,7 @@ impl Listener {
             };
             if fd < 0 {
                 // Nothing queued, or no descriptor to spare: next time.
+                saturated = false;
                 break;
             }
             // SAFETY: a new descriptor we own.
@@ -274,15 +292,15 @@ impl Listener {
             let Some((pid, uid)) = peer_cred(&stream) else {
                 continue;
             };
-            if p.len() >= self.limits.total || p.of_user(uid) >= self.limits.per_user {
+            if !self.limits.admits(p, uid) {
                 debug!(
                     "listener {}: refused a pairing connection from pid {pid} uid {uid}: \
-                     {} pending, {} of that user (limits {}/{})",
+                     {} pending, {} of that user (limits {} in all, {} per other user)",
                     self.addr,
                     p.len(),
                     p.of_user(uid),
                     self.limits.total,
-                    self.limits.per_user
+                    self.limits.per_other_user
                 );
                 continue;
             }
@@ -325,6 +343,17 @@ impl Listener {
                 Err(e) => debug!("listener {}: dropped a pairing message: {e}", self.addr),
             }
         }
+        saturated
+    }
+
+    /// Take in what arrived and drop what expired, without waiting for the
+    /// lock (the stats thread calls this ten times a second, so that a
+    /// listener whose program is slow to accept keeps its registry queue
+    /// moving and its offers bounded in time).
+    pub fn maintain(&self) {
+        if let Some(mut p) = self.pending.try_lock() {
+            let _ = self.pump(&mut p);
+        }
     }
 
     /// The offer for the connection whose client end is `far` (as the
@@ -361,9 +390,9 @@ impl Listener {
             return Err(TcpReason::PeerRemote);
         }
         let offer = {
-            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            self.pump(&mut p);
-            if p.offers.is_empty() {
+            let mut p = self.pending.lock();
+            let mut more = self.pump(&mut p);
+            if p.offers.is_empty() && !more {
                 return Err(TcpReason::PeerNotAzsdp);
             }
             // The client end of this connection, as the kernel knows it.
@@ -375,7 +404,18 @@ impl Listener {
                     return Err(TcpReason::PeerUnverified);
                 }
             };
-            self.take_offer(&mut p, &far)
+            let mut offer = self.take_offer(&mut p, &far);
+            // A client's offer is queued before its TCP connection exists:
+            // if the queue was too long to take in at once (a flood), take
+            // in what was queued before this connection (at most a full
+            // backlog) and look again.
+            let mut rounds = libc::SOMAXCONN as usize / ACCEPT_PER_PUMP + 1;
+            while offer.is_none() && more && rounds > 0 {
+                more = self.pump(&mut p);
+                rounds -= 1;
+                offer = self.take_offer(&mut p, &far);
+            }
+            offer
         };
         let Some(offer) = offer else {
             return Err(TcpReason::PeerNotAzsdp);

@@ -10,9 +10,10 @@
 //!
 //! `unsafe` here: the program's `pollfd` arrays and fd_sets.
 
+use azsdp::sync::Lock;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use azsdp::conn::Readiness;
@@ -39,10 +40,7 @@ impl Wakeup {
             efd,
             asleep: AtomicBool::new(false),
         });
-        SLEEPERS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Arc::downgrade(&w));
+        SLEEPERS.lock().push(Arc::downgrade(&w));
         Some(w)
     }
 
@@ -79,7 +77,7 @@ impl Wakeup {
     }
 }
 
-static SLEEPERS: Mutex<Vec<std::sync::Weak<Wakeup>>> = Mutex::new(Vec::new());
+static SLEEPERS: Lock<Vec<std::sync::Weak<Wakeup>>> = Lock::new(Vec::new());
 /// Wakeups armed now. Engines notify after every turn that took something
 /// in; with no one asleep that is one load, not a lock. (A sleeper counts
 /// itself before it looks at the engines, so it sees any change whose
@@ -91,7 +89,7 @@ pub fn notify() {
     if ARMED.load(Ordering::SeqCst) == 0 {
         return;
     }
-    let mut v = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut v = SLEEPERS.lock();
     v.retain(|w| match w.upgrade() {
         Some(w) => {
             w.ring();

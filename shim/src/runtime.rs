@@ -2,16 +2,17 @@
 //! the program's name, the stat file and its publisher thread, and the
 //! connections still finishing after `close()`.
 
+use azsdp::sync::Lock;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use azsdp::config::Config;
 use azsdp::stats::StatFile;
 
 use crate::conn::Conn;
-use crate::log::{debug, error};
+use crate::log::{debug, error, warning};
 
 /// The configuration, or why it could not be loaded (then everything
 /// stays on TCP).
@@ -22,7 +23,7 @@ pub fn config() -> Option<&'static Config> {
             if std::env::var_os("AZSDP_DISABLE").is_some() {
                 return None;
             }
-            match Config::from_environment(None, std::env::vars()) {
+            match Config::from_environment(None, std::env::vars_os()) {
                 Ok(c) => {
                     debug!(
                         "configuration from {}",
@@ -65,12 +66,12 @@ struct Stats {
     file: Option<Arc<StatFile>>,
 }
 
-static STATS: Mutex<Option<Stats>> = Mutex::new(None);
+static STATS: Lock<Option<Stats>> = Lock::new(None);
 
 /// This process's stat file (a forked child makes its own).
 pub fn stat_file() -> Option<Arc<StatFile>> {
     let pid = std::process::id();
-    let mut g = STATS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = STATS.lock();
     if let Some(s) = g.as_ref() {
         if s.pid == pid {
             return s.file.clone();
@@ -85,10 +86,11 @@ pub fn stat_file() -> Option<Arc<StatFile>> {
     let file = match StatFile::create(&azsdp::stats::dir(), name) {
         Ok(f) => Some(Arc::new(f)),
         Err(e) => {
-            debug!("no stat file ({e}): `azsdp stat` will not show this process");
+            warning!("no stat file ({e}): `azsdp stat` will not show this process");
             None
         }
     };
+    ensure_exit_handler();
     *g = Some(Stats {
         pid,
         file: file.clone(),
@@ -106,17 +108,18 @@ pub fn after_fork_in_child() {
 }
 
 /// Connections closed by the program that still finish in the background.
-static CLOSING: Mutex<Vec<Arc<Conn>>> = Mutex::new(Vec::new());
+static CLOSING: Lock<Vec<Arc<Conn>>> = Lock::new(Vec::new());
 
 pub fn closing(c: Arc<Conn>) {
-    let mut v = CLOSING.lock().unwrap_or_else(|e| e.into_inner());
+    let mut v = CLOSING.lock();
     v.retain(|c| !c.finished());
     v.push(c);
 }
 
 /// The publisher: copies live connections' counters into the stat file
-/// ten times a second, and retires finished background closes.
-fn start_publisher() {
+/// ten times a second, retires finished background closes, and keeps
+/// listeners' pairing queues moving.
+pub fn start_publisher() {
     static STARTED_IN: AtomicU32 = AtomicU32::new(0);
     let pid = std::process::id();
     if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
@@ -138,11 +141,13 @@ fn start_publisher() {
 pub fn publish_all() {
     let _inside = azsdp::process::Inside::enter();
     for s in crate::fdtable::all() {
-        if let Some(c) = s.conn() {
-            c.publish();
+        match s.role() {
+            crate::sock::Role::Azsdp(c) => c.publish(),
+            crate::sock::Role::Listener(l) => l.maintain(),
+            _ => {}
         }
     }
-    let mut v = CLOSING.lock().unwrap_or_else(|e| e.into_inner());
+    let mut v = CLOSING.lock();
     v.retain(|c| {
         c.publish();
         !c.finished()
@@ -167,10 +172,17 @@ extern "C" fn at_exit() {
                 c.close();
             }
         }
-        let v: Vec<Arc<Conn>> = CLOSING.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let v: Vec<Arc<Conn>> = CLOSING.lock().clone();
         for c in v {
             c.join_closed();
             c.report();
+        }
+        // Our stat file goes with us (a forked child's is its own).
+        let pid = std::process::id();
+        if let Some(s) = STATS.lock().as_ref().filter(|s| s.pid == pid)
+            && let Some(f) = &s.file
+        {
+            f.remove();
         }
     });
 }

@@ -1,8 +1,9 @@
 //! A TCP socket the shim looks after, and what it has become.
 
+use azsdp::sync::{Lock, RwLock};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use azsdp::stats::TcpReason;
@@ -48,8 +49,8 @@ pub struct Sock {
     /// Descriptors of this process naming it.
     pub fds: AtomicUsize,
     role: RwLock<Role>,
-    pub opts: Mutex<Opts>,
-    pub kernel_epolls: Mutex<Vec<EpollReg>>,
+    pub opts: Lock<Opts>,
+    pub kernel_epolls: Lock<Vec<EpollReg>>,
 }
 
 impl Sock {
@@ -59,21 +60,21 @@ impl Sock {
             nonblocking: AtomicBool::new(nonblocking),
             fds: AtomicUsize::new(1),
             role: RwLock::new(Role::Fresh),
-            opts: Mutex::new(Opts::default()),
-            kernel_epolls: Mutex::new(Vec::new()),
+            opts: Lock::new(Opts::default()),
+            kernel_epolls: Lock::new(Vec::new()),
         })
     }
 
     pub fn role(&self) -> Role {
-        self.role.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.role.read().clone()
     }
 
     pub fn set_role(&self, r: Role) {
-        *self.role.write().unwrap_or_else(|e| e.into_inner()) = r;
+        *self.role.write() = r;
     }
 
     pub fn conn(&self) -> Option<Arc<Conn>> {
-        match &*self.role.read().unwrap_or_else(|e| e.into_inner()) {
+        match &*self.role.read() {
             Role::Azsdp(c) => Some(Arc::clone(c)),
             _ => None,
         }
@@ -84,7 +85,7 @@ impl Sock {
     }
 
     pub fn opts(&self) -> Opts {
-        *self.opts.lock().unwrap_or_else(|e| e.into_inner())
+        *self.opts.lock()
     }
 
     /// The connection stays on plain TCP, for `reason`.

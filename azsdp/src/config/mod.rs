@@ -34,6 +34,40 @@ pub use values::{Cidr, Glob, PortRange, parse_duration, parse_size};
 /// Default location of the configuration file.
 pub const DEFAULT_PATH: &str = "/etc/azsdp/azsdp.toml";
 
+/// Largest configuration file read.
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// The text of the regular file at `path`, if it is one and not too long.
+fn read_bounded(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Non-blocking: opening a FIFO must not wait for a writer.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let m = f.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if !m.is_file() {
+        return Err("cannot read: not a regular file".into());
+    }
+    if m.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "cannot read: {} bytes, more than the {MAX_FILE_BYTES} a configuration may have",
+            m.len()
+        ));
+    }
+    let mut b = Vec::new();
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut b)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if b.len() as u64 > MAX_FILE_BYTES {
+        return Err("cannot read: it grew past the limit while read".into());
+    }
+    String::from_utf8(b)
+        .map_err(|e| format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
+}
+
 /// What a matching connection uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Use {
@@ -347,6 +381,41 @@ fn duration(raw: &Raw<'_>) -> Result<Duration, String> {
     }
 }
 
+fn show(d: Duration) -> String {
+    if d.is_zero() {
+        "0".into()
+    } else if d.as_secs() >= 60 && d.as_secs() % 60 == 0 && d.subsec_nanos() == 0 {
+        format!("{}m", d.as_secs() / 60)
+    } else if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d.as_micros() % 1000 == 0 {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}us", d.as_micros())
+    }
+}
+
+/// A duration from `lo` to `hi`; with `zero_ok`, also `0` (which the key
+/// documents as "never" or "at once").
+fn duration_in(
+    raw: &Raw<'_>,
+    lo: Duration,
+    hi: Duration,
+    zero_ok: bool,
+) -> Result<Duration, String> {
+    let d = duration(raw)?;
+    if (d.is_zero() && zero_ok) || (lo..=hi).contains(&d) {
+        return Ok(d);
+    }
+    let zero = if zero_ok { "0, or " } else { "" };
+    Err(format!(
+        "must be {zero}from {} to {}, not {}",
+        show(lo),
+        show(hi),
+        show(d)
+    ))
+}
+
 fn boolean(raw: &Raw<'_>) -> Result<bool, String> {
     match raw {
         Raw::Bool(b) => Ok(*b),
@@ -374,6 +443,11 @@ fn choice<T: Copy>(raw: &Raw<'_>, options: &[(&str, T)]) -> Result<T, String> {
 /// Set one tunable from a raw value.
 fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String> {
     const GIB: u64 = 1 << 30;
+    const MS: Duration = Duration::from_millis(1);
+    const SEC: Duration = Duration::from_secs(1);
+    const MINUTE: Duration = Duration::from_secs(60);
+    const HOUR: Duration = Duration::from_secs(3600);
+    const DAY: Duration = Duration::from_secs(86400);
     match key {
         "use" => {
             t.use_ = Some(choice(
@@ -393,7 +467,7 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
                 &[("copy", FaultPolicy::Copy), ("block", FaultPolicy::Block)],
             )?)
         }
-        "block_escalate" => t.block_escalate = Some(duration(raw)?),
+        "block_escalate" => t.block_escalate = Some(duration_in(raw, MS, 10 * SEC, true)?),
         "recv_protect" => {
             t.recv_protect = Some(choice(
                 raw,
@@ -430,11 +504,13 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
             )? as u32)
         }
         "bsdp_credits" => t.bsdp_credits = Some(count_in(raw, 1, 65535)?),
-        "poll" => t.poll = Some(duration(raw)?),
-        "peer_timeout" => t.peer_timeout = Some(duration(raw)?),
-        "keepalive" => t.keepalive = Some(duration(raw)?),
-        "linger" => t.linger = Some(duration(raw)?),
-        "pair_timeout" => t.pair_timeout = Some(duration(raw)?),
+        // Busy-polling longer than a few sleeps and wake-ups cost only
+        // burns the CPU.
+        "poll" => t.poll = Some(duration_in(raw, Duration::from_nanos(1), 10 * MS, true)?),
+        "peer_timeout" => t.peer_timeout = Some(duration_in(raw, 100 * MS, DAY, true)?),
+        "keepalive" => t.keepalive = Some(duration_in(raw, 10 * MS, HOUR, false)?),
+        "linger" => t.linger = Some(duration_in(raw, MS, DAY, true)?),
+        "pair_timeout" => t.pair_timeout = Some(duration_in(raw, MS, MINUTE, false)?),
         _ => return Err(format!("unknown key (known: {})", TUNABLE_KEYS.join(", "))),
     }
     Ok(())
@@ -544,14 +620,15 @@ impl Config {
         Ok(())
     }
 
-    /// Load from `path`.
+    /// Load from `path`: a regular file of at most [`MAX_FILE_BYTES`]
+    /// (a FIFO, a device or `/dev/zero` is refused without reading it).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        let text = read_bounded(path).map_err(|message| ConfigError {
             origin: origin.clone(),
             line: None,
             key: None,
-            message: format!("cannot read: {e}"),
+            message,
         })?;
         let mut c = Config::parse(&text, &origin)?;
         c.source = Some(path.to_path_buf());
@@ -563,10 +640,27 @@ impl Config {
     /// else the built-in defaults; then apply `AZSDP_<KEY>` overrides.
     pub fn from_environment(
         explicit: Option<&Path>,
-        vars: impl IntoIterator<Item = (String, String)>,
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
     ) -> Result<Config, ConfigError> {
-        let vars: Vec<(String, String)> = vars.into_iter().collect();
-        let from_env = vars
+        // Only AZSDP_ variables are ours; any other may be any bytes.
+        let mut ours: Vec<(String, String)> = Vec::new();
+        for (k, v) in vars {
+            let kb = k.as_encoded_bytes();
+            if !kb.starts_with(b"AZSDP_") {
+                continue;
+            }
+            let key = k.to_string_lossy().into_owned();
+            let Some(v) = v.to_str() else {
+                return Err(ConfigError {
+                    origin: format!("env {key}"),
+                    line: None,
+                    key: None,
+                    message: "the value is not valid UTF-8".into(),
+                });
+            };
+            ours.push((key, v.to_string()));
+        }
+        let from_env = ours
             .iter()
             .find(|(k, _)| k == "AZSDP_CONFIG")
             .map(|(_, v)| PathBuf::from(v));
@@ -579,7 +673,7 @@ impl Config {
             (None, None) => Config::default(),
         };
         let mut overrides = Tunables::default();
-        for (k, v) in &vars {
+        for (k, v) in &ours {
             let Some(name) = k.strip_prefix("AZSDP_") else {
                 continue;
             };

@@ -106,8 +106,8 @@ fn errors_name_file_line_and_key() {
 fn env_overrides_single_keys_and_reports_bad_ones() {
     let vars = |v: &[(&str, &str)]| {
         v.iter()
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-            .collect::<Vec<_>>()
+            .map(|(a, b)| (a.into(), b.into()))
+            .collect::<Vec<(std::ffi::OsString, std::ffi::OsString)>>()
     };
     let dir = std::env::temp_dir().join(format!("azsdp-config-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -174,4 +174,70 @@ fn protection_modes_parse_and_bad_ones_are_named() {
         msg.contains("protection") && msg.contains("mprotect"),
         "{msg}"
     );
+}
+
+#[test]
+fn the_environment_may_hold_any_bytes_but_ours_must_be_text() {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::OsStringExt;
+    let junk = OsString::from_vec(vec![0xff, 0xfe, b'x']);
+    let c = Config::from_environment(
+        None,
+        vec![
+            (junk.clone(), junk.clone()),
+            (OsString::from("LANG"), junk.clone()),
+            (OsString::from("AZSDP_POLL"), OsString::from("5us")),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.global.poll, Duration::from_micros(5));
+    let e = Config::from_environment(None, vec![(OsString::from("AZSDP_POLL"), junk)]).unwrap_err();
+    assert_eq!(e.origin, "env AZSDP_POLL");
+    assert!(e.message.contains("UTF-8"), "{e}");
+}
+
+#[test]
+fn only_bounded_regular_files_are_read() {
+    for special in ["/dev/zero", "/dev/null", "/"] {
+        let e = Config::load(std::path::Path::new(special)).unwrap_err();
+        assert!(e.message.contains("not a regular file"), "{special}: {e}");
+    }
+    let dir = std::env::temp_dir().join(format!("azsdp-config-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A FIFO nobody writes: refused at once, never waited on.
+    let fifo = dir.join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = Config::load(&fifo).unwrap_err();
+    assert!(e.message.contains("not a regular file"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(1));
+    let big = dir.join("big.toml");
+    std::fs::write(&big, vec![b'#'; (MAX_FILE_BYTES + 1) as usize]).unwrap();
+    let e = Config::load(&big).unwrap_err();
+    assert!(e.message.contains("more than"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn durations_have_sane_ranges_and_zero_means_never_where_documented() {
+    for (key, bad) in [
+        ("poll", "10m"),
+        ("poll", "11ms"),
+        ("peer_timeout", "1ms"),
+        ("peer_timeout", "1441m"),
+        ("keepalive", "0"),
+        ("pair_timeout", "0"),
+        ("pair_timeout", "2m"),
+        ("block_escalate", "1m"),
+    ] {
+        let e = parse_err(&format!("{key} = \"{bad}\"\n"));
+        assert_eq!(e.key.as_deref(), Some(key), "{key} = {bad}: {e}");
+        assert!(e.message.contains("must be"), "{e}");
+    }
+    let c = Config::parse("peer_timeout = \"0\"\nlinger = \"0\"\npoll = 0\n", "t").unwrap();
+    assert_eq!(c.global.peer_timeout, Duration::ZERO);
+    let e = c
+        .global
+        .engine_config(Role::Client, Capabilities::ALL, LockRegion::UNSET);
+    assert_eq!(e.peer_timeout, Duration::ZERO, "never");
 }

@@ -17,9 +17,10 @@
 //! The progress thread keeps things moving when no call is blocked: the
 //! GET_COMPLETEs that unprotect an AZ-SDP sender's pages, credits, timers.
 
+use crate::sync::{Lock, LockGuard};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -35,7 +36,7 @@ use crate::protect::FaultSource;
 const MAX_NAP: Duration = Duration::from_millis(20);
 
 struct Shared<F: Fabric, P: Protector> {
-    driver: Mutex<Driver<F, P>>,
+    driver: Lock<Driver<F, P>>,
     waiter: Box<dyn FabricWaiter>,
     stop: AtomicBool,
     /// Application threads blocked in a call (sleeping on the fabric).
@@ -45,14 +46,14 @@ struct Shared<F: Fabric, P: Protector> {
     /// The process that runs the threads; in a forked child this driver is
     /// the parent's copy, inert until the child adopts it.
     owner: AtomicU32,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    threads: Lock<Vec<JoinHandle<()>>>,
     /// Makes a protector for a forked child that adopts the connection
     /// (the parent's is bound to the parent's memory).
-    refresh: Mutex<Option<Refresh<P>>>,
+    refresh: Lock<Option<Refresh<P>>>,
     /// When a fork froze the connection (see [`Fabric::ownership`]).
-    frozen_since: Mutex<Option<Instant>>,
+    frozen_since: Lock<Option<Instant>>,
     /// `close()` came while the connection was frozen: done once claimed.
-    close_pending: Mutex<Option<bool>>,
+    close_pending: Lock<Option<bool>>,
     this: std::sync::OnceLock<Weak<Shared<F, P>>>,
     /// Told whenever a turn delivered something (readiness may have changed).
     notify: Option<Notify>,
@@ -60,7 +61,7 @@ struct Shared<F: Fabric, P: Protector> {
     held: Arc<HeldBounds>,
     /// `close()` was called: the progress thread ends once the connection
     /// is finished or this deadline passes.
-    closing: Mutex<Option<Instant>>,
+    closing: Lock<Option<Instant>>,
 }
 
 /// Bounds of a blocking call (see [`ThreadedDriver::send_bounded`]).
@@ -105,7 +106,7 @@ pub type Notify = Arc<dyn Fn() + Send + Sync>;
 /// The driver, locked, with the thread marked as inside azsdp (so memory
 /// hooks let its own frees pass instead of asking this very driver).
 struct Locked<'a, F: Fabric, P: Protector> {
-    guard: MutexGuard<'a, Driver<F, P>>,
+    guard: LockGuard<'a, Driver<F, P>>,
     held: &'a HeldBounds,
     _inside: Inside,
 }
@@ -134,7 +135,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     fn lock(&self) -> Locked<'_, F, P> {
         let _inside = Inside::enter();
         // A panic elsewhere must not wedge the connection: keep going.
-        let guard = self.driver.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.driver.lock();
         Locked {
             guard,
             held: &self.held,
@@ -144,11 +145,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     fn try_lock(&self) -> Option<Locked<'_, F, P>> {
         let _inside = Inside::enter();
-        let guard = match self.driver.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
+        let guard = self.driver.try_lock()?;
         Some(Locked {
             guard,
             held: &self.held,
@@ -175,19 +172,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             Ownership::Mine => !self.orphaned(),
             Ownership::Other => false,
             Ownership::Unclaimed => {
-                if self.orphaned()
-                    && self
-                        .refresh
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .is_none()
-                {
+                if self.orphaned() && self.refresh.lock().is_none() {
                     return false;
                 }
                 if !self.lock().fabric().claim() {
                     return false;
                 }
-                *self.frozen_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                *self.frozen_since.lock() = None;
                 if self.orphaned() {
                     self.adopt();
                 }
@@ -202,12 +193,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         let Some(me) = self.this.get().and_then(Weak::upgrade) else {
             return;
         };
-        let fresh = self
-            .refresh
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|f| f());
+        let fresh = self.refresh.lock().as_ref().map(|f| f());
         let faults = {
             let mut d = self.lock();
             d.forget_calls();
@@ -222,7 +208,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         self.owner.store(crate::process::pid(), Ordering::SeqCst);
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
-        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut threads = self.threads.lock();
         // The parent's threads do not exist here: nothing to join or detach.
         for t in threads.drain(..) {
             std::mem::forget(t);
@@ -285,10 +271,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// Has a fork frozen the connection (and no one claimed it yet)?
     fn frozen(&self) -> bool {
-        self.frozen_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.frozen_since.lock().is_some()
     }
 
     /// Turn until nothing more arrives; kick sleeping callers if anything
@@ -349,36 +332,32 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         notify: Option<Notify>,
     ) -> Self {
         let shared = Arc::new(Shared {
-            driver: Mutex::new(driver),
+            driver: Lock::new(driver),
             waiter: Box::new(waiter),
             stop: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
             last_exit: AtomicU64::new(0),
             owner: AtomicU32::new(crate::process::pid()),
-            threads: Mutex::new(Vec::new()),
-            refresh: Mutex::new(None),
-            frozen_since: Mutex::new(None),
-            close_pending: Mutex::new(None),
+            threads: Lock::new(Vec::new()),
+            refresh: Lock::new(None),
+            frozen_since: Lock::new(None),
+            close_pending: Lock::new(None),
             this: std::sync::OnceLock::new(),
             notify,
             held: Arc::new(HeldBounds::default()),
-            closing: Mutex::new(None),
+            closing: Lock::new(None),
         });
         let _ = shared.this.set(Arc::downgrade(&shared));
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
-        *shared.threads.lock().unwrap_or_else(|e| e.into_inner()) = spawn_threads(&shared, faults);
+        *shared.threads.lock() = spawn_threads(&shared, faults);
         ThreadedDriver { shared }
     }
 
     /// How a forked child that adopts this connection protects its pages
     /// (without it, a child cannot adopt the connection).
     pub fn set_fork_protection(&self, refresh: Refresh<P>) {
-        *self
-            .shared
-            .refresh
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(refresh);
+        *self.shared.refresh.lock() = Some(refresh);
     }
 
     /// Does this process run the connection now (without claiming it)?
@@ -570,20 +549,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                 // Frozen by a fork: the child may take it over; if it does
                 // not, the progress thread reclaims and closes it.
                 Ownership::Unclaimed => {
-                    *self
-                        .shared
-                        .close_pending
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) = Some(abort);
+                    *self.shared.close_pending.lock() = Some(abort);
                 }
                 Ownership::Other => return,
             }
         }
-        *self
-            .shared
-            .closing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + FORK_GRACE + linger);
+        *self.shared.closing.lock() = Some(Instant::now() + FORK_GRACE + linger);
         self.shared.waiter.kick();
         // The progress thread finishes the close.
         self.shared.end_standby();
@@ -597,13 +568,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            let done = self
-                .shared
-                .threads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .all(|t| t.is_finished());
+            let done = self.shared.threads.lock().iter().all(|t| t.is_finished());
             if done || self.shared.stop.load(Ordering::SeqCst) {
                 return true;
             }
@@ -618,12 +583,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return true;
         }
         let d = self.shared.lock();
-        let pending = self
-            .shared
-            .close_pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some();
+        let pending = self.shared.close_pending.lock().is_some();
         match d.fabric().ownership() {
             Ownership::Other => true,
             _ => !pending && d.is_finished(),
@@ -658,13 +618,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     fn stop(&mut self) {
-        let threads = std::mem::take(
-            &mut *self
-                .shared
-                .threads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-        );
+        let threads = std::mem::take(&mut *self.shared.threads.lock());
         if self.shared.orphaned() {
             // The threads are the parent's; nothing here to stop or join.
             threads.into_iter().for_each(std::mem::forget);
@@ -682,7 +636,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 /// A driver's lock held across `fork()` (fields drop in order: the guard,
 /// then the Arc that keeps its mutex alive).
 struct ForkHold<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
-    _guard: MutexGuard<'static, Driver<F, P>>,
+    _guard: LockGuard<'static, Driver<F, P>>,
     _shared: Arc<Shared<F, P>>,
 }
 
@@ -774,32 +728,23 @@ fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Share
             // Frozen by a fork: wait for a claim; after the grace, take it
             // back (the child did not want it).
             Ownership::Unclaimed => {
-                let since = *s
-                    .frozen_since
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert_with(Instant::now);
+                let since = *s.frozen_since.lock().get_or_insert_with(Instant::now);
                 if since.elapsed() < FORK_GRACE || !d.fabric().claim() {
                     drop(d);
                     std::thread::sleep(MAX_NAP);
                     continue;
                 }
-                *s.frozen_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                *s.frozen_since.lock() = None;
             }
         }
-        if let Some(abort) = s
-            .close_pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(abort) = s.close_pending.lock().take() {
             if abort {
                 d.abort();
             } else {
                 d.submit_close();
             }
         }
-        let closing = *s.closing.lock().unwrap_or_else(|e| e.into_inner());
+        let closing = *s.closing.lock();
         if let Some(deadline) = closing {
             if d.is_finished() || Instant::now() >= deadline {
                 if !d.is_finished() {
@@ -843,13 +788,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
         if self.orphaned() {
             return Box::new(());
         }
-        let guard = self.driver.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.driver.lock();
         guard.fabric().freeze();
-        *self.frozen_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        *self.frozen_since.lock() = Some(Instant::now());
         // SAFETY: the guard borrows `self.driver`; the Arc stored next to it
         // keeps that alive, and `ForkHold` drops the guard first (field
         // order), so the borrow never outlives the mutex.
-        let guard: MutexGuard<'static, Driver<F, P>> = unsafe { std::mem::transmute(guard) };
+        let guard: LockGuard<'static, Driver<F, P>> = unsafe { std::mem::transmute(guard) };
         Box::new(ForkHold {
             _guard: guard,
             _shared: self,

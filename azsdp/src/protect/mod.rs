@@ -16,6 +16,7 @@ pub mod mprotect;
 mod test_support;
 pub mod uffd;
 
+use crate::sync::Lock;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -150,19 +151,18 @@ pub fn open(mode: ProtectionMode) -> Protection {
     p
 }
 
-static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+static SAID: Lock<Vec<String>> = Lock::new(Vec::new());
 
 /// The locks of this module, held by the fork handler across `fork()`.
 pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
-    let mut g: Vec<Box<dyn std::any::Any>> =
-        vec![Box::new(SAID.lock().unwrap_or_else(|e| e.into_inner()))];
+    let mut g: Vec<Box<dyn std::any::Any>> = vec![Box::new(SAID.lock())];
     g.extend(uffd::fork_guards());
     g
 }
 
 /// Say `note` on stderr once per process (the shim routes its log).
 pub(crate) fn log_once(note: &str) {
-    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    let mut said = SAID.lock();
     if !said.iter().any(|s| s == note) {
         said.push(note.to_string());
         eprintln!("azsdp: {note}");

@@ -42,10 +42,11 @@
 //! `unsafe` here: pre-touching pages by address, and the raw `UFFDIO_MOVE`
 //! and `UFFDIO_POISON` ioctls (the crate predates them).
 
+use crate::sync::{Lock, LockGuard};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -99,7 +100,7 @@ struct Process {
     can_move: bool,
     can_poison: bool,
     wp_shmem: bool,
-    state: Mutex<State>,
+    state: Lock<State>,
 }
 
 #[derive(Default)]
@@ -134,12 +135,12 @@ struct Held {
 /// only means the writer waits until the pages are released).
 const INBOX: usize = 256;
 
-static PROCESS: Mutex<Option<Arc<Process>>> = Mutex::new(None);
+static PROCESS: Lock<Option<Arc<Process>>> = Lock::new(None);
 
 /// The locks of this module, held by the fork handler across `fork()` (a
 /// child protecting memory takes them to make its own userfaultfd).
 pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
-    vec![Box::new(PROCESS.lock().unwrap_or_else(|e| e.into_inner()))]
+    vec![Box::new(PROCESS.lock())]
 }
 
 fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
@@ -157,7 +158,7 @@ impl Process {
     /// This process's userfaultfd (a forked child makes its own).
     fn get() -> Result<Arc<Process>, ProtectError> {
         crate::process::ensure_atfork();
-        let mut p = PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = PROCESS.lock();
         let pid = crate::process::pid();
         if let Some(have) = p.as_ref()
             && have.pid == pid
@@ -196,7 +197,7 @@ impl Process {
                         can_move: f & FEATURE_MOVE != 0,
                         can_poison: f & FEATURE_POISON != 0,
                         wp_shmem: f & FEATURE_WP_SHMEM != 0,
-                        state: Mutex::new(State::default()),
+                        state: Lock::new(State::default()),
                     });
                 }
                 Err(e) => last = Some(e),
@@ -207,8 +208,8 @@ impl Process {
         ))
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> LockGuard<'_, State> {
+        self.state.lock()
     }
 
     /// The dispatcher: read faults, hand each to whoever holds its page.

@@ -135,10 +135,10 @@ fn add(total: &mut Counters, c: &Counters) {
 
 /// Run seeds `first..first+count` on `threads` threads.
 pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
-    use std::sync::Mutex;
+    use crate::sync::Lock;
     use std::sync::atomic::{AtomicU64, Ordering};
     let next = AtomicU64::new(first);
-    let summary = Mutex::new(BatchSummary {
+    let summary = Lock::new(BatchSummary {
         seeds: count,
         ..BatchSummary::default()
     });
@@ -151,7 +151,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
                         break;
                     }
                     let r = run_seed(seed, false);
-                    let mut sum = summary.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut sum = summary.lock();
                     add(&mut sum.totals, &r.counters[0]);
                     add(&mut sum.totals, &r.counters[1]);
                     sum.injected += u64::from(r.scenario.injection.is_fatal());
@@ -164,7 +164,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
             });
         }
     });
-    let mut sum = summary.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut sum = summary.into_inner();
     sum.failures.sort_by_key(|r| r.seed);
     sum
 }

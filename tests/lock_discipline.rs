@@ -1,0 +1,53 @@
+//! Every lock in the core and the shim is an `azsdp::sync` lock, whose
+//! holder counts as inside azsdp so that the memory hooks (which run inside
+//! any allocation, ours included) let it pass instead of re-entering. A bare
+//! `std::sync` mutex held across an allocation froze processes at about 130
+//! connections; this test keeps the whole class out.
+
+use std::path::{Path, PathBuf};
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).expect("source directory").flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn no_bare_std_locks_in_the_core_or_the_shim() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for dir in ["azsdp/src", "shim/src"] {
+        sources(&root.join(dir), &mut files);
+    }
+    assert!(files.len() > 20, "found only {} files", files.len());
+    // Our own types are `Lock` and `azsdp::sync::RwLock`: any mutex, or a
+    // reader-writer lock from std, is a bare one.
+    let bare = |code: &str| {
+        code.contains("Mutex")
+            || code.contains("parking_lot")
+            || (code.contains("RwLock") && code.contains("std::sync"))
+    };
+    let mut found = Vec::new();
+    for f in &files {
+        if f.ends_with("azsdp/src/sync.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(f).expect("read source");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if bare(code) {
+                found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "use azsdp::sync::{{Lock, RwLock}} instead of bare std locks:\n{}",
+        found.join("\n")
+    );
+}
