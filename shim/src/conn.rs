@@ -25,6 +25,8 @@ pub struct Conn {
     /// Bumped whenever the engine took something in (edge-triggered epoll
     /// reports a ready socket again after it moved).
     pub activity: Arc<AtomicU64>,
+    /// The epoll sets watching this connection.
+    pub watchers: Arc<crate::epoll::Watchers>,
     pub local: SocketAddr,
     pub peer: SocketAddr,
     pub peer_pid: u32,
@@ -56,9 +58,11 @@ impl Conn {
         let waiter = ep.waiter();
         let d = Driver::new(cfg, ep, p.protector);
         let activity = Arc::new(AtomicU64::new(0));
-        let a = Arc::clone(&activity);
+        let watchers = Arc::new(crate::epoll::Watchers::default());
+        let (a, w) = (Arc::clone(&activity), Arc::clone(&watchers));
         let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
             a.fetch_add(1, Ordering::Relaxed);
+            w.touched();
             crate::ready::notify();
         });
         let engine = ThreadedDriver::start_with_notify(d, waiter, p.faults, Some(notify));
@@ -78,6 +82,7 @@ impl Conn {
         let c = Arc::new(Conn {
             engine,
             activity,
+            watchers,
             local,
             peer,
             peer_pid,
@@ -136,6 +141,13 @@ impl Conn {
         }
         self.engine.close_in_background(abort, self.linger);
         crate::runtime::closing(Arc::clone(self));
+        self.touched();
+    }
+
+    /// The program changed the connection's state itself (a shutdown, a
+    /// close): whoever waits for its readiness looks again.
+    pub fn touched(&self) {
+        self.watchers.touched();
         crate::ready::notify();
     }
 

@@ -9,12 +9,19 @@
 //! readiness gained a bit or their engine took something in since the last
 //! report; one-shot ones once until re-armed with EPOLL_CTL_MOD.
 //!
+//! As in the kernel, a wait looks only at sockets that may be ready, not at
+//! every socket in the set: a connection whose readiness may have changed
+//! marks its interests dirty in the sets that watch it ([`Watchers`]), and
+//! level-triggered sockets reported ready are looked at again next time.
+//! (Scanning all of them made a thousand-connection server spend its time
+//! in `epoll_wait`.)
+//!
 //! `unsafe` here: the program's `epoll_event` arrays.
 
 use azsdp::sync::Lock;
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use libc::{
@@ -44,6 +51,64 @@ struct Interest {
 struct Set {
     wake: Arc<Wakeup>,
     interests: BTreeMap<c_int, Interest>,
+    dirty: Arc<Dirty>,
+    /// Interests to look at again on the next wait: level-triggered ones
+    /// reported ready, and those a full `events` array left unvisited.
+    again: Vec<c_int>,
+}
+
+/// The descriptors of one set whose readiness may have changed since it
+/// last looked. A leaf lock: marked from under a driver's lock.
+#[derive(Default)]
+pub struct Dirty {
+    fds: Lock<Vec<c_int>>,
+    any: AtomicBool,
+}
+
+impl Dirty {
+    fn mark(&self, fd: c_int) {
+        self.fds.lock().push(fd);
+        self.any.store(true, Ordering::Release);
+    }
+
+    fn take(&self) -> Vec<c_int> {
+        if !self.any.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *self.fds.lock())
+    }
+}
+
+/// The epoll sets that watch one connection, and under which descriptor.
+#[derive(Default)]
+pub struct Watchers {
+    sets: Lock<Vec<(Weak<Dirty>, c_int)>>,
+}
+
+impl Watchers {
+    /// The connection's readiness may have changed: every set watching it
+    /// looks at it on its next wait. (Leaf locks only: the caller may hold
+    /// the connection's driver.)
+    pub fn touched(&self) {
+        let sets = self.sets.lock();
+        for (d, fd) in sets.iter() {
+            if let Some(d) = d.upgrade() {
+                d.mark(*fd);
+            }
+        }
+    }
+
+    fn add(&self, d: &Arc<Dirty>, fd: c_int) {
+        let mut sets = self.sets.lock();
+        sets.retain(|(w, f)| w.strong_count() > 0 && !(*f == fd && w.as_ptr() == Arc::as_ptr(d)));
+        sets.push((Arc::downgrade(d), fd));
+    }
+
+    fn remove(&self, d: &Arc<Dirty>, fd: c_int) {
+        self.sets
+            .lock()
+            .retain(|(w, f)| w.strong_count() > 0 && !(*f == fd && w.as_ptr() == Arc::as_ptr(d)));
+    }
 }
 
 static SETS: Lock<BTreeMap<c_int, Arc<Lock<Set>>>> = Lock::new(BTreeMap::new());
@@ -78,6 +143,8 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
     let s = Arc::new(Lock::new(Set {
         wake,
         interests: BTreeMap::new(),
+        dirty: Arc::default(),
+        again: Vec::new(),
     }));
     sets.insert(epfd, Arc::clone(&s));
     COUNT.store(sets.len(), Ordering::Relaxed);
@@ -126,6 +193,9 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
                 real::set_errno(libc::ENOENT);
                 return -1;
             }
+            if let Some(c) = sock.conn() {
+                c.watchers.add(&set.dirty, fd);
+            }
             set.interests.insert(
                 fd,
                 Interest {
@@ -137,11 +207,15 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
                     spent: false,
                 },
             );
+            set.dirty.mark(fd);
         }
         libc::EPOLL_CTL_DEL => {
-            if set.interests.remove(&fd).is_none() {
+            let Some(it) = set.interests.remove(&fd) else {
                 real::set_errno(libc::ENOENT);
                 return -1;
+            };
+            if let Some(c) = it.sock.conn() {
+                c.watchers.remove(&set.dirty, fd);
             }
         }
         _ => {
@@ -192,12 +266,22 @@ fn epoll_bits(c: &Conn, wanted: u32) -> u32 {
     b & (wanted | (EPOLLHUP | EPOLLERR) as u32)
 }
 
-/// Collect ready upgraded sockets into `out`.
+/// Collect ready upgraded sockets into `out`: those marked dirty, and
+/// those to look at again.
 fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
-    for it in set.interests.values_mut() {
+    let mut look = set.dirty.take();
+    look.append(&mut set.again);
+    look.sort_unstable();
+    look.dedup();
+    for (i, fd) in look.iter().enumerate() {
         if out.len() >= max {
+            // No room this time: next time.
+            set.again.extend_from_slice(&look[i..]);
             break;
         }
+        let Some(it) = set.interests.get_mut(fd) else {
+            continue;
+        };
         if it.spent {
             continue;
         }
@@ -215,6 +299,9 @@ fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
             it.last_activity = activity;
             if it.events & EPOLLONESHOT as u32 != 0 {
                 it.spent = true;
+            } else if !edge {
+                // Still ready next time? Level-triggered: look again.
+                set.again.push(*fd);
             }
             out.push(epoll_event {
                 events: bits,

@@ -66,12 +66,17 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_
         && ty & 0xf == libc::SOCK_STREAM
         && (protocol == 0 || protocol == libc::IPPROTO_TCP)
         && !azsdp::process::inside()
+        && !runtime::disabled()
     {
+        let e = real::errno();
         guard((), || {
-            if runtime::config().is_some() {
-                fdtable::insert(fd, Sock::new(domain, ty & libc::SOCK_NONBLOCK != 0));
-            }
+            // Loaded once (a bad configuration is logged then); the socket
+            // is tracked either way, so that its connection gets a stat row
+            // with its reason (`bad-config`).
+            let _ = runtime::config();
+            fdtable::insert(fd, Sock::new(domain, ty & libc::SOCK_NONBLOCK != 0));
         });
+        real::set_errno(e);
     }
     fd
 }
@@ -89,32 +94,35 @@ pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) 
 /// at `listen()` is registered right after).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
-    // (the socket, its port before listen(), the registration made then)
+    // (the socket, and its registration if its port was known before)
     let before = guard(None, || {
         let sock = fdtable::get(fd)?;
         if !matches!(sock.role(), Role::Fresh) {
             return None;
         }
         let local = net::local_of(fd)?;
-        let l = (local.port() != 0).then(|| register(local)).flatten();
-        Some((sock, local.port(), l))
+        let l = (local.port() != 0).then(|| register(local));
+        Some((sock, l))
     });
     // SAFETY: libc's listen.
     let r = unsafe { real::listen(fd, backlog) };
     let e = real::errno();
     if r == 0
-        && let Some((sock, port, l)) = before
+        && let Some((sock, l)) = before
     {
         guard((), || {
             // A port the kernel picked at listen() is known only now.
-            let l = if port == 0 {
-                net::local_of(fd).and_then(register)
-            } else {
-                l
+            let l = match l {
+                Some(l) => l,
+                None => match net::local_of(fd) {
+                    Some(local) => register(local),
+                    None => Err(TcpReason::Unsupported),
+                },
             };
-            if let Some(l) = l {
-                sock.set_role(Role::Listener(l));
-            }
+            sock.set_role(match l {
+                Ok(l) => Role::Listener(l),
+                Err(reason) => Role::Unpaired(reason),
+            });
         });
     }
     // A failed listen() drops the registration it did not need.
@@ -122,21 +130,24 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
     r
 }
 
-/// Register a listener on `local` if the rules let it pair.
-fn register(local: std::net::SocketAddr) -> Option<Arc<Listener>> {
-    let s = settings_for(EngineRole::Server, local.ip(), local.port())?;
+/// Register a listener on `local` if the rules let it pair; otherwise why
+/// its connections stay on TCP.
+fn register(local: std::net::SocketAddr) -> Result<Arc<Listener>, TcpReason> {
+    let s =
+        settings_for(EngineRole::Server, local.ip(), local.port()).ok_or(TcpReason::BadConfig)?;
     if s.use_ == azsdp::config::Use::Tcp {
         debug!("listener {local}: a rule keeps it on TCP");
-        return None;
+        return Err(TcpReason::Rule);
     }
-    let l = Listener::register(local, s)?;
+    let l = Listener::register(local, s).ok_or(TcpReason::PeerUnverified)?;
     runtime::start_publisher();
-    Some(l)
+    Ok(l)
 }
 
 unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
     let listener = fdtable::get(fd).and_then(|s| match s.role() {
-        Role::Listener(l) => Some((s, l)),
+        Role::Listener(l) => Some((s, Ok(l))),
+        Role::Unpaired(reason) => Some((s, Err(reason))),
         _ => None,
     });
     let Some((lsock, listener)) = listener else {
@@ -159,8 +170,12 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
         // SAFETY: the kernel wrote `sl` bytes.
         let peer = unsafe { net::from_raw((&raw const st).cast(), sl) };
         let local = net::local_of(nfd);
-        match (local, peer) {
-            (Some(local), Some(peer)) => {
+        match (local, peer, listener) {
+            (Some(local), Some(peer), Err(reason)) => {
+                info!("{local} <- {peer}: tcp ({})", reason.name());
+                sock.stay_tcp(Some(local), Some(peer), reason, true);
+            }
+            (Some(local), Some(peer), Ok(listener)) => {
                 let s = settings_for(EngineRole::Server, peer.ip(), local.port())
                     .unwrap_or_else(|| listener.settings.clone());
                 match listener.upgrade(nfd, local, peer, &s) {
@@ -175,7 +190,10 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
                     }
                 }
             }
-            _ => sock.stay_tcp(local, peer, TcpReason::Unsupported, true),
+            (local, peer, _) => {
+                info!("{local:?} <- {peer:?}: tcp (unsupported addresses)");
+                sock.stay_tcp(local, peer, TcpReason::Unsupported, true);
+            }
         }
         if let Some(old) = fdtable::insert(nfd, sock) {
             release(nfd, old);
@@ -212,8 +230,18 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         return unsafe { real::connect(fd, addr, len) };
     };
     let Some(s) = settings_for(EngineRole::Client, net::canonical(dst.ip()), dst.port()) else {
+        // A bad configuration: plain TCP, counted with its reason.
         // SAFETY: libc's connect.
-        return unsafe { real::connect(fd, addr, len) };
+        let r = unsafe { real::connect(fd, addr, len) };
+        let e = real::errno();
+        if r == 0 || e == libc::EINPROGRESS {
+            guard((), || {
+                info!("-> {dst}: tcp ({})", TcpReason::BadConfig.name());
+                sock.stay_tcp(net::local_of(fd), Some(dst), TcpReason::BadConfig, false);
+            });
+        }
+        real::set_errno(e);
+        return r;
     };
     guard(-1, || {
         match connect::connect(fd, sock.family, dst, sock.is_nonblocking(), &s) {
@@ -282,7 +310,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
         };
         return guard(-1, || {
             c.engine.shutdown(how);
-            ready::notify();
+            c.touched();
             0
         });
     }

@@ -14,13 +14,19 @@ use azsdp::stats::StatFile;
 use crate::conn::Conn;
 use crate::log::{debug, error, warning};
 
+/// `AZSDP_DISABLE` is set: the shim leaves every socket alone.
+pub fn disabled() -> bool {
+    static DISABLED: OnceLock<bool> = OnceLock::new();
+    *DISABLED.get_or_init(|| std::env::var_os("AZSDP_DISABLE").is_some())
+}
+
 /// The configuration, or why it could not be loaded (then everything
 /// stays on TCP).
 pub fn config() -> Option<&'static Config> {
     static CONFIG: OnceLock<Option<Config>> = OnceLock::new();
     CONFIG
         .get_or_init(|| {
-            if std::env::var_os("AZSDP_DISABLE").is_some() {
+            if disabled() {
                 return None;
             }
             match Config::from_environment(None, std::env::vars_os()) {
@@ -110,10 +116,11 @@ pub fn after_fork_in_child() {
 /// Connections closed by the program that still finish in the background.
 static CLOSING: Lock<Vec<Arc<Conn>>> = Lock::new(Vec::new());
 
+/// (The publisher retires the finished ones: a close must not scan them
+/// all, which with many connections made every close slow.)
 pub fn closing(c: Arc<Conn>) {
-    let mut v = CLOSING.lock();
-    v.retain(|c| !c.finished());
-    v.push(c);
+    CLOSING.lock().push(c);
+    start_publisher();
 }
 
 /// The publisher: copies live connections' counters into the stat file

@@ -18,6 +18,9 @@ pub enum Role {
     Fresh,
     /// Listening, registered for pairing.
     Listener(Arc<Listener>),
+    /// Listening, but its connections stay on TCP, for this reason (a
+    /// rule, its registry name taken, a bad configuration).
+    Unpaired(TcpReason),
     /// Upgraded: data goes over the azsdp fabric.
     Azsdp(Arc<Conn>),
     /// Connected over plain TCP (counted for `azsdp stat`).

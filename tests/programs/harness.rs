@@ -49,6 +49,8 @@ pub fn azsdp() -> &'static Path {
                 "azsdp-benches",
                 "--bin",
                 "azsdp-ttcp",
+                "--bin",
+                "azsdp-echo",
             ][..],
         ] {
             let st = Command::new(&cargo)
@@ -69,6 +71,12 @@ pub fn azsdp() -> &'static Path {
 pub fn ttcp() -> PathBuf {
     azsdp();
     target_dir().join("release/azsdp-ttcp")
+}
+
+/// `azsdp-echo`, built with the rest.
+pub fn echo() -> PathBuf {
+    azsdp();
+    target_dir().join("release/azsdp-echo")
 }
 
 /// Path of a program the test needs; the CI installs them (see `.ci/run`).

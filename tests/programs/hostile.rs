@@ -40,8 +40,11 @@ fn tools() -> (PathBuf, PathBuf) {
         std::fs::create_dir_all(&d).expect("tool dir");
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         for (name, src) in [
-            ("azsdp-hostile", env!("CARGO_BIN_EXE_azsdp-hostile")),
-            ("azsdp-echo", env!("CARGO_BIN_EXE_azsdp-echo")),
+            (
+                "azsdp-hostile",
+                PathBuf::from(env!("CARGO_BIN_EXE_azsdp-hostile")),
+            ),
+            ("azsdp-echo", echo()),
         ] {
             let to = d.join(name);
             std::fs::copy(src, &to).expect("copy tool");

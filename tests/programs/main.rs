@@ -4,7 +4,9 @@
 
 mod harness;
 mod hostile;
+mod inputs;
 mod loopback;
+mod scale;
 
 use std::io::Write;
 use std::process::Stdio;

@@ -506,7 +506,7 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
         "bsdp_credits" => t.bsdp_credits = Some(count_in(raw, 1, 65535)?),
         // Busy-polling longer than a few sleeps and wake-ups cost only
         // burns the CPU.
-        "poll" => t.poll = Some(duration_in(raw, Duration::from_nanos(1), 10 * MS, true)?),
+        "poll" => t.poll = Some(duration_in(raw, Duration::from_micros(1), 10 * MS, true)?),
         "peer_timeout" => t.peer_timeout = Some(duration_in(raw, 100 * MS, DAY, true)?),
         "keepalive" => t.keepalive = Some(duration_in(raw, 10 * MS, HOUR, false)?),
         "linger" => t.linger = Some(duration_in(raw, MS, DAY, true)?),

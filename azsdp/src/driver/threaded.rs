@@ -32,8 +32,17 @@ use crate::fabric::{Fabric, FabricWaiter, Ownership};
 use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
 
-/// Longest sleep of any thread between looks (bounds shutdown latency).
+/// Longest sleep of a caller's thread between looks (bounds how long a
+/// blocked call takes to see its peer die without a word).
 const MAX_NAP: Duration = Duration::from_millis(20);
+/// Longest sleep of an idle progress thread: it wakes for messages, kicks
+/// and timers anyway; this bounds how late a connection nobody is calling
+/// on sees its peer die silently (and tells poll/epoll waiters). Short
+/// naps for a thousand idle connections were fifty thousand wake-ups a
+/// second.
+const IDLE_NAP: Duration = Duration::from_millis(200);
+/// Longest sleep of a fault thread whose source can be woken to stop.
+const FAULT_NAP: Duration = Duration::from_secs(5);
 
 struct Shared<F: Fabric, P: Protector> {
     driver: Lock<Driver<F, P>>,
@@ -62,6 +71,8 @@ struct Shared<F: Fabric, P: Protector> {
     /// `close()` was called: the progress thread ends once the connection
     /// is finished or this deadline passes.
     closing: Lock<Option<Instant>>,
+    /// Wakes the fault thread's wait, to stop it.
+    fault_stopper: Lock<Option<Box<dyn Fn() + Send + Sync>>>,
 }
 
 /// Bounds of a blocking call (see [`ThreadedDriver::send_bounded`]).
@@ -108,6 +119,7 @@ pub type Notify = Arc<dyn Fn() + Send + Sync>;
 struct Locked<'a, F: Fabric, P: Protector> {
     guard: LockGuard<'a, Driver<F, P>>,
     held: &'a HeldBounds,
+    waiter: &'a dyn FabricWaiter,
     _inside: Inside,
 }
 
@@ -115,6 +127,11 @@ impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
     fn drop(&mut self) {
         // Publish where pages are held for the memory hooks' lock-free look.
         self.held.set(self.guard.connection().held_bounds());
+        // Completions this thread's actions produced but did not deliver
+        // would wake nobody (they are not messages): whoever waits, look.
+        if self.guard.fabric().completions_pending() {
+            self.waiter.kick();
+        }
     }
 }
 
@@ -139,6 +156,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         Locked {
             guard,
             held: &self.held,
+            waiter: self.waiter.as_ref(),
             _inside,
         }
     }
@@ -149,6 +167,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         Some(Locked {
             guard,
             held: &self.held,
+            waiter: self.waiter.as_ref(),
             _inside,
         })
     }
@@ -269,6 +288,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         standby::end();
     }
 
+    /// Wake the fault thread so that it sees `stop`.
+    fn stop_faults(&self) {
+        if let Some(f) = self.fault_stopper.lock().as_ref() {
+            f();
+        }
+    }
+
     /// Has a fork frozen the connection (and no one claimed it yet)?
     fn frozen(&self) -> bool {
         self.frozen_since.lock().is_some()
@@ -277,6 +303,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// Turn until nothing more arrives; kick sleeping callers if anything
     /// did and `others` of them may be waiting for it.
     fn turn_all(&self, d: &mut Driver<F, P>, others: usize) -> usize {
+        let before = d.connection().readiness();
         let mut total = 0;
         loop {
             let n = d.turn();
@@ -285,10 +312,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 break;
             }
         }
-        if total > 0 {
-            if self.in_calls.load(Ordering::SeqCst) > others {
-                self.waiter.kick();
-            }
+        if total > 0 && self.in_calls.load(Ordering::SeqCst) > others {
+            self.waiter.kick();
+        }
+        // Timers change readiness too (a peer that timed out).
+        if total > 0 || d.connection().readiness() != before {
             if let Some(n) = &self.notify {
                 n();
             }
@@ -346,6 +374,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             notify,
             held: Arc::new(HeldBounds::default()),
             closing: Lock::new(None),
+            fault_stopper: Lock::new(None),
         });
         let _ = shared.this.set(Arc::downgrade(&shared));
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
@@ -626,6 +655,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.waiter.kick();
+        self.shared.stop_faults();
         standby::end();
         for t in threads {
             let _ = t.join();
@@ -656,11 +686,18 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
     }
     if let Some(reader) = faults {
         let s = Arc::clone(shared);
+        let stopper = reader.stopper();
+        let nap = if stopper.is_some() {
+            FAULT_NAP
+        } else {
+            MAX_NAP
+        };
+        *shared.fault_stopper.lock() = stopper;
         let r = std::thread::Builder::new()
             .name("azsdp-faults".into())
             .spawn(move || {
                 while !s.stop.load(Ordering::Relaxed) {
-                    let Some(f) = reader.next_timeout(MAX_NAP) else {
+                    let Some(f) = reader.next_timeout(nap) else {
                         continue;
                     };
                     let access = if f.write { Access::Write } else { Access::Read };
@@ -669,6 +706,10 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
                     // settled the page: deliver them first.
                     s.turn_all(&mut d, 0);
                     d.submit_fault(f.addr, access);
+                    // What the fault started may have completed at once
+                    // (a compare-and-swap on shared memory): deliver it
+                    // here, no other thread would be woken for it.
+                    s.turn_all(&mut d, 0);
                     drop(d);
                     if let Some(n) = &s.notify {
                         n();
@@ -753,13 +794,17 @@ fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Share
                 drop(d);
                 // The fault thread ends with it.
                 s.stop.store(true, Ordering::SeqCst);
+                s.stop_faults();
                 break;
             }
         }
         if s.turn_all(&mut d, 0) > 0 {
             continue;
         }
-        let nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
+        let mut nap = d.next_timeout().unwrap_or(IDLE_NAP).min(IDLE_NAP);
+        if let Some(deadline) = closing {
+            nap = nap.min(deadline.saturating_duration_since(Instant::now()));
+        }
         drop(d);
         s.waiter.wait(ticket, nap, false);
     }

@@ -113,6 +113,12 @@ pub trait Fabric {
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
     /// Block until something may be ready to poll, or `timeout` passes.
     fn wait(&self, timeout: std::time::Duration);
+    /// Are completions of operations already posted waiting for
+    /// [`Fabric::poll`]? (A provider that completes some at once, as shm
+    /// does, says so: no message or interrupt will announce them.)
+    fn completions_pending(&self) -> bool {
+        false
+    }
     /// Do GETs move data while the posting thread goes on (as a NIC's DMA
     /// does)? If not, an armed receive has landed before `recv()` could
     /// return, and arming is pure cost: `recv_protect = "auto"` stays off.

@@ -995,6 +995,10 @@ impl Fabric for ShmEndpoint {
         self.seg.hdr().revoked[self.side].store(1, Ordering::Release);
     }
 
+    fn completions_pending(&self) -> bool {
+        !self.completions.is_empty()
+    }
+
     /// Wait until a message may be ready or `timeout` passes: busy-poll for
     /// `params.poll`, then sleep on the futex. Completions of this side's own
     /// operations are synchronous, so they never need a wait.

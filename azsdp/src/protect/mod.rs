@@ -50,6 +50,12 @@ pub struct Fault {
 pub trait FaultSource: Send {
     /// The next fault, waiting at most `timeout`.
     fn next_timeout(&self, timeout: Duration) -> Option<Fault>;
+    /// Something that makes a waiting [`FaultSource::next_timeout`] return
+    /// at once (so a fault thread can block for long, and still stop when
+    /// told to). `None`: the thread must poll with short timeouts.
+    fn stopper(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
+        None
+    }
 }
 
 /// The `protection` setting: which mechanism guards in-flight pages.

@@ -349,6 +349,7 @@ pub struct UffdProtect {
     proc: Arc<Process>,
     owner: u32,
     inbox: Receiver<Fault>,
+    wake: Sender<Fault>,
     page: u64,
     /// Armed ranges (by start) and the staging pages holding their data.
     armed: HashMap<u64, Staging>,
@@ -384,13 +385,23 @@ const SPARE_STAGING: u64 = 64 << 20;
 #[derive(Debug, Clone)]
 pub struct FaultReader {
     inbox: Receiver<Fault>,
+    /// To wake the reader with [`WAKE`] (see [`super::FaultSource::stopper`]).
+    wake: Sender<Fault>,
 }
+
+/// Not a fault: a reader told to look up from its inbox.
+const WAKE: Fault = Fault {
+    addr: u64::MAX,
+    write: false,
+    wp: false,
+};
 
 impl UffdProtect {
     /// Page protection on the process's full userfaultfd.
     pub fn new() -> Result<UffdProtect, ProtectError> {
         let proc = Process::get()?;
         let (tx, inbox) = crossbeam_channel::bounded(INBOX);
+        let wake = tx.clone();
         let owner = {
             let mut st = proc.lock();
             st.next_owner += 1;
@@ -403,6 +414,7 @@ impl UffdProtect {
             proc,
             owner,
             inbox,
+            wake,
             page,
             armed: HashMap::new(),
             spare: Vec::new(),
@@ -438,6 +450,7 @@ impl UffdProtect {
     pub fn faults(&self) -> FaultReader {
         FaultReader {
             inbox: self.inbox.clone(),
+            wake: self.wake.clone(),
         }
     }
 
@@ -878,18 +891,26 @@ impl Drop for UffdProtect {
 impl FaultReader {
     /// The next fault on this connection's pages, waiting at most `timeout`.
     pub fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
-        self.inbox.recv_timeout(timeout).ok()
+        self.inbox.recv_timeout(timeout).ok().filter(|f| *f != WAKE)
     }
 
     /// Wait for the next fault, however long it takes.
     pub fn next(&self) -> Option<Fault> {
-        self.inbox.recv().ok()
+        self.inbox.recv().ok().filter(|f| *f != WAKE)
     }
 }
 
 impl super::FaultSource for FaultReader {
     fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
         FaultReader::next_timeout(self, timeout)
+    }
+
+    fn stopper(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
+        let wake = self.wake.clone();
+        // A full inbox wakes the reader anyway.
+        Some(Box::new(move || {
+            let _ = wake.try_send(WAKE);
+        }))
     }
 }
 

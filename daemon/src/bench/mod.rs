@@ -9,6 +9,7 @@
 //! what a user gets: the built-in defaults, or a configuration `azsdp tune`
 //! wrote, compared at every size with the best of the five modes.
 
+mod conns;
 mod plots;
 
 use std::borrow::Cow;
@@ -280,14 +281,23 @@ fn memcpy_gbps(size: usize, hot: bool) -> f64 {
     size as f64 / best / 1e9
 }
 
-fn find_ttcp(exe: &Path) -> Option<PathBuf> {
-    let p = exe.parent()?.join("azsdp-ttcp");
+/// A benchmark program (`azsdp-ttcp`, `azsdp-echo`) next to `exe`, built
+/// first under `cargo run`.
+fn find_bench_program(exe: &Path, name: &str) -> Option<PathBuf> {
+    let p = exe.parent()?.join(name);
     if p.exists() {
         return Some(p);
     }
     crate::build_sibling_for_cargo_run(
         exe.parent()?,
-        &["-p", "azsdp-benches", "--bin", "azsdp-ttcp"],
+        &[
+            "-p",
+            "azsdp-benches",
+            "--bin",
+            "azsdp-ttcp",
+            "--bin",
+            "azsdp-echo",
+        ],
     );
     p.exists().then_some(p)
 }
@@ -302,7 +312,7 @@ fn setup(out: &Path, modes: &[Mode]) -> Result<Bench, ExitCode> {
         eprintln!("azsdp: libazsdp.so not found");
         return Err(ExitCode::from(2));
     }
-    let Some(ttcp) = find_ttcp(&exe) else {
+    let Some(ttcp) = find_bench_program(&exe, "azsdp-ttcp") else {
         eprintln!("azsdp: azsdp-ttcp not found (cargo build --release builds it)");
         return Err(ExitCode::from(2));
     };
@@ -449,6 +459,57 @@ impl Bench {
     }
 
     /// Every connection of each azsdp mode must have been upgraded.
+    /// What a connection costs on kernel TCP and under azsdp as
+    /// configured (see [`conns`]); recorded, and returned for the summary.
+    fn connections(
+        &mut self,
+        at_once: usize,
+        in_turn: usize,
+    ) -> (Option<conns::Scale>, Option<conns::Scale>) {
+        let Some(echo) = find_bench_program(&self.exe, "azsdp-echo") else {
+            eprintln!("azsdp bench: azsdp-echo not found (cargo build --release builds it)");
+            self.failures += 1;
+            return (None, None);
+        };
+        let exe = self.exe.clone();
+        let mut out = [None, None];
+        for (i, mode) in ["tcp", "azsdp"].into_iter().enumerate() {
+            let runner = conns::Runner {
+                echo: &echo,
+                azsdp: (mode == "azsdp").then(|| (exe.as_path(), self.out.join("azsdp.toml"))),
+                log: self.out.join(format!("connections-{mode}.log")),
+            };
+            match conns::measure(&runner, at_once, in_turn) {
+                Ok(v) => {
+                    for (test, value, unit) in [
+                        ("connect", v.connect_us, "us"),
+                        ("connect-p99", v.connect_p99_us, "us"),
+                        ("close", v.close_us, "us"),
+                        ("rss-per-connection", v.rss_kb_per_conn, "KiB"),
+                        ("threads-per-connection", v.threads_per_conn, "threads"),
+                        ("fds-per-connection", v.fds_per_conn, "fds"),
+                        ("connection-in-turn", v.cycle_us, "us"),
+                    ] {
+                        self.record(Row {
+                            test,
+                            mode,
+                            size: at_once as u64,
+                            parameter: in_turn as u64,
+                            value,
+                            unit,
+                        });
+                    }
+                    out[i] = Some(v);
+                }
+                Err(e) => {
+                    self.failures += 1;
+                    eprintln!("azsdp bench: connections under {mode}: {e}");
+                }
+            }
+        }
+        (out[0], out[1])
+    }
+
     fn check_upgraded(&mut self, modes: &[Mode]) {
         for m in modes.iter().filter(|m| m.config.is_some()) {
             let log = std::fs::read_to_string(self.out.join(format!("{}.log", m.name)))
@@ -637,6 +698,12 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
         );
     }
     b.check_upgraded(&modes);
+    let (at_once, in_turn) = if quick { (200, 1000) } else { (1000, 10000) };
+    let scale = b.connections(at_once, in_turn);
+    eprintln!(
+        "azsdp bench: connections done ({:.0} s)",
+        t0.elapsed().as_secs_f64()
+    );
     let names: Vec<&str> = modes.iter().map(|m| m.name).collect();
     let figures = match plots::draw(&out, &b.rows, &names) {
         Ok(f) => f,
@@ -652,6 +719,7 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
         (quick, &configured_from),
         t0.elapsed(),
     );
+    summary += &conns::table(scale.0, scale.1, at_once, in_turn);
     if !figures.is_empty() {
         let _ = writeln!(summary, "\n## Figures\n");
         for f in &figures {

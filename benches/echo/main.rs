@@ -1,5 +1,7 @@
-//! azsdp-echo: an ordinary blocking/epoll socket program used as the victim
-//! and the load of the trust and scale tests. It knows nothing of azsdp.
+//! azsdp-echo: an ordinary socket program (blocking clients, an epoll
+//! server) for the connection-scale benchmark (`azsdp bench`, section
+//! "connections") and as the victim of the trust tests. It knows nothing of
+//! azsdp: run it plain for kernel TCP, or under `azsdp run`.
 //!
 //! ```text
 //! azsdp-echo serve PORT            epoll echo server on 127.0.0.1:PORT
