@@ -485,6 +485,8 @@ fn writes_through_an_alias_are_caught() {
     let _reaper = Reaper(child);
     drop(b);
     let (d, backend) = sender_with(&a, ProtectionMode::Auto, FaultPolicy::Copy, 0);
+    // No other test may fork until the send is done (see FORK_GATE).
+    let no_forks = FORK_GATE.write().unwrap_or_else(|e| e.into_inner());
     let flags = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
     let p = map(LEN, flags, -1);
     azsdp::process::after_mmap(p as u64, flags);
@@ -508,6 +510,7 @@ fn writes_through_an_alias_are_caught() {
     };
     assert_eq!(d.send(buf, sflags).unwrap(), LEN as u64);
     let async_ = d.counters().bytes_sent_async > 0;
+    drop(no_forks);
     // The program writes through the other address at once.
     view[..LEN / 2].fill(0x3c);
     assert!(buf[..LEN / 2].iter().all(|&x| x == 0x3c), "one object");

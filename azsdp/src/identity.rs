@@ -336,41 +336,32 @@ mod tests {
             recv(b.as_fd(), &mut buf, false),
             Err(IdentityError::NoPidfd | IdentityError::NoCredentials)
         ));
-        // Our credentials, but a pidfd of another process (pid 1).
+        // Our credentials, with a pidfd of another process (pid 1), or
+        // with a descriptor that is no pidfd at all.
+        let send_with = |fd: RawFd| {
+            let creds = own_credentials();
+            let raw = [fd];
+            let cmsgs = [
+                ControlMessage::ScmCredentials(&creds),
+                ControlMessage::ScmRights(&raw),
+            ];
+            sendmsg::<()>(
+                a.as_raw_fd(),
+                &[IoSlice::new(b"abc")],
+                &cmsgs,
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+        };
         let other = pidfd_open(1).unwrap();
-        let creds = own_credentials();
-        let raw = [other.as_raw_fd()];
-        let cmsgs = [
-            ControlMessage::ScmCredentials(&creds),
-            ControlMessage::ScmRights(&raw),
-        ];
-        sendmsg::<()>(
-            a.as_raw_fd(),
-            &[IoSlice::new(b"abc")],
-            &cmsgs,
-            MsgFlags::empty(),
-            None,
-        )
-        .unwrap();
+        send_with(other.as_raw_fd());
         assert!(matches!(
             recv(b.as_fd(), &mut buf, false),
             Err(IdentityError::PidfdMismatch { .. })
         ));
-        // A descriptor that is no pidfd at all.
         let (x, _y) = UnixDatagram::pair().unwrap();
-        let raw = [x.as_raw_fd()];
-        let cmsgs = [
-            ControlMessage::ScmCredentials(&creds),
-            ControlMessage::ScmRights(&raw),
-        ];
-        sendmsg::<()>(
-            a.as_raw_fd(),
-            &[IoSlice::new(b"abc")],
-            &cmsgs,
-            MsgFlags::empty(),
-            None,
-        )
-        .unwrap();
+        send_with(x.as_raw_fd());
         assert!(matches!(
             recv(b.as_fd(), &mut buf, false),
             Err(IdentityError::PidfdMismatch { got: None, .. })

@@ -284,6 +284,11 @@ fn file_name(pid: u32) -> String {
     format!("azsdp-stat.{pid}")
 }
 
+/// The pid a stat file's name names.
+fn pid_of(name: &std::ffi::OsStr) -> Option<u32> {
+    name.to_str()?.strip_prefix("azsdp-stat.")?.parse().ok()
+}
+
 fn file_of(dir: &Path, pid: u32) -> PathBuf {
     dir.join(file_name(pid))
 }
@@ -292,11 +297,7 @@ fn file_of(dir: &Path, pid: u32) -> PathBuf {
 fn sweep(dirfd: &OwnedFd, dir: &Path) {
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("azsdp-stat."))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
+        let Some(pid) = pid_of(&name) else {
             continue;
         };
         if !alive(pid) {
@@ -597,12 +598,7 @@ pub fn read_all(dir: &Path) -> Vec<ConnStat> {
         return out;
     };
     for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("azsdp-stat."))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
+        let Some(pid) = pid_of(&e.file_name()) else {
             continue;
         };
         if !alive(pid) {

@@ -103,28 +103,29 @@ pub unsafe fn copy_out(
     }
 }
 
-/// The kernel socket's own address (`getsockname`).
-pub fn local_of(fd: c_int) -> Option<SocketAddr> {
+/// An address of socket `fd`, as `getsockname`/`getpeername` (`ask`) give it.
+fn name_of(
+    fd: c_int,
+    ask: unsafe fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int,
+) -> Option<SocketAddr> {
     // SAFETY: plain data, written by the kernel within `len`.
     let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<sockaddr_storage>() as socklen_t;
     let p = (&raw mut st).cast::<sockaddr>();
-    // SAFETY: getsockname into our own buffer.
-    let r = unsafe { crate::real::getsockname(fd, p, &mut len) };
+    // SAFETY: `ask` is libc's getsockname or getpeername, into our buffer.
+    let r = unsafe { ask(fd, p, &mut len) };
     // SAFETY: the kernel wrote `len` bytes.
     (r == 0).then(|| unsafe { from_raw(p, len) }).flatten()
 }
 
+/// The kernel socket's own address (`getsockname`).
+pub fn local_of(fd: c_int) -> Option<SocketAddr> {
+    name_of(fd, crate::real::getsockname)
+}
+
 /// The kernel socket's peer address (`getpeername`).
 pub fn peer_of(fd: c_int) -> Option<SocketAddr> {
-    // SAFETY: plain data, written by the kernel within `len`.
-    let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<sockaddr_storage>() as socklen_t;
-    let p = (&raw mut st).cast::<sockaddr>();
-    // SAFETY: getpeername into our own buffer.
-    let r = unsafe { crate::real::getpeername(fd, p, &mut len) };
-    // SAFETY: the kernel wrote `len` bytes.
-    (r == 0).then(|| unsafe { from_raw(p, len) }).flatten()
+    name_of(fd, crate::real::getpeername)
 }
 
 /// Unwrap IPv4-mapped IPv6 addresses.

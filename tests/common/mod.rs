@@ -41,6 +41,7 @@ pub fn cfg(role: Role, caps: Capabilities, zsdp: bool, threshold: u64) -> Engine
 
 /// Run `child` in a forked process; returns its pid.
 pub fn spawn(child: impl FnOnce() -> i32) -> Pid {
+    let _gate = FORK_GATE.read().unwrap_or_else(|e| e.into_inner());
     // SAFETY: glibc makes malloc usable in the child of a multi-threaded
     // parent; the child touches only its own objects and leaves with _exit,
     // never returning into the test harness.
@@ -53,6 +54,12 @@ pub fn spawn(child: impl FnOnce() -> i32) -> Pid {
         ForkResult::Parent { child } => child,
     }
 }
+
+/// Held shared by every fork of these tests, and exclusively by a test
+/// whose outcome depends on no fork happening meanwhile: a fork makes the
+/// process's shared memory shared with a child, and azsdp then rightly
+/// stops treating it as the process's own (the tests share one process).
+pub static FORK_GATE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// Kills and reaps a child that is still running when the test gives up
 /// (a failing assertion must not leave the child behind; a child that

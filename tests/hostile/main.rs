@@ -316,15 +316,7 @@ fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
     let (tcp, local_port) = bound_tcp();
     let cookie = sock_diag::cookie_of(tcp.as_fd()).map_err(|e| e.to_string())?;
     let offer = ShmOffer::new(ShmParams::default()).map_err(|e| e.to_string())?;
-    let intro = Intro {
-        kind: IntroKind::Offer,
-        page_size: page(),
-        pair: Some(PairTarget {
-            dst: ([127, 0, 0, 1], port).into(),
-            client_port: local_port,
-            cookie,
-        }),
-    };
+    let intro = offer_intro(port, local_port, cookie);
     send_intro(reg.as_fd(), &intro, &[offer.memfd()], false).map_err(|e| e.to_string())?;
     let tcp = connect_tcp(tcp, port)?;
     if !wait_readable(reg.as_fd(), Duration::from_secs(5)) {
@@ -345,6 +337,71 @@ fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
         .map_err(|e| e.to_string())?;
     r.paired = true;
     Ok((tcp, ep))
+}
+
+/// An offer for a connection to 127.0.0.1:`port` from `client_port`,
+/// claiming the socket with `cookie`.
+fn offer_intro(port: u16, client_port: u16, cookie: u64) -> Intro {
+    Intro {
+        kind: IntroKind::Offer,
+        page_size: page(),
+        pair: Some(PairTarget {
+            dst: ([127, 0, 0, 1], port).into(),
+            client_port,
+            cookie,
+        }),
+    }
+}
+
+/// Answer an offer whose segment we mapped (`join`) as a listener does,
+/// with `proof` as the socket we claim to hold, and commit.
+fn answer_and_commit(
+    s: OwnedFd,
+    join: ShmJoin,
+    peer: azsdp::identity::PeerId,
+    page_size: u32,
+    proof: BorrowedFd<'_>,
+) -> Option<ShmEndpoint> {
+    let answer = Intro::new(IntroKind::Answer, page());
+    let _ = send_intro(s.as_fd(), &answer, &[proof], true);
+    let _ = join.agreement().compare_exchange(
+        Agreement::UNDECIDED,
+        Agreement::COMMITTED,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    );
+    azsdp::futex::wake_all(join.agreement());
+    join.into_endpoint(s, peer, page_size).ok()
+}
+
+/// Take in the DATA the peers of `ends` sent, into the report.
+fn take_data<'a>(ends: impl Iterator<Item = &'a mut ShmEndpoint>, r: &mut Report) {
+    for ep in ends {
+        let mut got = Vec::new();
+        ep.poll(&mut |ev| {
+            if let FabricEvent::Message(m) = ev
+                && let Ok(f) = wire::parse(m)
+                && let Message::Data(d) = f.msg
+            {
+                got.extend_from_slice(d);
+            }
+        });
+        r.saw(&got);
+    }
+}
+
+/// After a refused offer: the connection must still work as plain TCP,
+/// and no answer may have come.
+fn plain_after(reg: &OwnedFd, tcp: OwnedFd, port: u16, r: &mut Report) {
+    match connect_tcp(tcp, port) {
+        Ok(s) => {
+            r.answered = wait_readable(reg.as_fd(), Duration::from_secs(1))
+                && recv_intro(reg.as_fd(), IntroKind::Answer, true).is_ok();
+            (&s).write_all(b"plain bytes").ok();
+            drain_tcp(&s, Duration::from_millis(500), r);
+        }
+        Err(e) => r.note = e,
+    }
 }
 
 /// Parse `ADDR` in hex (with or without 0x).
@@ -466,15 +523,7 @@ fn forged_identity(port: u16, pid: u32, r: &mut Report) {
     let (tcp, local_port) = bound_tcp();
     let cookie = sock_diag::cookie_of(tcp.as_fd()).unwrap_or(0);
     let offer = ShmOffer::new(ShmParams::default()).unwrap_or_else(|e| die(e.to_string()));
-    let intro = Intro {
-        kind: IntroKind::Offer,
-        page_size: page(),
-        pair: Some(PairTarget {
-            dst: ([127, 0, 0, 1], port).into(),
-            client_port: local_port,
-            cookie,
-        }),
-    };
+    let intro = offer_intro(port, local_port, cookie);
     let mut b = [0u8; INTRO_LEN];
     intro.emit(&mut b);
     let theirs = azsdp::identity::pidfd_open(pid).unwrap_or_else(|e| die(e.to_string()));
@@ -491,15 +540,7 @@ fn forged_identity(port: u16, pid: u32, r: &mut Report) {
         MsgFlags::empty(),
         None,
     );
-    match connect_tcp(tcp, port) {
-        Ok(s) => {
-            r.answered = wait_readable(reg.as_fd(), Duration::from_secs(1))
-                && recv_intro(reg.as_fd(), IntroKind::Answer, true).is_ok();
-            (&s).write_all(b"plain bytes").ok();
-            drain_tcp(&s, Duration::from_millis(500), r);
-        }
-        Err(e) => r.note = e,
-    }
+    plain_after(&reg, tcp, port, r);
 }
 
 /// Offer a segment that is not a proper one.
@@ -530,25 +571,9 @@ fn bad_segment(port: u16, how: &str, r: &mut Report) {
             FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
         );
     }
-    let intro = Intro {
-        kind: IntroKind::Offer,
-        page_size: page(),
-        pair: Some(PairTarget {
-            dst: ([127, 0, 0, 1], port).into(),
-            client_port: local_port,
-            cookie,
-        }),
-    };
+    let intro = offer_intro(port, local_port, cookie);
     let _ = send_intro(reg.as_fd(), &intro, &[memfd.as_fd()], false);
-    match connect_tcp(tcp, port) {
-        Ok(s) => {
-            r.answered = wait_readable(reg.as_fd(), Duration::from_secs(1))
-                && recv_intro(reg.as_fd(), IntroKind::Answer, true).is_ok();
-            (&s).write_all(b"plain bytes").ok();
-            drain_tcp(&s, Duration::from_millis(500), r);
-        }
-        Err(e) => r.note = e,
-    }
+    plain_after(&reg, tcp, port, r);
 }
 
 // ----- the registry ------------------------------------------------------------
@@ -587,16 +612,9 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
                     };
                     // A fake proof: a TCP socket of our own.
                     let (fake, _) = bound_tcp();
-                    let answer = Intro::new(IntroKind::Answer, page());
-                    let _ = send_intro(s.as_fd(), &answer, &[fake.as_fd()], true);
-                    let _ = join.agreement().compare_exchange(
-                        Agreement::UNDECIDED,
-                        Agreement::COMMITTED,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
-                    azsdp::futex::wake_all(join.agreement());
-                    if let Ok(ep) = join.into_endpoint(s, offer.peer, intro.page_size) {
+                    let proof = fake.as_fd();
+                    if let Some(ep) = answer_and_commit(s, join, offer.peer, intro.page_size, proof)
+                    {
                         r.paired = true;
                         ends.push(ep);
                     }
@@ -605,18 +623,7 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
                 Err(_) => {}
             }
         }
-        for ep in &mut ends {
-            let mut got = Vec::new();
-            ep.poll(&mut |ev| {
-                if let FabricEvent::Message(m) = ev
-                    && let Ok(f) = wire::parse(m)
-                    && let Message::Data(d) = f.msg
-                {
-                    got.extend_from_slice(d);
-                }
-            });
-            r.saw(&got);
-        }
+        take_data(ends.iter_mut(), r);
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -629,15 +636,7 @@ fn lie(port: u16, cookie: u64, secs: u64, r: &mut Report) {
         return;
     };
     let offer = ShmOffer::new(ShmParams::default()).unwrap_or_else(|e| die(e.to_string()));
-    let intro = Intro {
-        kind: IntroKind::Offer,
-        page_size: page(),
-        pair: Some(PairTarget {
-            dst: ([127, 0, 0, 1], port).into(),
-            client_port: 1,
-            cookie,
-        }),
-    };
+    let intro = offer_intro(port, 1, cookie);
     send_intro(reg.as_fd(), &intro, &[offer.memfd()], false).unwrap_or_else(|e| die(e.to_string()));
     r.offers = 1;
     println!("ready");
@@ -674,15 +673,7 @@ fn flood(port: u16, secs: u64, idle: usize, r: &mut Report) {
             continue;
         };
         k += 1;
-        let intro = Intro {
-            kind: IntroKind::Offer,
-            page_size: page(),
-            pair: Some(PairTarget {
-                dst: ([127, 0, 0, 1], port).into(),
-                client_port: 1,
-                cookie: k,
-            }),
-        };
+        let intro = offer_intro(port, 1, k);
         if send_intro(reg.as_fd(), &intro, &[offer.memfd()], false).is_ok() {
             r.offers += 1;
         }
@@ -738,16 +729,9 @@ fn server(port: u16, attack: &str, secs: u64, r: &mut Report) {
                 let Ok(join) = ShmJoin::open(memfd, Duration::ZERO) else {
                     continue;
                 };
-                let answer = Intro::new(IntroKind::Answer, page());
-                let _ = send_intro(s.as_fd(), &answer, &[tcp.as_fd()], true);
-                let _ = join.agreement().compare_exchange(
-                    Agreement::UNDECIDED,
-                    Agreement::COMMITTED,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
-                azsdp::futex::wake_all(join.agreement());
-                if let Ok(mut ep) = join.into_endpoint(s, offer.peer, intro.page_size) {
+                let proof = tcp.as_fd();
+                if let Some(mut ep) = answer_and_commit(s, join, offer.peer, intro.page_size, proof)
+                {
                     r.paired = true;
                     let (h, _) = listen_to(&mut ep, Duration::from_secs(2), r);
                     let mut seq = 0;
@@ -782,18 +766,7 @@ fn server(port: u16, attack: &str, secs: u64, r: &mut Report) {
                 }
             }
         }
-        for (_, ep) in &mut keep {
-            let mut got = Vec::new();
-            ep.poll(&mut |ev| {
-                if let FabricEvent::Message(m) = ev
-                    && let Ok(f) = wire::parse(m)
-                    && let Message::Data(d) = f.msg
-                {
-                    got.extend_from_slice(d);
-                }
-            });
-            r.saw(&got);
-        }
+        take_data(keep.iter_mut().map(|(_, ep)| ep), r);
         std::thread::sleep(Duration::from_millis(2));
     }
 }
