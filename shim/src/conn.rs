@@ -53,7 +53,11 @@ impl Conn {
     ) -> Arc<Conn> {
         let peer_pid = ep.peer_pid() as u32;
         let p = protect::open(settings.protection);
-        let caps: Capabilities = capabilities(ep.can_get().is_none(), p.protector.as_ref());
+        let mut caps: Capabilities = capabilities(ep.can_get().is_none(), p.protector.as_ref());
+        // Never advertise our pages to a peer of another user: it cannot
+        // read them (a hostile one may claim it can, to have us protect
+        // pages and wait for GETs that never come).
+        caps.zcopy_source &= ep.same_user();
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let waiter = ep.waiter();
         let d = Driver::new(cfg, ep, p.protector);

@@ -329,6 +329,9 @@ fn malicious_segments_and_rings_end_only_their_own_connection() {
         let log = s.log(&name);
         assert!(log.contains(": azsdp (peer pid"), "{a}: {log}");
         assert!(!log.contains("panicked"), "{a}: {log}");
+        // Nothing was advertised to a peer of another user, whatever it
+        // claimed to be able to read.
+        assert!(log.contains("sent azsdp 0 zsdp 0 "), "{a}: {log}");
         bad.report().no_leak();
     }
 }

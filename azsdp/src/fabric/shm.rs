@@ -699,6 +699,13 @@ impl ShmEndpoint {
         self.peer.uid()
     }
 
+    /// Is the peer of our own user? Only then may either side read the
+    /// other's memory: across users the pair runs over the rings, whatever
+    /// the peer says it can do.
+    pub fn same_user(&self) -> bool {
+        self.peer.uid() == nix::unistd::geteuid().as_raw()
+    }
+
     pub fn peer_page_size(&self) -> u32 {
         self.peer_page_size
     }
