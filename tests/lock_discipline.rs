@@ -51,3 +51,36 @@ fn no_bare_std_locks_in_the_core_or_the_shim() {
         found.join("\n")
     );
 }
+
+/// Every thread azsdp starts goes through `azsdp::threads::spawn`, which
+/// blocks asynchronous signals in it: a program's SIGALRM or SIGTERM that
+/// lands on one of ours would interrupt none of the program's calls.
+#[test]
+fn every_thread_is_started_with_signals_blocked() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for dir in ["azsdp/src", "shim/src"] {
+        sources(&root.join(dir), &mut files);
+    }
+    let mut found = Vec::new();
+    for f in &files {
+        let name = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if f.ends_with("azsdp/src/threads.rs") || name == "tests.rs" || name == "test_support.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(f).expect("read source");
+        // Tests may start threads of their own.
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        for (n, line) in code.lines().enumerate() {
+            let c = line.split("//").next().unwrap_or("");
+            if c.contains("thread::spawn") || c.contains("thread::Builder") {
+                found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "start threads with azsdp::threads::spawn:\n{}",
+        found.join("\n")
+    );
+}

@@ -7,17 +7,6 @@
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
-thread_local! {
-    /// A wait of this thread was cut short by a signal handler.
-    static INTERRUPTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Did a signal handler interrupt one of this thread's waits since the last
-/// call? (Blocking socket calls use it to return EINTR as the kernel would.)
-pub fn take_interrupted() -> bool {
-    INTERRUPTED.try_with(|c| c.replace(false)).unwrap_or(false)
-}
-
 /// Sleep while `word` holds `expected`, at most `timeout` (may return early).
 pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
@@ -26,7 +15,7 @@ pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     };
     // SAFETY: FUTEX_WAIT on a live, 4-byte aligned word (an atomic) with a
     // valid timespec; not private, so it also works on shared memory.
-    let r = unsafe {
+    unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
@@ -35,9 +24,6 @@ pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
             &ts as *const libc::timespec,
         )
     };
-    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-        let _ = INTERRUPTED.try_with(|c| c.set(true));
-    }
 }
 
 /// Wake every thread sleeping on `word`.

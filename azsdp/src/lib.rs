@@ -28,5 +28,6 @@ pub mod sim;
 pub mod sock_diag;
 pub mod stats;
 pub mod sync;
+pub mod threads;
 pub mod time;
 pub mod wire;

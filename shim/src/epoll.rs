@@ -33,6 +33,9 @@ use crate::ready::Wakeup;
 use crate::real;
 use crate::sock::Sock;
 
+/// Most events one wait reports (and the most it allocates room for).
+const BATCH: usize = 1024;
+
 /// The eventfd's data in the kernel set (a value no program uses as a
 /// pointer or small integer by accident is good enough: the entry is ours).
 const TAG: u64 = 0xa25d_b0e1_7e57_0000;
@@ -324,12 +327,18 @@ pub unsafe fn wait(
     mask: *const libc::sigset_t,
 ) -> Option<c_int> {
     let set = set_of(epfd)?;
-    if max <= 0 || events.is_null() {
+    // The kernel's bounds (EP_MAX_EVENTS).
+    let most = (i32::MAX as usize) / std::mem::size_of::<epoll_event>();
+    if max <= 0 || max as usize > most {
         real::set_errno(libc::EINVAL);
         return Some(-1);
     }
-    let max = max as usize;
+    // Never allocate on the program's word: report at most a batch per
+    // call (fewer events than `max` is always a valid answer).
+    let max = (max as usize).min(BATCH);
     let deadline = timeout.map(|t| Instant::now() + t);
+    let window = crate::ready::SignalWindow::open();
+    let mask = window.wait_mask(mask);
     let wake = Arc::clone(&set.lock().wake);
     let mut kernel: Vec<epoll_event> = vec![epoll_event { events: 0, u64: 0 }; max];
     loop {
@@ -362,8 +371,11 @@ pub unsafe fn wait(
             }
         }
         if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {
-            // SAFETY: out.len() <= max, the program's array has max entries.
-            unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), events, out.len()) };
+            // Through the kernel: a bad array is EFAULT, not a crash.
+            if let Err(e) = crate::user_mem::write(events, &out) {
+                real::set_errno(e);
+                return Some(-1);
+            }
             return Some(out.len() as c_int);
         }
     }

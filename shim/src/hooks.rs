@@ -31,6 +31,45 @@ use crate::log::{debug, info};
 use crate::sock::{EpollReg, Role, Sock};
 use crate::{epoll, fdtable, net, ready, real, runtime, signals};
 
+/// What an interposed call's result says about success.
+trait CallResult {
+    fn failed(&self) -> bool;
+}
+
+impl CallResult for c_int {
+    fn failed(&self) -> bool {
+        *self < 0
+    }
+}
+
+impl CallResult for ssize_t {
+    fn failed(&self) -> bool {
+        *self < 0
+    }
+}
+
+/// The body of an interposed call. errno is the program's: libc's functions
+/// leave it alone when they succeed, so after a successful call it is what
+/// it was before, whatever our own work on the way (lazy set-up, futex
+/// waits, probes) did to it; after a failure it is what the body left, the
+/// real call's error (cleanup after a failed real call keeps errno, see
+/// [`real::KeepErrno`]).
+fn hook<R: CallResult>(body: impl FnOnce() -> R) -> R {
+    let before = real::errno();
+    let r = body();
+    if !r.failed() {
+        real::set_errno(before);
+    }
+    r
+}
+
+/// Our own work around a memory call: no panic escapes and errno is left
+/// as it was (the program's `free` or `mmap` must not see it change).
+fn quietly(f: impl FnOnce()) {
+    let _keep = real::KeepErrno::new();
+    let _ = std::panic::catch_unwind(AssertUnwindSafe(f));
+}
+
 /// Run `f`; a panic becomes `fail` with errno EIO.
 fn guard<T>(fail: T, f: impl FnOnce() -> T) -> T {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
@@ -59,34 +98,38 @@ fn settings_for(role: EngineRole, addr: std::net::IpAddr, port: u16) -> Option<S
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
-    // SAFETY: libc's socket with the program's arguments.
-    let fd = unsafe { real::socket(domain, ty, protocol) };
-    if fd >= 0
-        && (domain == libc::AF_INET || domain == libc::AF_INET6)
-        && ty & 0xf == libc::SOCK_STREAM
-        && (protocol == 0 || protocol == libc::IPPROTO_TCP)
-        && !azsdp::process::inside()
-        && !runtime::disabled()
-    {
-        let e = real::errno();
-        guard((), || {
-            // Loaded once (a bad configuration is logged then); the socket
-            // is tracked either way, so that its connection gets a stat row
-            // with its reason (`bad-config`).
-            let _ = runtime::config();
-            fdtable::insert(fd, Sock::new(domain, ty & libc::SOCK_NONBLOCK != 0));
-        });
-        real::set_errno(e);
-    }
-    fd
+    hook(|| {
+        // SAFETY: libc's socket with the program's arguments.
+        let fd = unsafe { real::socket(domain, ty, protocol) };
+        if fd >= 0
+            && (domain == libc::AF_INET || domain == libc::AF_INET6)
+            && ty & 0xf == libc::SOCK_STREAM
+            && (protocol == 0 || protocol == libc::IPPROTO_TCP)
+            && !azsdp::process::inside()
+            && !runtime::disabled()
+        {
+            let e = real::errno();
+            guard((), || {
+                // Loaded once (a bad configuration is logged then); the socket
+                // is tracked either way, so that its connection gets a stat row
+                // with its reason (`bad-config`).
+                let _ = runtime::config();
+                fdtable::insert(fd, Sock::new(domain, ty & libc::SOCK_NONBLOCK != 0));
+            });
+            real::set_errno(e);
+        }
+        fd
+    })
 }
 
 /// Passed through: the address a socket binds is the kernel's to check,
 /// and pairing reads it back with `getsockname` when it needs it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
-    // SAFETY: libc's bind.
-    unsafe { real::bind(fd, addr, len) }
+    hook(|| {
+        // SAFETY: libc's bind.
+        unsafe { real::bind(fd, addr, len) }
+    })
 }
 
 /// A listener is registered for pairing before the kernel listens on it,
@@ -94,40 +137,42 @@ pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) 
 /// at `listen()` is registered right after).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
-    // (the socket, and its registration if its port was known before)
-    let before = guard(None, || {
-        let sock = fdtable::get(fd)?;
-        if !matches!(sock.role(), Role::Fresh) {
-            return None;
-        }
-        let local = net::local_of(fd)?;
-        let l = (local.port() != 0).then(|| register(local));
-        Some((sock, l))
-    });
-    // SAFETY: libc's listen.
-    let r = unsafe { real::listen(fd, backlog) };
-    let e = real::errno();
-    if r == 0
-        && let Some((sock, l)) = before
-    {
-        guard((), || {
-            // A port the kernel picked at listen() is known only now.
-            let l = match l {
-                Some(l) => l,
-                None => match net::local_of(fd) {
-                    Some(local) => register(local),
-                    None => Err(TcpReason::Unsupported),
-                },
-            };
-            sock.set_role(match l {
-                Ok(l) => Role::Listener(l),
-                Err(reason) => Role::Unpaired(reason),
-            });
+    hook(|| {
+        // (the socket, and its registration if its port was known before)
+        let before = guard(None, || {
+            let sock = fdtable::get(fd)?;
+            if !matches!(sock.role(), Role::Fresh) {
+                return None;
+            }
+            let local = net::local_of(fd)?;
+            let l = (local.port() != 0).then(|| register(local));
+            Some((sock, l))
         });
-    }
-    // A failed listen() drops the registration it did not need.
-    real::set_errno(e);
-    r
+        // SAFETY: libc's listen.
+        let r = unsafe { real::listen(fd, backlog) };
+        let e = real::errno();
+        if r == 0
+            && let Some((sock, l)) = before
+        {
+            guard((), || {
+                // A port the kernel picked at listen() is known only now.
+                let l = match l {
+                    Some(l) => l,
+                    None => match net::local_of(fd) {
+                        Some(local) => register(local),
+                        None => Err(TcpReason::Unsupported),
+                    },
+                };
+                sock.set_role(match l {
+                    Ok(l) => Role::Listener(l),
+                    Err(reason) => Role::Unpaired(reason),
+                });
+            });
+        }
+        // A failed listen() drops the registration it did not need.
+        real::set_errno(e);
+        r
+    })
 }
 
 /// Register a listener on `local` if the rules let it pair; otherwise why
@@ -205,8 +250,10 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
-    // SAFETY: forwarded.
-    unsafe { accept_impl(fd, addr, len, 0) }
+    hook(|| {
+        // SAFETY: forwarded.
+        unsafe { accept_impl(fd, addr, len, 0) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -216,52 +263,56 @@ pub unsafe extern "C" fn accept4(
     len: *mut socklen_t,
     flags: c_int,
 ) -> c_int {
-    // SAFETY: forwarded.
-    unsafe { accept_impl(fd, addr, len, flags) }
+    hook(|| {
+        // SAFETY: forwarded.
+        unsafe { accept_impl(fd, addr, len, flags) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
-    let sock = fdtable::get(fd).filter(|s| matches!(s.role(), Role::Fresh));
-    // SAFETY: the program's address, within its length.
-    let dst = unsafe { net::from_raw(addr, len) };
-    let (Some(sock), Some(dst)) = (sock, dst) else {
-        // SAFETY: libc's connect.
-        return unsafe { real::connect(fd, addr, len) };
-    };
-    let Some(s) = settings_for(EngineRole::Client, net::canonical(dst.ip()), dst.port()) else {
-        // A bad configuration: plain TCP, counted with its reason.
-        // SAFETY: libc's connect.
-        let r = unsafe { real::connect(fd, addr, len) };
-        let e = real::errno();
-        if r == 0 || e == libc::EINPROGRESS {
-            guard((), || {
-                info!("-> {dst}: tcp ({})", TcpReason::BadConfig.name());
-                sock.stay_tcp(net::local_of(fd), Some(dst), TcpReason::BadConfig, false);
-            });
-        }
-        real::set_errno(e);
-        return r;
-    };
-    guard(-1, || {
-        match connect::connect(fd, sock.family, dst, sock.is_nonblocking(), &s) {
-            Outcome::Azsdp(c) => {
-                info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
-                sock.set_role(Role::Azsdp(c));
-                seal(fd);
-                epoll::adopt(&sock);
-                0
+    hook(|| {
+        let sock = fdtable::get(fd).filter(|s| matches!(s.role(), Role::Fresh));
+        // SAFETY: the program's address, within its length.
+        let dst = unsafe { net::from_raw(addr, len) };
+        let (Some(sock), Some(dst)) = (sock, dst) else {
+            // SAFETY: libc's connect.
+            return unsafe { real::connect(fd, addr, len) };
+        };
+        let Some(s) = settings_for(EngineRole::Client, net::canonical(dst.ip()), dst.port()) else {
+            // A bad configuration: plain TCP, counted with its reason.
+            // SAFETY: libc's connect.
+            let r = unsafe { real::connect(fd, addr, len) };
+            let e = real::errno();
+            if r == 0 || e == libc::EINPROGRESS {
+                guard((), || {
+                    info!("-> {dst}: tcp ({})", TcpReason::BadConfig.name());
+                    sock.stay_tcp(net::local_of(fd), Some(dst), TcpReason::BadConfig, false);
+                });
             }
-            Outcome::Tcp(r, e, reason) => {
-                if let Some(reason) = reason {
-                    info!("-> {dst}: tcp ({})", reason.name());
-                    sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
-                    sock.kernel_epolls.lock().clear();
+            real::set_errno(e);
+            return r;
+        };
+        guard(-1, || {
+            match connect::connect(fd, sock.family, dst, sock.is_nonblocking(), &s) {
+                Outcome::Azsdp(c) => {
+                    info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
+                    sock.set_role(Role::Azsdp(c));
+                    seal(fd);
+                    epoll::adopt(&sock);
+                    0
                 }
-                real::set_errno(e);
-                r
+                Outcome::Tcp(r, e, reason) => {
+                    if let Some(reason) = reason {
+                        info!("-> {dst}: tcp ({})", reason.name());
+                        sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
+                        sock.kernel_epolls.lock().clear();
+                    }
+                    real::set_errno(e);
+                    r
+                }
             }
-        }
+        })
     })
 }
 
@@ -287,35 +338,39 @@ fn release(fd: c_int, sock: Arc<Sock>) {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
-    if let Some(sock) = fdtable::remove(fd) {
-        guard((), || release(fd, sock));
-    } else if epoll::has_sets() {
-        guard((), || epoll::forget_set(fd));
-    }
-    // SAFETY: libc's close.
-    unsafe { real::close(fd) }
+    hook(|| {
+        if let Some(sock) = fdtable::remove(fd) {
+            guard((), || release(fd, sock));
+        } else if epoll::has_sets() {
+            guard((), || epoll::forget_set(fd));
+        }
+        // SAFETY: libc's close.
+        unsafe { real::close(fd) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
-    if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
-        let how = match how {
-            libc::SHUT_RD => Shutdown::Read,
-            libc::SHUT_WR => Shutdown::Write,
-            libc::SHUT_RDWR => Shutdown::Both,
-            _ => {
-                real::set_errno(libc::EINVAL);
-                return -1;
-            }
-        };
-        return guard(-1, || {
-            c.engine.shutdown(how);
-            c.touched();
-            0
-        });
-    }
-    // SAFETY: libc's shutdown.
-    unsafe { real::shutdown(fd, how) }
+    hook(|| {
+        if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
+            let how = match how {
+                libc::SHUT_RD => Shutdown::Read,
+                libc::SHUT_WR => Shutdown::Write,
+                libc::SHUT_RDWR => Shutdown::Both,
+                _ => {
+                    real::set_errno(libc::EINVAL);
+                    return -1;
+                }
+            };
+            return guard(-1, || {
+                c.engine.shutdown(how);
+                c.touched();
+                0
+            });
+        }
+        // SAFETY: libc's shutdown.
+        unsafe { real::shutdown(fd, how) }
+    })
 }
 
 // ----- data ----------------------------------------------------------------
@@ -362,7 +417,12 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
             c.engine.send(buf, flags)
         } else {
             let deadline = sock.opts().sndtimeo.map(|t| Instant::now() + t);
-            c.engine.send_bounded(buf, flags, &limits(deadline))
+            let signals = signals::CallSignals::default();
+            let limits = CallLimits {
+                deadline,
+                on_signal: &|| signals.interrupted(),
+            };
+            c.engine.send_bounded(buf, flags, &limits)
         };
         match r {
             Ok(n) => {
@@ -404,7 +464,12 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
             c.engine.recv(buf, f)
         } else {
             let deadline = sock.opts().rcvtimeo.map(|t| Instant::now() + t);
-            c.engine.recv_bounded(buf, f, &limits(deadline))
+            let signals = signals::CallSignals::default();
+            let limits = CallLimits {
+                deadline,
+                on_signal: &|| signals.interrupted(),
+            };
+            c.engine.recv_bounded(buf, f, &limits)
         };
         match r {
             Ok(0) => break,
@@ -419,15 +484,6 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
         }
     }
     total as ssize_t
-}
-
-/// Bounds of a blocking call: its socket timeout, and EINTR after a
-/// handler without SA_RESTART.
-fn limits(deadline: Option<Instant>) -> CallLimits<'static> {
-    CallLimits {
-        deadline,
-        on_signal: &signals::some_handler_without_restart,
-    }
 }
 
 /// Where a data call goes.
@@ -467,11 +523,13 @@ fn plain(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, len: size_t, flags: c_int) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
-        // SAFETY: libc's send with the program's arguments.
-        Target::Plain(t) => plain(t, true, || unsafe { real::send(fd, buf, len, flags) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            // SAFETY: libc's send with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::send(fd, buf, len, flags) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -483,13 +541,15 @@ pub unsafe extern "C" fn sendto(
     addr: *const sockaddr,
     alen: socklen_t,
 ) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
-        // SAFETY: libc's sendto with the program's arguments.
-        Target::Plain(t) => plain(t, true, || unsafe {
-            real::sendto(fd, buf, len, flags, addr, alen)
-        }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            // SAFETY: libc's sendto with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe {
+                real::sendto(fd, buf, len, flags, addr, alen)
+            }),
+        }
+    })
 }
 
 /// The program's iovec array as (pointer, length) pairs.
@@ -518,46 +578,54 @@ unsafe fn send_iovs(iov: *const libc::iovec, n: usize) -> Vec<(*const u8, usize)
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || {
-            // SAFETY: the program's msghdr and its iovecs.
-            let bufs = unsafe { send_iovs((*msg).msg_iov, (*msg).msg_iovlen) };
-            send_bufs(&s, &c, &bufs, flags)
-        }),
-        // SAFETY: libc's sendmsg with the program's arguments.
-        Target::Plain(t) => plain(t, true, || unsafe { real::sendmsg(fd, msg, flags) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                // SAFETY: the program's msghdr and its iovecs.
+                let bufs = unsafe { send_iovs((*msg).msg_iov, (*msg).msg_iovlen) };
+                send_bufs(&s, &c, &bufs, flags)
+            }),
+            // SAFETY: libc's sendmsg with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::sendmsg(fd, msg, flags) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, len: size_t) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], 0)),
-        // SAFETY: libc's write with the program's arguments.
-        Target::Plain(t) => plain(t, true, || unsafe { real::write(fd, buf, len) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+            // SAFETY: libc's write with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::write(fd, buf, len) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || {
-            // SAFETY: the program's iovecs.
-            let bufs = unsafe { send_iovs(iov, n.max(0) as usize) };
-            send_bufs(&s, &c, &bufs, 0)
-        }),
-        // SAFETY: libc's writev with the program's arguments.
-        Target::Plain(t) => plain(t, true, || unsafe { real::writev(fd, iov, n) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                // SAFETY: the program's iovecs.
+                let bufs = unsafe { send_iovs(iov, n.max(0) as usize) };
+                send_bufs(&s, &c, &bufs, 0)
+            }),
+            // SAFETY: libc's writev with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::writev(fd, iov, n) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], flags)),
-        // SAFETY: libc's recv with the program's arguments.
-        Target::Plain(t) => plain(t, false, || unsafe { real::recv(fd, buf, len, flags) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            // SAFETY: libc's recv with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::recv(fd, buf, len, flags) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -569,62 +637,70 @@ pub unsafe extern "C" fn recvfrom(
     addr: *mut sockaddr,
     alen: *mut socklen_t,
 ) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || {
-            if !alen.is_null() {
-                // SAFETY: the program's length word. A connected stream
-                // socket reports no source address.
-                unsafe { *alen = 0 };
-            }
-            recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
-        }),
-        // SAFETY: libc's recvfrom with the program's arguments.
-        Target::Plain(t) => plain(t, false, || unsafe {
-            real::recvfrom(fd, buf, len, flags, addr, alen)
-        }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                if !alen.is_null() {
+                    // SAFETY: the program's length word. A connected stream
+                    // socket reports no source address.
+                    unsafe { *alen = 0 };
+                }
+                recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
+            }),
+            // SAFETY: libc's recvfrom with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe {
+                real::recvfrom(fd, buf, len, flags, addr, alen)
+            }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || {
-            // SAFETY: the program's msghdr and its iovecs.
-            let bufs = unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen) };
-            let r = recv_bufs(&s, &c, &bufs, flags);
-            // SAFETY: the program's msghdr.
-            unsafe {
-                (*msg).msg_namelen = 0;
-                (*msg).msg_controllen = 0;
-                (*msg).msg_flags = 0;
-            }
-            r
-        }),
-        // SAFETY: libc's recvmsg with the program's arguments.
-        Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                // SAFETY: the program's msghdr and its iovecs.
+                let bufs = unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen) };
+                let r = recv_bufs(&s, &c, &bufs, flags);
+                // SAFETY: the program's msghdr.
+                unsafe {
+                    (*msg).msg_namelen = 0;
+                    (*msg).msg_controllen = 0;
+                    (*msg).msg_flags = 0;
+                }
+                r
+            }),
+            // SAFETY: libc's recvmsg with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], 0)),
-        // SAFETY: libc's read with the program's arguments.
-        Target::Plain(t) => plain(t, false, || unsafe { real::read(fd, buf, len) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+            // SAFETY: libc's read with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::read(fd, buf, len) }),
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
-    match target(fd) {
-        Target::Azsdp(s, c) => guard(-1, || {
-            // SAFETY: the program's iovecs.
-            let bufs = unsafe { iovs::<u8>(iov, n.max(0) as usize) };
-            recv_bufs(&s, &c, &bufs, 0)
-        }),
-        // SAFETY: libc's readv with the program's arguments.
-        Target::Plain(t) => plain(t, false, || unsafe { real::readv(fd, iov, n) }),
-    }
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                // SAFETY: the program's iovecs.
+                let bufs = unsafe { iovs::<u8>(iov, n.max(0) as usize) };
+                recv_bufs(&s, &c, &bufs, 0)
+            }),
+            // SAFETY: libc's readv with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::readv(fd, iov, n) }),
+        }
+    })
 }
 
 /// The same call under its large-file name (python's `os.sendfile`).
@@ -635,12 +711,14 @@ pub unsafe extern "C" fn sendfile64(
     off: *mut off_t,
     count: size_t,
 ) -> ssize_t {
-    if !matches!(target(out), Target::Azsdp(..)) {
-        // SAFETY: libc's sendfile64 with the program's arguments.
-        return unsafe { real::sendfile64(out, inp, off, count) };
-    }
-    // SAFETY: the same call (off_t is 64-bit here).
-    unsafe { sendfile(out, inp, off, count) }
+    hook(|| {
+        if !matches!(target(out), Target::Azsdp(..)) {
+            // SAFETY: libc's sendfile64 with the program's arguments.
+            return unsafe { real::sendfile64(out, inp, off, count) };
+        }
+        // SAFETY: the same call (off_t is 64-bit here).
+        unsafe { sendfile(out, inp, off, count) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -650,43 +728,45 @@ pub unsafe extern "C" fn sendfile(
     off: *mut off_t,
     count: size_t,
 ) -> ssize_t {
-    let (s, c) = match target(out) {
-        Target::Azsdp(s, c) => (s, c),
-        Target::Plain(t) => {
-            // SAFETY: libc's sendfile with the program's arguments.
-            return plain(t, true, || unsafe { real::sendfile(out, inp, off, count) });
-        }
-    };
-    guard(-1, || {
-        // Read a chunk from the file, then send it: one copy more than the
-        // kernel's sendfile, the price of keeping the byte stream ours.
-        let chunk = count.min(1 << 20);
-        let mut buf = vec![0u8; chunk];
-        // SAFETY: reading into our own buffer; `off` is the program's.
-        let got = unsafe {
-            if off.is_null() {
-                real::read(inp, buf.as_mut_ptr().cast(), chunk)
-            } else {
-                libc::pread(inp, buf.as_mut_ptr().cast(), chunk, *off)
+    hook(|| {
+        let (s, c) = match target(out) {
+            Target::Azsdp(s, c) => (s, c),
+            Target::Plain(t) => {
+                // SAFETY: libc's sendfile with the program's arguments.
+                return plain(t, true, || unsafe { real::sendfile(out, inp, off, count) });
             }
         };
-        if got <= 0 {
-            return got;
-        }
-        let sent = send_bufs(&s, &c, &[(buf.as_ptr(), got as usize)], 0);
-        if sent > 0 {
-            // SAFETY: the program's offset, or put back what we did not send.
-            unsafe {
+        guard(-1, || {
+            // Read a chunk from the file, then send it: one copy more than the
+            // kernel's sendfile, the price of keeping the byte stream ours.
+            let chunk = count.min(1 << 20);
+            let mut buf = vec![0u8; chunk];
+            // SAFETY: reading into our own buffer; `off` is the program's.
+            let got = unsafe {
                 if off.is_null() {
-                    if sent < got {
-                        libc::lseek(inp, (sent - got) as off_t, libc::SEEK_CUR);
-                    }
+                    real::read(inp, buf.as_mut_ptr().cast(), chunk)
                 } else {
-                    *off += sent as off_t;
+                    libc::pread(inp, buf.as_mut_ptr().cast(), chunk, *off)
+                }
+            };
+            if got <= 0 {
+                return got;
+            }
+            let sent = send_bufs(&s, &c, &[(buf.as_ptr(), got as usize)], 0);
+            if sent > 0 {
+                // SAFETY: the program's offset, or put back what we did not send.
+                unsafe {
+                    if off.is_null() {
+                        if sent < got {
+                            libc::lseek(inp, (sent - got) as off_t, libc::SEEK_CUR);
+                        }
+                    } else {
+                        *off += sent as off_t;
+                    }
                 }
             }
-        }
-        sent
+            sent
+        })
     })
 }
 
@@ -715,13 +795,15 @@ pub unsafe extern "C" fn __read_chk(
     len: size_t,
     buflen: size_t,
 ) -> ssize_t {
-    if !upgraded(fd) {
-        // SAFETY: libc's __read_chk with the program's arguments.
-        return unsafe { real::__read_chk(fd, buf, len, buflen) };
-    }
-    chk(len, buflen);
-    // SAFETY: the shim's read with the program's arguments.
-    unsafe { read(fd, buf, len) }
+    hook(|| {
+        if !upgraded(fd) {
+            // SAFETY: libc's __read_chk with the program's arguments.
+            return unsafe { real::__read_chk(fd, buf, len, buflen) };
+        }
+        chk(len, buflen);
+        // SAFETY: the shim's read with the program's arguments.
+        unsafe { read(fd, buf, len) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -732,13 +814,15 @@ pub unsafe extern "C" fn __recv_chk(
     buflen: size_t,
     flags: c_int,
 ) -> ssize_t {
-    if !upgraded(fd) {
-        // SAFETY: libc's __recv_chk with the program's arguments.
-        return unsafe { real::__recv_chk(fd, buf, len, buflen, flags) };
-    }
-    chk(len, buflen);
-    // SAFETY: the shim's recv with the program's arguments.
-    unsafe { recv(fd, buf, len, flags) }
+    hook(|| {
+        if !upgraded(fd) {
+            // SAFETY: libc's __recv_chk with the program's arguments.
+            return unsafe { real::__recv_chk(fd, buf, len, buflen, flags) };
+        }
+        chk(len, buflen);
+        // SAFETY: the shim's recv with the program's arguments.
+        unsafe { recv(fd, buf, len, flags) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -751,13 +835,15 @@ pub unsafe extern "C" fn __recvfrom_chk(
     addr: *mut sockaddr,
     alen: *mut socklen_t,
 ) -> ssize_t {
-    if !upgraded(fd) {
-        // SAFETY: libc's __recvfrom_chk with the program's arguments.
-        return unsafe { real::__recvfrom_chk(fd, buf, len, buflen, flags, addr, alen) };
-    }
-    chk(len, buflen);
-    // SAFETY: the shim's recvfrom with the program's arguments.
-    unsafe { recvfrom(fd, buf, len, flags, addr, alen) }
+    hook(|| {
+        if !upgraded(fd) {
+            // SAFETY: libc's __recvfrom_chk with the program's arguments.
+            return unsafe { real::__recvfrom_chk(fd, buf, len, buflen, flags, addr, alen) };
+        }
+        chk(len, buflen);
+        // SAFETY: the shim's recvfrom with the program's arguments.
+        unsafe { recvfrom(fd, buf, len, flags, addr, alen) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -767,9 +853,11 @@ pub unsafe extern "C" fn __poll_chk(
     timeout: c_int,
     fdslen: size_t,
 ) -> c_int {
-    chk(n as usize * std::mem::size_of::<pollfd>(), fdslen);
-    // SAFETY: the shim's poll with the program's arguments.
-    unsafe { poll(fds, n, timeout) }
+    hook(|| {
+        chk(n as usize * std::mem::size_of::<pollfd>(), fdslen);
+        // SAFETY: the shim's poll with the program's arguments.
+        unsafe { poll(fds, n, timeout) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -780,29 +868,33 @@ pub unsafe extern "C" fn __ppoll_chk(
     mask: *const sigset_t,
     fdslen: size_t,
 ) -> c_int {
-    chk(n as usize * std::mem::size_of::<pollfd>(), fdslen);
-    // SAFETY: the shim's ppoll with the program's arguments.
-    unsafe { ppoll(fds, n, ts, mask) }
+    hook(|| {
+        chk(n as usize * std::mem::size_of::<pollfd>(), fdslen);
+        // SAFETY: the shim's ppoll with the program's arguments.
+        unsafe { ppoll(fds, n, ts, mask) }
+    })
 }
 
 // ----- readiness -----------------------------------------------------------
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
-    // SAFETY: the program's array of n entries.
-    let r = guard(Some(-1), || unsafe {
-        ready::poll(
-            fds,
-            n as usize,
-            ready::ms_timeout(timeout),
-            std::ptr::null(),
-        )
-    });
-    if let Some(r) = r {
-        return r;
-    }
-    // SAFETY: libc's poll.
-    unsafe { real::poll(fds, n, timeout) }
+    hook(|| {
+        // SAFETY: the program's array of n entries.
+        let r = guard(Some(-1), || unsafe {
+            ready::poll(
+                fds,
+                n as usize,
+                ready::ms_timeout(timeout),
+                std::ptr::null(),
+            )
+        });
+        if let Some(r) = r {
+            return r;
+        }
+        // SAFETY: libc's poll.
+        unsafe { real::poll(fds, n, timeout) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -812,24 +904,24 @@ pub unsafe extern "C" fn ppoll(
     ts: *const timespec,
     mask: *const sigset_t,
 ) -> c_int {
-    // SAFETY: the program's array of n entries.
-    let r = guard(Some(-1), || unsafe {
-        ready::poll(fds, n as usize, ready::ts_timeout(ts), mask)
-    });
-    if let Some(r) = r {
-        return r;
-    }
-    // SAFETY: libc's ppoll.
-    unsafe { real::ppoll(fds, n, ts, mask) }
-}
-
-/// Does any descriptor below `n` in these sets belong to an upgraded socket?
-unsafe fn sets_involve_upgraded(n: c_int, sets: [*mut fd_set; 3]) -> bool {
-    (0..n.max(0)).any(|fd| {
-        // SAFETY: FD_ISSET below n on the program's sets.
-        sets.iter()
-            .any(|s| !s.is_null() && unsafe { libc::FD_ISSET(fd, *s) })
-            && fdtable::get(fd).is_some_and(|s| s.conn().is_some())
+    hook(|| {
+        let timeout = if azsdp::process::active() {
+            match ready::ts_timeout(ts) {
+                Ok(t) => t,
+                Err(e) => return fail_with(e),
+            }
+        } else {
+            None
+        };
+        // SAFETY: the program's array is reached only through the kernel.
+        let r = guard(Some(-1), || unsafe {
+            ready::poll(fds, n as usize, timeout, mask)
+        });
+        if let Some(r) = r {
+            return r;
+        }
+        // SAFETY: libc's ppoll.
+        unsafe { real::ppoll(fds, n, ts, mask) }
     })
 }
 
@@ -841,23 +933,48 @@ pub unsafe extern "C" fn select(
     e: *mut fd_set,
     tv: *mut timeval,
 ) -> c_int {
-    // SAFETY: the program's sets, in all calls.
-    if unsafe { sets_involve_upgraded(n, [r, w, e]) } {
-        let timeout = (!tv.is_null()).then(|| {
-            // SAFETY: the program's timeval.
-            let t = unsafe { *tv };
-            std::time::Duration::new(
-                t.tv_sec.max(0) as u64,
-                (t.tv_usec.clamp(0, 999_999) * 1000) as u32,
-            )
-        });
-        // SAFETY: the program's sets and timeout.
-        return guard(-1, || unsafe {
-            ready::select(n, r, w, e, timeout, std::ptr::null())
-        });
+    hook(|| {
+        let ptrs = [r, w, e];
+        let sets = match upgraded_sets(n, ptrs) {
+            Ok(Some(sets)) => sets,
+            // SAFETY: libc's select.
+            Ok(None) => return unsafe { real::select(n, r, w, e, tv) },
+            Err(e) => return fail_with(e),
+        };
+        let timeout = match ready::tv_timeout(tv) {
+            Ok(t) => t,
+            Err(e) => return fail_with(e),
+        };
+        let t0 = Instant::now();
+        let r = guard(-1, || ready::select(&sets, ptrs, timeout, std::ptr::null()));
+        // Linux's select leaves the time not slept in the timeval.
+        if let Some(t) = timeout {
+            let _keep = real::KeepErrno::new();
+            let left = t.saturating_sub(t0.elapsed());
+            let v = timeval {
+                tv_sec: left.as_secs() as libc::time_t,
+                tv_usec: left.subsec_micros() as libc::suseconds_t,
+            };
+            let _ = crate::user_mem::write(tv, &[v]);
+        }
+        r
+    })
+}
+
+/// The program's fd_sets if they involve an upgraded socket (`None`: let
+/// the kernel do it all), or `select`'s error for them.
+fn upgraded_sets(n: c_int, ptrs: [*mut fd_set; 3]) -> Result<Option<ready::Sets>, c_int> {
+    if !azsdp::process::active() {
+        return Ok(None);
     }
-    // SAFETY: libc's select.
-    unsafe { real::select(n, r, w, e, tv) }
+    let sets = ready::Sets::read(n, ptrs)?;
+    Ok(sets.involve_upgraded().then_some(sets))
+}
+
+/// Fail an interposed call with `e`.
+fn fail_with(e: c_int) -> c_int {
+    real::set_errno(e);
+    -1
 }
 
 #[unsafe(no_mangle)]
@@ -869,29 +986,38 @@ pub unsafe extern "C" fn pselect(
     ts: *const timespec,
     mask: *const sigset_t,
 ) -> c_int {
-    // SAFETY: the program's sets, in all calls.
-    if unsafe { sets_involve_upgraded(n, [r, w, e]) } {
-        // SAFETY: the program's sets and timeout.
-        return guard(-1, || unsafe {
-            ready::select(n, r, w, e, ready::ts_timeout(ts), mask)
-        });
-    }
-    // SAFETY: libc's pselect.
-    unsafe { real::pselect(n, r, w, e, ts, mask) }
+    hook(|| {
+        let ptrs = [r, w, e];
+        let sets = match upgraded_sets(n, ptrs) {
+            Ok(Some(sets)) => sets,
+            // SAFETY: libc's pselect.
+            Ok(None) => return unsafe { real::pselect(n, r, w, e, ts, mask) },
+            Err(e) => return fail_with(e),
+        };
+        let timeout = match ready::ts_timeout(ts) {
+            Ok(t) => t,
+            Err(e) => return fail_with(e),
+        };
+        guard(-1, || ready::select(&sets, ptrs, timeout, mask))
+    })
 }
 
 /// Passed through: the shim's part of a set is made when an upgraded
 /// socket first joins it (`epoll_ctl`), and dropped when it is closed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
-    // SAFETY: libc's epoll_create.
-    unsafe { real::epoll_create(size) }
+    hook(|| {
+        // SAFETY: libc's epoll_create.
+        unsafe { real::epoll_create(size) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
-    // SAFETY: libc's epoll_create1.
-    unsafe { real::epoll_create1(flags) }
+    hook(|| {
+        // SAFETY: libc's epoll_create1.
+        unsafe { real::epoll_create1(flags) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -901,32 +1027,34 @@ pub unsafe extern "C" fn epoll_ctl(
     fd: c_int,
     ev: *mut epoll_event,
 ) -> c_int {
-    let Some(sock) = fdtable::get(fd) else {
-        // SAFETY: libc's epoll_ctl.
-        return unsafe { real::epoll_ctl(epfd, op, fd, ev) };
-    };
-    guard(-1, || {
-        // SAFETY: the program's event, if any.
-        let event = (!ev.is_null()).then(|| unsafe { *ev });
-        if sock.conn().is_some() {
-            return epoll::ctl(epfd, op, fd, sock, event);
-        }
-        // SAFETY: libc's epoll_ctl.
-        let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
-        if r == 0 && matches!(sock.role(), Role::Fresh) {
-            // Remember it: if the socket is upgraded, it moves to our part.
-            let mut regs = sock.kernel_epolls.lock();
-            regs.retain(|x| !(x.epfd == epfd && x.fd == fd));
-            if let (true, Some(e)) = (op != libc::EPOLL_CTL_DEL, event) {
-                regs.push(EpollReg {
-                    epfd,
-                    fd,
-                    events: e.events,
-                    data: e.u64,
-                });
+    hook(|| {
+        let Some(sock) = fdtable::get(fd) else {
+            // SAFETY: libc's epoll_ctl.
+            return unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+        };
+        guard(-1, || {
+            // SAFETY: the program's event, if any.
+            let event = (!ev.is_null()).then(|| unsafe { *ev });
+            if sock.conn().is_some() {
+                return epoll::ctl(epfd, op, fd, sock, event);
             }
-        }
-        r
+            // SAFETY: libc's epoll_ctl.
+            let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+            if r == 0 && matches!(sock.role(), Role::Fresh) {
+                // Remember it: if the socket is upgraded, it moves to our part.
+                let mut regs = sock.kernel_epolls.lock();
+                regs.retain(|x| !(x.epfd == epfd && x.fd == fd));
+                if let (true, Some(e)) = (op != libc::EPOLL_CTL_DEL, event) {
+                    regs.push(EpollReg {
+                        epfd,
+                        fd,
+                        events: e.events,
+                        data: e.u64,
+                    });
+                }
+            }
+            r
+        })
     })
 }
 
@@ -937,8 +1065,10 @@ pub unsafe extern "C" fn epoll_wait(
     max: c_int,
     timeout: c_int,
 ) -> c_int {
-    // SAFETY: forwarded.
-    unsafe { epoll_pwait(epfd, ev, max, timeout, std::ptr::null()) }
+    hook(|| {
+        // SAFETY: forwarded.
+        unsafe { epoll_pwait(epfd, ev, max, timeout, std::ptr::null()) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -949,17 +1079,19 @@ pub unsafe extern "C" fn epoll_pwait(
     timeout: c_int,
     mask: *const sigset_t,
 ) -> c_int {
-    if epoll::has_sets() {
-        // SAFETY: the program's array of max entries.
-        let r = guard(Some(-1), || unsafe {
-            epoll::wait(epfd, ev, max, ready::ms_timeout(timeout), mask)
-        });
-        if let Some(r) = r {
-            return r;
+    hook(|| {
+        if epoll::has_sets() {
+            // SAFETY: the program's array of max entries.
+            let r = guard(Some(-1), || unsafe {
+                epoll::wait(epfd, ev, max, ready::ms_timeout(timeout), mask)
+            });
+            if let Some(r) = r {
+                return r;
+            }
         }
-    }
-    // SAFETY: libc's epoll_pwait.
-    unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) }
+        // SAFETY: libc's epoll_pwait.
+        unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) }
+    })
 }
 
 // ----- descriptors and options ------------------------------------------------
@@ -981,17 +1113,21 @@ fn replaced(fd: c_int) {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
-    // SAFETY: libc's fcntl with the program's argument word.
-    let r = unsafe { real::fcntl(fd, cmd, arg) };
-    fcntl_done(fd, cmd, arg, r)
+    hook(|| {
+        // SAFETY: libc's fcntl with the program's argument word.
+        let r = unsafe { real::fcntl(fd, cmd, arg) };
+        fcntl_done(fd, cmd, arg, r)
+    })
 }
 
 /// What programs built with `_FILE_OFFSET_BITS=64` call (python, redis).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
-    // SAFETY: libc's fcntl64 with the program's argument word.
-    let r = unsafe { real::fcntl64(fd, cmd, arg) };
-    fcntl_done(fd, cmd, arg, r)
+    hook(|| {
+        // SAFETY: libc's fcntl64 with the program's argument word.
+        let r = unsafe { real::fcntl64(fd, cmd, arg) };
+        fcntl_done(fd, cmd, arg, r)
+    })
 }
 
 /// Follow what a successful `fcntl` did to a tracked socket.
@@ -1012,42 +1148,46 @@ fn fcntl_done(fd: c_int, cmd: c_int, arg: usize, r: c_int) -> c_int {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
-    if let Some(sock) = fdtable::get(fd) {
-        if req == libc::FIONREAD as c_ulong {
-            if let Some(c) = sock.conn() {
-                if arg == 0 {
-                    real::set_errno(libc::EFAULT);
-                    return -1;
+    hook(|| {
+        if let Some(sock) = fdtable::get(fd) {
+            if req == libc::FIONREAD as c_ulong {
+                if let Some(c) = sock.conn() {
+                    if arg == 0 {
+                        real::set_errno(libc::EFAULT);
+                        return -1;
+                    }
+                    let n = guard(0, || c.engine.readable_bytes());
+                    // SAFETY: FIONREAD's argument is the program's int.
+                    unsafe { *(arg as *mut c_int) = n.min(c_int::MAX as u64) as c_int };
+                    return 0;
                 }
-                let n = guard(0, || c.engine.readable_bytes());
-                // SAFETY: FIONREAD's argument is the program's int.
-                unsafe { *(arg as *mut c_int) = n.min(c_int::MAX as u64) as c_int };
-                return 0;
             }
+            // SAFETY: libc's ioctl.
+            let r = unsafe { real::ioctl(fd, req, arg) };
+            if r == 0 && req == libc::FIONBIO as c_ulong && arg != 0 {
+                // SAFETY: FIONBIO's argument is the program's int.
+                let on = unsafe { *(arg as *const c_int) } != 0;
+                sock.nonblocking.store(on, Ordering::Relaxed);
+            }
+            return r;
         }
         // SAFETY: libc's ioctl.
-        let r = unsafe { real::ioctl(fd, req, arg) };
-        if r == 0 && req == libc::FIONBIO as c_ulong && arg != 0 {
-            // SAFETY: FIONBIO's argument is the program's int.
-            let on = unsafe { *(arg as *const c_int) } != 0;
-            sock.nonblocking.store(on, Ordering::Relaxed);
-        }
-        return r;
-    }
-    // SAFETY: libc's ioctl.
-    unsafe { real::ioctl(fd, req, arg) }
+        unsafe { real::ioctl(fd, req, arg) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
-    // SAFETY: libc's dup.
-    let r = unsafe { real::dup(fd) };
-    if r >= 0 {
-        if let Some(sock) = fdtable::get(fd) {
-            guard((), || dup_into(r, sock));
+    hook(|| {
+        // SAFETY: libc's dup.
+        let r = unsafe { real::dup(fd) };
+        if r >= 0 {
+            if let Some(sock) = fdtable::get(fd) {
+                guard((), || dup_into(r, sock));
+            }
         }
-    }
-    r
+        r
+    })
 }
 
 unsafe fn dup2_impl(fd: c_int, fd2: c_int, flags: Option<c_int>) -> c_int {
@@ -1071,14 +1211,18 @@ unsafe fn dup2_impl(fd: c_int, fd2: c_int, flags: Option<c_int>) -> c_int {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dup2(fd: c_int, fd2: c_int) -> c_int {
-    // SAFETY: forwarded.
-    unsafe { dup2_impl(fd, fd2, None) }
+    hook(|| {
+        // SAFETY: forwarded.
+        unsafe { dup2_impl(fd, fd2, None) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dup3(fd: c_int, fd2: c_int, flags: c_int) -> c_int {
-    // SAFETY: forwarded.
-    unsafe { dup2_impl(fd, fd2, Some(flags)) }
+    hook(|| {
+        // SAFETY: forwarded.
+        unsafe { dup2_impl(fd, fd2, Some(flags)) }
+    })
 }
 
 fn timeval_duration(val: *const c_void, len: socklen_t) -> Option<std::time::Duration> {
@@ -1102,28 +1246,32 @@ pub unsafe extern "C" fn setsockopt(
     val: *const c_void,
     len: socklen_t,
 ) -> c_int {
-    // The kernel socket takes every option (buffer sizes, TCP_NODELAY,
-    // keepalive...): harmless for an upgraded one, and right if it stays TCP.
-    // SAFETY: libc's setsockopt.
-    let r = unsafe { real::setsockopt(fd, level, name, val, len) };
-    if r == 0 && level == libc::SOL_SOCKET {
-        if let Some(sock) = fdtable::get(fd) {
-            guard((), || {
-                let mut o = sock.opts.lock();
-                match name {
-                    libc::SO_RCVTIMEO => o.rcvtimeo = timeval_duration(val, len),
-                    libc::SO_SNDTIMEO => o.sndtimeo = timeval_duration(val, len),
-                    libc::SO_LINGER if (len as usize) >= std::mem::size_of::<libc::linger>() => {
-                        // SAFETY: a linger of the program's, length checked.
-                        let l = unsafe { std::ptr::read_unaligned(val.cast::<libc::linger>()) };
-                        o.linger_abort = l.l_onoff != 0 && l.l_linger == 0;
+    hook(|| {
+        // The kernel socket takes every option (buffer sizes, TCP_NODELAY,
+        // keepalive...): harmless for an upgraded one, and right if it stays TCP.
+        // SAFETY: libc's setsockopt.
+        let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+        if r == 0 && level == libc::SOL_SOCKET {
+            if let Some(sock) = fdtable::get(fd) {
+                guard((), || {
+                    let mut o = sock.opts.lock();
+                    match name {
+                        libc::SO_RCVTIMEO => o.rcvtimeo = timeval_duration(val, len),
+                        libc::SO_SNDTIMEO => o.sndtimeo = timeval_duration(val, len),
+                        libc::SO_LINGER
+                            if (len as usize) >= std::mem::size_of::<libc::linger>() =>
+                        {
+                            // SAFETY: a linger of the program's, length checked.
+                            let l = unsafe { std::ptr::read_unaligned(val.cast::<libc::linger>()) };
+                            o.linger_abort = l.l_onoff != 0 && l.l_linger == 0;
+                        }
+                        _ => {}
                     }
-                    _ => {}
-                }
-            });
+                });
+            }
         }
-    }
-    r
+        r
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -1134,31 +1282,33 @@ pub unsafe extern "C" fn getsockopt(
     val: *mut c_void,
     len: *mut socklen_t,
 ) -> c_int {
-    if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
-        if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
-            if val.is_null() || len.is_null() {
-                real::set_errno(libc::EFAULT);
-                return -1;
-            }
-            let err = match c.engine.state() {
-                azsdp::conn::State::Aborted(r) => match r.call_error() {
-                    CallError::TimedOut => libc::ETIMEDOUT,
-                    _ => libc::ECONNRESET,
-                },
-                _ => 0,
-            };
-            // SAFETY: the program's int and length.
-            unsafe {
-                if (*len as usize) >= std::mem::size_of::<c_int>() {
-                    *(val.cast::<c_int>()) = err;
-                    *len = std::mem::size_of::<c_int>() as socklen_t;
+    hook(|| {
+        if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
+            if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
+                if val.is_null() || len.is_null() {
+                    real::set_errno(libc::EFAULT);
+                    return -1;
                 }
+                let err = match c.engine.state() {
+                    azsdp::conn::State::Aborted(r) => match r.call_error() {
+                        CallError::TimedOut => libc::ETIMEDOUT,
+                        _ => libc::ECONNRESET,
+                    },
+                    _ => 0,
+                };
+                // SAFETY: the program's int and length.
+                unsafe {
+                    if (*len as usize) >= std::mem::size_of::<c_int>() {
+                        *(val.cast::<c_int>()) = err;
+                        *len = std::mem::size_of::<c_int>() as socklen_t;
+                    }
+                }
+                return 0;
             }
-            return 0;
         }
-    }
-    // SAFETY: libc's getsockopt.
-    unsafe { real::getsockopt(fd, level, name, val, len) }
+        // SAFETY: libc's getsockopt.
+        unsafe { real::getsockopt(fd, level, name, val, len) }
+    })
 }
 
 /// An upgraded socket's name, as the kernel would give it: the kernel
@@ -1177,35 +1327,41 @@ fn upgraded_name(fd: c_int, peer: bool, addr: *mut sockaddr, len: *mut socklen_t
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
-    if let Some(r) = guard(Some(-1), || upgraded_name(fd, false, addr, len)) {
-        return r;
-    }
-    // SAFETY: libc's getsockname.
-    unsafe { real::getsockname(fd, addr, len) }
+    hook(|| {
+        if let Some(r) = guard(Some(-1), || upgraded_name(fd, false, addr, len)) {
+            return r;
+        }
+        // SAFETY: libc's getsockname.
+        unsafe { real::getsockname(fd, addr, len) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
-    if let Some(r) = guard(Some(-1), || upgraded_name(fd, true, addr, len)) {
-        return r;
-    }
-    // SAFETY: libc's getpeername.
-    unsafe { real::getpeername(fd, addr, len) }
+    hook(|| {
+        if let Some(r) = guard(Some(-1), || upgraded_name(fd, true, addr, len)) {
+            return r;
+        }
+        // SAFETY: libc's getpeername.
+        unsafe { real::getpeername(fd, addr, len) }
+    })
 }
 
 // ----- process and memory ------------------------------------------------------
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fork() -> libc::pid_t {
-    // The core's pthread_atfork handlers settle in-flight pages and freeze
-    // every connection; whichever process uses one first takes it (see
-    // docs/shim.md).
-    // SAFETY: libc's fork.
-    let pid = unsafe { real::fork() };
-    if pid == 0 {
-        guard((), runtime::after_fork_in_child);
-    }
-    pid
+    hook(|| {
+        // The core's pthread_atfork handlers settle in-flight pages and freeze
+        // every connection; whichever process uses one first takes it (see
+        // docs/shim.md).
+        // SAFETY: libc's fork.
+        let pid = unsafe { real::fork() };
+        if pid == 0 {
+            guard((), runtime::after_fork_in_child);
+        }
+        pid
+    })
 }
 
 /// vfork's child would share our address space (and its protected pages)
@@ -1213,8 +1369,10 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
 /// reading of vfork's contract.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn vfork() -> libc::pid_t {
-    // SAFETY: our fork, above.
-    unsafe { fork() }
+    hook(|| {
+        // SAFETY: our fork, above.
+        unsafe { fork() }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -1222,7 +1380,7 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
     if !p.is_null() && azsdp::process::active() {
         // SAFETY: p is a live malloc chunk (free's contract).
         let n = unsafe { real::usable_size(p) };
-        let _ = std::panic::catch_unwind(|| azsdp::process::before_free(p as u64, n as u64));
+        quietly(|| azsdp::process::before_free(p as u64, n as u64));
     }
     // SAFETY: libc's free.
     unsafe { real::free(p) }
@@ -1233,7 +1391,7 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
     if !p.is_null() && azsdp::process::active() {
         // SAFETY: p is a live malloc chunk (realloc's contract).
         let u = unsafe { real::usable_size(p) };
-        let _ = std::panic::catch_unwind(|| azsdp::process::before_realloc(p as u64, u as u64));
+        quietly(|| azsdp::process::before_realloc(p as u64, u as u64));
     }
     // SAFETY: libc's realloc.
     unsafe { real::realloc(p, n) }
@@ -1241,11 +1399,11 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
-    let _ = std::panic::catch_unwind(|| azsdp::process::before_unmap(addr as u64, len as u64));
+    quietly(|| azsdp::process::before_unmap(addr as u64, len as u64));
     // SAFETY: libc's munmap.
     let r = unsafe { real::munmap(addr, len) };
     if r == 0 {
-        let _ = std::panic::catch_unwind(|| azsdp::process::after_unmap(addr as u64, len as u64));
+        quietly(|| azsdp::process::after_unmap(addr as u64, len as u64));
     }
     r
 }
@@ -1262,7 +1420,7 @@ pub unsafe extern "C" fn mmap(
     // SAFETY: libc's mmap.
     let r = unsafe { real::mmap(addr, len, prot, flags, fd, off) };
     if r != libc::MAP_FAILED {
-        let _ = std::panic::catch_unwind(|| azsdp::process::after_mmap(r as u64, flags));
+        quietly(|| azsdp::process::after_mmap(r as u64, flags));
     }
     r
 }
@@ -1275,21 +1433,18 @@ pub unsafe extern "C" fn mremap(
     flags: c_int,
     new_addr: *mut c_void,
 ) -> *mut c_void {
-    let _ = std::panic::catch_unwind(|| azsdp::process::before_remap(old as u64, old_len as u64));
+    quietly(|| azsdp::process::before_remap(old as u64, old_len as u64));
     // SAFETY: libc's mremap (new_addr is read only with MREMAP_FIXED).
     let r = unsafe { real::mremap(old, old_len, new_len, flags, new_addr) };
     if r != libc::MAP_FAILED {
-        let _ =
-            std::panic::catch_unwind(|| azsdp::process::after_remap(old as u64, old_len as u64));
+        quietly(|| azsdp::process::after_remap(old as u64, old_len as u64));
     }
     r
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
-    let _ = std::panic::catch_unwind(|| {
-        azsdp::process::before_madvise(addr as u64, len as u64, advice)
-    });
+    quietly(|| azsdp::process::before_madvise(addr as u64, len as u64, advice));
     // SAFETY: libc's madvise.
     unsafe { real::madvise(addr, len, advice) }
 }

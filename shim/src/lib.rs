@@ -26,6 +26,7 @@ mod real;
 mod runtime;
 mod signals;
 mod sock;
+mod user_mem;
 
 use std::ffi::c_char;
 

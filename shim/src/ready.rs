@@ -58,8 +58,10 @@ impl Wakeup {
         azsdp::driver::standby::end();
     }
 
-    /// Awake again: drop what notifications came.
+    /// Awake again: drop what notifications came (errno untouched: this
+    /// runs right after the call whose error is the program's).
     pub fn disarm(&self) {
+        let _keep = real::KeepErrno::new();
         if self.asleep.swap(false, Ordering::SeqCst) {
             ARMED.fetch_sub(1, Ordering::SeqCst);
         }
@@ -69,6 +71,7 @@ impl Wakeup {
     }
 
     fn ring(&self) {
+        let _keep = real::KeepErrno::new();
         if self.asleep.load(Ordering::SeqCst) {
             let one = 1u64;
             // SAFETY: write of 8 bytes from our own u64.
@@ -131,31 +134,51 @@ pub fn poll_bits(r: &Readiness, wanted: c_short) -> c_short {
 /// Longest sleep between looks, a safety net under the notifications.
 const SLICE: Duration = Duration::from_millis(100);
 
-/// `poll`/`ppoll` over `fds`; `None` if none of them is upgraded (the
-/// caller asks the kernel). `timeout` `None` waits for ever. Returns what
-/// `poll` returns (errno set on -1).
+/// `poll`/`ppoll` over the program's `fds`; `None` if none of them is
+/// upgraded (the caller asks the kernel, which then checks everything
+/// itself). `timeout` `None` waits for ever. Returns what `poll` returns
+/// (errno set on -1). Arguments the kernel would refuse get its error:
+/// `n` above the descriptor limit is EINVAL, an array the kernel cannot
+/// read or write all of is EFAULT; nothing is read before that is known.
 ///
 /// # Safety
-/// `fds` must be null or the program's array of `n` entries.
+/// None beyond the call's: `fds` is only reached through the kernel.
 pub unsafe fn poll(
     fds: *mut pollfd,
     n: usize,
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> Option<c_int> {
-    if fds.is_null() {
+    if !azsdp::process::active() {
+        // No upgraded socket in this process: nothing to look at.
         return None;
     }
-    // SAFETY: the caller's array.
-    let fds = unsafe { std::slice::from_raw_parts_mut(fds, n) };
-    let conns: Vec<Option<Arc<crate::conn::Conn>>> = fds
+    if n as u64 > crate::user_mem::fd_limit() {
+        real::set_errno(libc::EINVAL);
+        return Some(-1);
+    }
+    let mut copy = match crate::user_mem::read(fds, n) {
+        Ok(v) => v,
+        Err(e) => {
+            real::set_errno(e);
+            return Some(-1);
+        }
+    };
+    let conns: Vec<Option<Arc<crate::conn::Conn>>> = copy
         .iter()
         .map(|p| crate::fdtable::get(p.fd).and_then(|s| s.conn()))
         .collect();
     if conns.iter().all(Option::is_none) {
         return None;
     }
-    Some(poll_upgraded(fds, &conns, timeout, mask))
+    let r = poll_upgraded(&mut copy, &conns, timeout, mask);
+    if r >= 0
+        && let Err(e) = crate::user_mem::write(fds, &copy)
+    {
+        real::set_errno(e);
+        return Some(-1);
+    }
+    Some(r)
 }
 
 fn poll_upgraded(
@@ -165,6 +188,8 @@ fn poll_upgraded(
     mask: *const libc::sigset_t,
 ) -> c_int {
     let deadline = timeout.map(|t| Instant::now() + t);
+    let window = SignalWindow::open();
+    let mask = window.wait_mask(mask);
     let wake = my_wakeup();
     // The kernel's part: every entry, with upgraded ones disabled (fd -1),
     // plus our eventfd at the end.
@@ -240,40 +265,160 @@ pub fn ms_timeout(ms: c_int) -> Option<Duration> {
     (ms >= 0).then(|| Duration::from_millis(ms as u64))
 }
 
-pub fn ts_timeout(ts: *const libc::timespec) -> Option<Duration> {
+/// A `ppoll`/`pselect`/`epoll_pwait2`-style timeout (null: none), read
+/// through the kernel: EFAULT if unreadable, EINVAL if not a valid time.
+pub fn ts_timeout(ts: *const libc::timespec) -> Result<Option<Duration>, c_int> {
     if ts.is_null() {
-        return None;
+        return Ok(None);
     }
-    // SAFETY: the program's timespec.
-    let t = unsafe { *ts };
-    Some(Duration::new(
-        t.tv_sec.max(0) as u64,
-        t.tv_nsec.clamp(0, 999_999_999) as u32,
+    let [t] = crate::user_mem::read(ts, 1)?[..] else {
+        return Err(libc::EFAULT);
+    };
+    if t.tv_sec < 0 || !(0..1_000_000_000).contains(&t.tv_nsec) {
+        return Err(libc::EINVAL);
+    }
+    Ok(Some(Duration::new(t.tv_sec as u64, t.tv_nsec as u32)))
+}
+
+/// A `select` timeout (null: none), read through the kernel. As Linux
+/// does, microseconds past a second carry into the seconds; a negative
+/// part is EINVAL.
+pub fn tv_timeout(tv: *const libc::timeval) -> Result<Option<Duration>, c_int> {
+    if tv.is_null() {
+        return Ok(None);
+    }
+    let [t] = crate::user_mem::read(tv, 1)?[..] else {
+        return Err(libc::EFAULT);
+    };
+    if t.tv_sec < 0 || t.tv_usec < 0 {
+        return Err(libc::EINVAL);
+    }
+    let (sec, usec) = (t.tv_sec as u64, t.tv_usec as u64);
+    Ok(Some(
+        Duration::from_secs(sec.saturating_add(usec / 1_000_000))
+            + Duration::from_micros(usec % 1_000_000),
     ))
 }
 
-/// `select`/`pselect` through [`poll`].
-///
-/// # Safety
-/// The fd_sets must be null or the program's sets of at least `nfds` bits.
-pub unsafe fn select(
+/// While a waiting call runs our code, asynchronous signals stay pending;
+/// the kernel waits install the program's mask for their duration (as
+/// `ppoll`/`epoll_pwait` do atomically), so a signal that comes at any
+/// moment of the call ends it with EINTR, as it would the real call. (With
+/// signals open, one that came between our kernel waits was handled and
+/// interrupted nothing: redis on SIGTERM waited for its next event.)
+pub struct SignalWindow {
+    old: libc::sigset_t,
+}
+
+impl SignalWindow {
+    pub fn open() -> SignalWindow {
+        // SAFETY: sigset_t is plain data; the calls fill our own sets and
+        // change only the calling thread's mask.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            azsdp::threads::async_signals(&mut set);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old);
+            SignalWindow { old }
+        }
+    }
+
+    /// The mask for the kernel wait: the program's own (`mask`, for the
+    /// calls that take one), else the one it had when the call began.
+    pub fn wait_mask(&self, mask: *const libc::sigset_t) -> *const libc::sigset_t {
+        if mask.is_null() { &self.old } else { mask }
+    }
+
+    /// The mask the thread had when the call began.
+    pub fn program_mask(&self) -> &libc::sigset_t {
+        &self.old
+    }
+
+    /// Let the pending signals the program does not block run their
+    /// handlers now, then keep the window shut again.
+    pub fn deliver(&self) {
+        let _keep = real::KeepErrno::new();
+        // SAFETY: switching the thread's own mask to its own saved one and
+        // back (pending signals are delivered in between).
+        unsafe {
+            let mut shut: libc::sigset_t = std::mem::zeroed();
+            libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, &mut shut);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &shut, std::ptr::null_mut());
+        }
+    }
+}
+
+impl Drop for SignalWindow {
+    fn drop(&mut self) {
+        let _keep = real::KeepErrno::new();
+        // SAFETY: restoring the thread's own mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
+    }
+}
+
+/// The kernel's descriptor table size (`FDSize` in /proc/self/status):
+/// `select` looks at no more bits than that, whatever `nfds` says.
+fn fd_table_size() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("FDSize:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(libc::FD_SETSIZE)
+}
+
+/// The program's three fd_sets, copied through the kernel, for `nfds` bits.
+pub struct Sets {
     nfds: c_int,
-    r: *mut libc::fd_set,
-    w: *mut libc::fd_set,
-    e: *mut libc::fd_set,
+    sets: [Option<Vec<u64>>; 3],
+}
+
+impl Sets {
+    /// `Err(errno)` as `select` would fail: EINVAL for a negative `nfds`,
+    /// EFAULT for a set the kernel cannot read.
+    pub fn read(nfds: c_int, ptrs: [*mut libc::fd_set; 3]) -> Result<Sets, c_int> {
+        if nfds < 0 {
+            return Err(libc::EINVAL);
+        }
+        let nfds = (nfds as usize).min(fd_table_size()) as c_int;
+        let words = (nfds as usize).div_ceil(64);
+        let mut sets = [None, None, None];
+        for (s, p) in sets.iter_mut().zip(ptrs) {
+            if !p.is_null() {
+                *s = Some(crate::user_mem::read(p.cast::<u64>().cast_const(), words)?);
+            }
+        }
+        Ok(Sets { nfds, sets })
+    }
+
+    fn has(&self, which: usize, fd: c_int) -> bool {
+        self.sets[which]
+            .as_ref()
+            .is_some_and(|s| s[fd as usize / 64] >> (fd % 64) & 1 != 0)
+    }
+
+    /// Does any descriptor in the sets belong to an upgraded socket?
+    pub fn involve_upgraded(&self) -> bool {
+        (0..self.nfds).any(|fd| {
+            (0..3).any(|w| self.has(w, fd))
+                && crate::fdtable::get(fd).is_some_and(|s| s.conn().is_some())
+        })
+    }
+}
+
+/// `select`/`pselect` through [`poll`], over `sets` read with
+/// [`Sets::read`]; the results are written back to the program's `ptrs`.
+pub fn select(
+    sets: &Sets,
+    ptrs: [*mut libc::fd_set; 3],
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> c_int {
     let mut fds = Vec::new();
-    for fd in 0..nfds.max(0) {
-        // SAFETY: FD_ISSET on the program's sets, below nfds.
-        let (rr, ww, ee) = unsafe {
-            (
-                !r.is_null() && libc::FD_ISSET(fd, r),
-                !w.is_null() && libc::FD_ISSET(fd, w),
-                !e.is_null() && libc::FD_ISSET(fd, e),
-            )
-        };
+    for fd in 0..sets.nfds {
+        let (rr, ww, ee) = (sets.has(0, fd), sets.has(1, fd), sets.has(2, fd));
         if rr || ww || ee {
             let mut events = 0;
             if rr {
@@ -292,8 +437,13 @@ pub unsafe fn select(
             });
         }
     }
-    // SAFETY: our own array, in both calls.
-    let n = unsafe { poll(fds.as_mut_ptr(), fds.len(), timeout, mask) }.unwrap_or_else(|| {
+    let conns: Vec<Option<Arc<crate::conn::Conn>>> = fds
+        .iter()
+        .map(|p| crate::fdtable::get(p.fd).and_then(|s| s.conn()))
+        .collect();
+    let n = if conns.iter().any(Option::is_some) {
+        poll_upgraded(&mut fds, &conns, timeout, mask)
+    } else {
         // The upgraded socket is gone meanwhile: the kernel answers all.
         let ts = timeout.map(|t| libc::timespec {
             tv_sec: t.as_secs() as libc::time_t,
@@ -302,41 +452,41 @@ pub unsafe fn select(
         let tsp = ts
             .as_ref()
             .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: as above.
+        // SAFETY: our own array; the caller's signal mask, if any.
         unsafe { real::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, tsp, mask) }
-    });
+    };
     if n < 0 {
         return -1;
     }
+    if fds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
+        real::set_errno(libc::EBADF);
+        return -1;
+    }
+    let words = (sets.nfds as usize).div_ceil(64);
+    let mut out: [Vec<u64>; 3] = [vec![0; words], vec![0; words], vec![0; words]];
     let mut count = 0;
-    // SAFETY: clearing and setting bits below nfds in the program's sets.
-    unsafe {
-        for set in [r, w, e] {
-            if !set.is_null() {
-                libc::FD_ZERO(set);
-            }
+    for p in &fds {
+        let set =
+            |out: &mut [Vec<u64>; 3], w: usize| out[w][p.fd as usize / 64] |= 1 << (p.fd % 64);
+        if p.revents & (POLLIN | POLLHUP | POLLERR) != 0 && p.events & POLLIN != 0 {
+            set(&mut out, 0);
+            count += 1;
         }
-        for p in &fds {
-            let bad = p.revents & libc::POLLNVAL != 0;
-            if bad {
-                real::set_errno(libc::EBADF);
-                return -1;
-            }
-            let rd = p.revents & (POLLIN | POLLHUP | POLLERR) != 0 && p.events & POLLIN != 0;
-            let wr = p.revents & (POLLOUT | POLLERR) != 0 && p.events & POLLOUT != 0;
-            let ex = p.revents & libc::POLLPRI != 0 && p.events & libc::POLLPRI != 0;
-            if rd {
-                libc::FD_SET(p.fd, r);
-                count += 1;
-            }
-            if wr {
-                libc::FD_SET(p.fd, w);
-                count += 1;
-            }
-            if ex {
-                libc::FD_SET(p.fd, e);
-                count += 1;
-            }
+        if p.revents & (POLLOUT | POLLERR) != 0 && p.events & POLLOUT != 0 {
+            set(&mut out, 1);
+            count += 1;
+        }
+        if p.revents & libc::POLLPRI != 0 && p.events & libc::POLLPRI != 0 {
+            set(&mut out, 2);
+            count += 1;
+        }
+    }
+    for (o, p) in out.iter().zip(ptrs) {
+        if !p.is_null()
+            && let Err(e) = crate::user_mem::write(p.cast::<u64>(), o)
+        {
+            real::set_errno(e);
+            return -1;
         }
     }
     count

@@ -123,3 +123,20 @@ pub fn set_errno(e: c_int) {
 pub fn errno() -> c_int {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
+
+/// Keeps the thread's errno as it was when made, for cleanup that runs
+/// after a real call (whose errno is the program's answer) and may make
+/// system calls of its own.
+pub struct KeepErrno(c_int);
+
+impl KeepErrno {
+    pub fn new() -> KeepErrno {
+        KeepErrno(errno())
+    }
+}
+
+impl Drop for KeepErrno {
+    fn drop(&mut self) {
+        set_errno(self.0);
+    }
+}

@@ -132,14 +132,12 @@ pub fn start_publisher() {
     if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
         return;
     }
-    let r = std::thread::Builder::new()
-        .name("azsdp-stats".into())
-        .spawn(|| {
-            loop {
-                std::thread::sleep(Duration::from_millis(100));
-                publish_all();
-            }
-        });
+    let r = azsdp::threads::spawn("azsdp-stats", || {
+        loop {
+            std::thread::sleep(Duration::from_millis(100));
+            publish_all();
+        }
+    });
     if let Err(e) = r {
         debug!("no stats thread: {e}");
     }

@@ -210,7 +210,7 @@ fn a_squatter_on_the_pairing_name_gets_nothing() {
         return;
     }
     let s = Scratch::new("squat");
-    let p = port(40);
+    let p = port(72);
     // The squatter takes the names before the real server starts.
     let squatter = Background::start(true, &["squat", &p.to_string(), "4"]);
     let mut srv = victim_server(&s, "server", p);
@@ -238,7 +238,7 @@ fn forged_identities_and_lies_about_connections_hijack_nothing() {
         return;
     }
     let s = Scratch::new("lies2");
-    let p = port(41);
+    let p = port(73);
     let ps = p.to_string();
     let mut srv = victim_server(&s, "server", p);
     // An offer with our credentials but the server's own pidfd.
@@ -286,7 +286,7 @@ fn malicious_segments_and_rings_end_only_their_own_connection() {
         return;
     }
     let s = Scratch::new("segments");
-    let p = port(42);
+    let p = port(74);
     let ps = p.to_string();
     let mut srv = victim_server(&s, "server", p);
     for a in [
@@ -315,7 +315,7 @@ fn malicious_segments_and_rings_end_only_their_own_connection() {
         .iter()
         .enumerate()
     {
-        let hp = port(43 + i as u16);
+        let hp = port(75 + i as u16);
         let bad = Background::start(true, &["server", &hp.to_string(), a, "3"]);
         let name = format!("victim-client-{i}");
         let c = s.under_azsdp(
@@ -342,7 +342,7 @@ fn gets_outside_advertisements_stale_keys_and_owner_rewrites_read_nothing() {
         return;
     }
     let s = Scratch::new("gets");
-    let p = port(46);
+    let p = port(78);
     let ps = p.to_string();
     let mut srv = victim_server(&s, "server", p);
     let (_bystander, bpid, baddr) = bystander();
@@ -398,7 +398,7 @@ fn idle_and_flooding_registry_connections_keep_clients_served() {
         return;
     }
     let s = Scratch::new("flood");
-    let p = port(47);
+    let p = port(79);
     let mut srv = victim_server(&s, "server", p);
     let base = fds_of(srv.pid);
     let flood = Background::start(true, &["flood", &p.to_string(), "6", "300"]);
@@ -434,7 +434,7 @@ fn idle_and_flooding_registry_connections_keep_clients_served() {
 #[test]
 fn stat_files_live_in_a_checked_private_directory_and_go_at_exit() {
     let s = Scratch::new("statdir");
-    let p = port(48);
+    let p = port(80);
     let mut srv = victim_server(&s, "server", p);
     let (_, echo) = tools();
     // The default directory, made by the shim itself: 0700, ours.

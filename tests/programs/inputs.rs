@@ -13,7 +13,7 @@ use crate::port;
 #[test]
 fn bad_environment_and_configuration_fail_clearly() {
     let s = Scratch::new("inputs");
-    let p = port(49).to_string();
+    let p = port(81).to_string();
     let echo = echo();
     let echo = echo.to_str().expect("path");
     let mut srv = s.under_azsdp("server", echo, &["serve", &p]);

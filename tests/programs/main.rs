@@ -18,7 +18,9 @@ use loopback::loopback;
 const LISTEN: Duration = Duration::from_secs(15);
 
 /// Ports for this test binary's run (a different range per run, so runs
-/// on one host, or a test whose server lingers, do not collide).
+/// on one host, or a test whose server lingers, do not collide). Offsets
+/// in use: 0-27 plain tests and sockcheck scenarios, whose azsdp runs take
+/// offset + 32 (32-63); 72-82 the trust, input and scale tests; 100.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -756,6 +758,16 @@ fn a_rule_keeps_a_port_on_tcp_and_stat_says_so() {
 #[test]
 fn sendfile64_fortified_reads_and_fcntl64() {
     sockcheck("glibc-names", 26);
+}
+
+#[test]
+fn a_signal_interrupts_every_waiting_call_with_eintr() {
+    sockcheck("eintr-waits", 28);
+}
+
+#[test]
+fn bad_arguments_get_the_kernels_errors_not_a_crash() {
+    sockcheck("bad-args", 29);
 }
 
 #[test]

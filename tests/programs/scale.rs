@@ -42,7 +42,7 @@ fn a_thousand_connections_at_once_then_ten_thousand_one_after_another() {
         return;
     }
     let s = Scratch::new("scale");
-    let p = port(50).to_string();
+    let p = port(82).to_string();
     let echo = echo();
     let mut srv = s.under_azsdp("server", echo.to_str().expect("path"), &["serve", &p]);
     srv.env("AZSDP_LOG_LEVEL", "info").stdout(Stdio::piped());

@@ -1005,6 +1005,319 @@ fn exec_probe(fd: c_int) -> R {
     Ok(())
 }
 
+/// A signal interrupts each waiting call on an upgraded socket: poll,
+/// ppoll, select, pselect, epoll_wait, epoll_pwait fail with EINTR (Linux
+/// never restarts them, SA_RESTART or not), and the next wait still sees
+/// the data when it comes.
+fn eintr_waits(server: bool, port: u16) -> R {
+    if !server {
+        let c = connect_to(port)?;
+        // Long enough for the server's twelve interrupted waits.
+        sleep_ms(2500);
+        send_all(c, b"x")?;
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    // SAFETY: epoll_create1.
+    let ep = unsafe { libc::epoll_create1(0) };
+    epoll_ctl(ep, libc::EPOLL_CTL_ADD, c, libc::EPOLLIN as u32)?;
+    for restart in [false, true] {
+        handle(libc::SIGALRM, on_alarm, restart);
+        let waits: [(&str, &dyn Fn() -> c_int); 6] = [
+            ("poll", &|| {
+                let mut p = libc::pollfd {
+                    fd: c,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one pollfd of ours.
+                unsafe { libc::poll(&mut p, 1, 5000) }
+            }),
+            ("ppoll", &|| {
+                let mut p = libc::pollfd {
+                    fd: c,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                let ts = libc::timespec {
+                    tv_sec: 5,
+                    tv_nsec: 0,
+                };
+                // SAFETY: one pollfd and a timespec of ours.
+                unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) }
+            }),
+            ("select", &|| {
+                // SAFETY: an fd_set and a timeval of ours.
+                unsafe {
+                    let mut r: libc::fd_set = std::mem::zeroed();
+                    libc::FD_SET(c, &mut r);
+                    let mut tv = libc::timeval {
+                        tv_sec: 5,
+                        tv_usec: 0,
+                    };
+                    libc::select(
+                        c + 1,
+                        &mut r,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        &mut tv,
+                    )
+                }
+            }),
+            ("pselect", &|| {
+                // SAFETY: an fd_set and a timespec of ours.
+                unsafe {
+                    let mut r: libc::fd_set = std::mem::zeroed();
+                    libc::FD_SET(c, &mut r);
+                    let ts = libc::timespec {
+                        tv_sec: 5,
+                        tv_nsec: 0,
+                    };
+                    libc::pselect(
+                        c + 1,
+                        &mut r,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        &ts,
+                        std::ptr::null(),
+                    )
+                }
+            }),
+            ("epoll_wait", &|| {
+                let mut ev = libc::epoll_event { events: 0, u64: 0 };
+                // SAFETY: one event of ours.
+                unsafe { libc::epoll_wait(ep, &mut ev, 1, 5000) }
+            }),
+            ("epoll_pwait", &|| {
+                let mut ev = libc::epoll_event { events: 0, u64: 0 };
+                // SAFETY: one event of ours, no mask.
+                unsafe { libc::epoll_pwait(ep, &mut ev, 1, 5000, std::ptr::null()) }
+            }),
+        ];
+        for (name, wait) in waits {
+            let before = ALARMS.load(Ordering::SeqCst);
+            arm_alarm(100);
+            let t = Instant::now();
+            let r = wait();
+            let e = errno();
+            check!(
+                r == -1 && e == libc::EINTR,
+                "{name} (SA_RESTART {restart}) gave {r}, {} after {:?}",
+                err_name(e),
+                t.elapsed()
+            );
+            check!(
+                ALARMS.load(Ordering::SeqCst) == before + 1,
+                "{name}: no alarm"
+            );
+        }
+    }
+    // The data still arrives, and a successful wait leaves errno alone.
+    // SAFETY: setting our own errno.
+    unsafe { *libc::__errno_location() = 12345 };
+    check!(
+        poll1(c, libc::POLLIN, 10_000) & libc::POLLIN != 0,
+        "no data after the signals"
+    );
+    check!(
+        errno() == 12345,
+        "a successful poll changed errno to {}",
+        err_name(errno())
+    );
+    let got = recv_exact(c, 1)?;
+    check!(
+        errno() == 12345,
+        "a successful recv changed errno to {}",
+        err_name(errno())
+    );
+    check!(got == b"x", "got {got:?}");
+    close(ep);
+    close(c);
+    Ok(())
+}
+
+/// Arguments the kernel refuses, with an upgraded socket involved: the
+/// kernel's error, never a crash or an allocation on the program's word.
+fn bad_args(server: bool, port: u16) -> R {
+    if !server {
+        let c = connect_to(port)?;
+        send_all(c, b"ready")?;
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    check!(
+        poll1(c, libc::POLLIN, 10_000) & libc::POLLIN != 0,
+        "no data"
+    );
+    let fails = |what: &str, r: c_int, want: c_int| -> R {
+        let e = errno();
+        check!(
+            r == -1 && e == want,
+            "{what}: {r}, {} (want {})",
+            err_name(e),
+            err_name(want)
+        );
+        Ok(())
+    };
+    // A page with a pollfd at its very end; the next page is not mapped.
+    // SAFETY: mmap/munmap of our own pages.
+    let page = unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        check!(p != libc::MAP_FAILED, "mmap");
+        libc::munmap(p.cast::<u8>().add(4096).cast(), 4096);
+        p.cast::<u8>()
+    };
+    // SAFETY: the page after ours, which is not mapped: any access faults.
+    let unmapped = unsafe { page.add(4096) };
+    // SAFETY: the last pollfd-sized slot of our mapped page.
+    let last =
+        unsafe { page.add(4096 - std::mem::size_of::<libc::pollfd>()) }.cast::<libc::pollfd>();
+    // SAFETY: writing our own mapped pollfd.
+    unsafe {
+        last.write(libc::pollfd {
+            fd: c,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+    };
+    let mut one = libc::pollfd {
+        fd: c,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: each call below passes what the kernel must refuse; the
+    // valid parts are our own structures.
+    unsafe {
+        fails(
+            "poll nfds UINT_MAX",
+            libc::poll(&mut one, u32::MAX as libc::nfds_t, 0),
+            libc::EINVAL,
+        )?;
+        let ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        fails(
+            "ppoll nfds UINT_MAX",
+            libc::ppoll(&mut one, u32::MAX as libc::nfds_t, &ts, std::ptr::null()),
+            libc::EINVAL,
+        )?;
+        fails("poll past the array", libc::poll(last, 2, 0), libc::EFAULT)?;
+        fails(
+            "ppoll past the array",
+            libc::ppoll(last, 2, &ts, std::ptr::null()),
+            libc::EFAULT,
+        )?;
+        let bad_ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 2_000_000_000,
+        };
+        fails(
+            "ppoll bad timespec",
+            libc::ppoll(&mut one, 1, &bad_ts, std::ptr::null()),
+            libc::EINVAL,
+        )?;
+        // (A timespec glibc cannot read crashes glibc's own ppoll, which
+        // copies it before the system call: not a case for us either.)
+        let mut r: libc::fd_set = std::mem::zeroed();
+        libc::FD_SET(c, &mut r);
+        let mut tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        };
+        fails(
+            "select bad set",
+            libc::select(
+                c + 1,
+                &mut r,
+                unmapped.cast::<libc::fd_set>(),
+                std::ptr::null_mut(),
+                &mut tv,
+            ),
+            libc::EFAULT,
+        )?;
+        fails(
+            "select nfds -1",
+            libc::select(
+                -1,
+                &mut r,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut tv,
+            ),
+            libc::EINVAL,
+        )?;
+        let mut bad_tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: -1,
+        };
+        fails(
+            "select bad timeval",
+            libc::select(
+                c + 1,
+                &mut r,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut bad_tv,
+            ),
+            libc::EINVAL,
+        )?;
+        let ep = libc::epoll_create1(0);
+        epoll_ctl(ep, libc::EPOLL_CTL_ADD, c, libc::EPOLLIN as u32)?;
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        fails(
+            "epoll_wait maxevents 0",
+            libc::epoll_wait(ep, &mut ev, 0, 0),
+            libc::EINVAL,
+        )?;
+        fails(
+            "epoll_wait maxevents too large",
+            libc::epoll_wait(ep, &mut ev, i32::MAX, 0),
+            libc::EINVAL,
+        )?;
+        fails(
+            "epoll_wait bad array",
+            libc::epoll_wait(ep, unmapped.cast::<libc::epoll_event>(), 1, 0),
+            libc::EFAULT,
+        )?;
+        // A huge but allowed maxevents with one event ready: one event.
+        let most = i32::MAX / std::mem::size_of::<libc::epoll_event>() as i32;
+        let n = libc::epoll_wait(ep, &mut ev, most, 0);
+        check!(
+            n == 1,
+            "epoll_wait with maxevents {most} gave {n} ({})",
+            err_name(errno())
+        );
+        close(ep);
+        // Still usable, errno kept by successful calls.
+        *libc::__errno_location() = 4321;
+        let n = libc::poll(&mut one, 1, 0);
+        check!(
+            n == 1 && errno() == 4321,
+            "poll gave {n}, errno {}",
+            err_name(errno())
+        );
+        libc::munmap(page.cast(), 4096);
+    }
+    let got = recv_exact(c, 5)?;
+    check!(got == b"ready", "got {got:?}");
+    close(c);
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "usage: azsdp-sockcheck SCENARIO server|client PORT";
@@ -1041,6 +1354,8 @@ fn main() {
         "fork-child-serves" => fork_after_accept(server, port, true),
         "fork-parent-serves" => fork_after_accept(server, port, false),
         "names" => names(server, port),
+        "eintr-waits" => eintr_waits(server, port),
+        "bad-args" => bad_args(server, port),
         _ => Err(format!("unknown scenario {scenario}; {usage}")),
     };
     if let Err(e) = r {

@@ -79,7 +79,8 @@ struct Shared<F: Fabric, P: Protector> {
 pub struct CallLimits<'a> {
     /// Give up (with what moved, or EAGAIN) at this time.
     pub deadline: Option<Instant>,
-    /// A signal handler ran while waiting: should the call end with EINTR?
+    /// Asked before each sleep of the call: should it end now with EINTR
+    /// (a signal the program handles without SA_RESTART is pending)?
     pub on_signal: &'a dyn Fn() -> bool,
 }
 
@@ -407,7 +408,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// SO_RCVTIMEO/SO_SNDTIMEO and EINTR).
     fn wait_bounded(&self, call: CallId, limits: &CallLimits<'_>) -> Result<u64, CallError> {
         let mut cut: Option<CallError> = None;
-        crate::futex::take_interrupted();
         let r = self.shared.wait_until(None, |d| {
             if let Some(r) = d.take_result(call) {
                 return Some(r);
@@ -416,7 +416,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                 if limits.deadline.is_some_and(|t| Instant::now() >= t) {
                     cut = Some(CallError::WouldBlock);
                     d.cancel(call);
-                } else if crate::futex::take_interrupted() && (limits.on_signal)() {
+                } else if (limits.on_signal)() {
                     cut = Some(CallError::Interrupted);
                     d.cancel(call);
                 }
@@ -677,10 +677,7 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
 ) -> Vec<JoinHandle<()>> {
     let mut threads = Vec::new();
     let s = Arc::clone(shared);
-    match std::thread::Builder::new()
-        .name("azsdp-progress".into())
-        .spawn(move || progress(&s))
-    {
+    match crate::threads::spawn("azsdp-progress", move || progress(&s)) {
         Ok(t) => threads.push(t),
         Err(e) => crate::protect::log_once(&format!("no progress thread: {e}")),
     }
@@ -693,37 +690,35 @@ fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
             MAX_NAP
         };
         *shared.fault_stopper.lock() = stopper;
-        let r = std::thread::Builder::new()
-            .name("azsdp-faults".into())
-            .spawn(move || {
-                while !s.stop.load(Ordering::Relaxed) {
-                    let Some(f) = reader.next_timeout(nap) else {
-                        continue;
-                    };
-                    let access = if f.write { Access::Write } else { Access::Read };
-                    let mut d = s.lock();
-                    // Completions already in the ring may have
-                    // settled the page: deliver them first.
-                    s.turn_all(&mut d, 0);
-                    d.submit_fault(f.addr, access);
-                    // What the fault started may have completed at once
-                    // (a compare-and-swap on shared memory): deliver it
-                    // here, no other thread would be woken for it.
-                    s.turn_all(&mut d, 0);
-                    drop(d);
-                    if let Some(n) = &s.notify {
-                        n();
-                    }
-                    if s.in_calls.load(Ordering::SeqCst) > 0 {
-                        s.waiter.kick();
-                    } else {
-                        // The writer waits in its fault, not in a call: the
-                        // progress thread must watch for the completion
-                        // that releases it.
-                        s.end_standby();
-                    }
+        let r = crate::threads::spawn("azsdp-faults", move || {
+            while !s.stop.load(Ordering::Relaxed) {
+                let Some(f) = reader.next_timeout(nap) else {
+                    continue;
+                };
+                let access = if f.write { Access::Write } else { Access::Read };
+                let mut d = s.lock();
+                // Completions already in the ring may have
+                // settled the page: deliver them first.
+                s.turn_all(&mut d, 0);
+                d.submit_fault(f.addr, access);
+                // What the fault started may have completed at once
+                // (a compare-and-swap on shared memory): deliver it
+                // here, no other thread would be woken for it.
+                s.turn_all(&mut d, 0);
+                drop(d);
+                if let Some(n) = &s.notify {
+                    n();
                 }
-            });
+                if s.in_calls.load(Ordering::SeqCst) > 0 {
+                    s.waiter.kick();
+                } else {
+                    // The writer waits in its fault, not in a call: the
+                    // progress thread must watch for the completion
+                    // that releases it.
+                    s.end_standby();
+                }
+            }
+        });
         match r {
             Ok(t) => threads.push(t),
             Err(e) => crate::protect::log_once(&format!("no fault thread: {e}")),

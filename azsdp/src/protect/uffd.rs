@@ -167,9 +167,7 @@ impl Process {
         }
         let fresh = Arc::new(Process::open(pid)?);
         let d = Arc::clone(&fresh);
-        std::thread::Builder::new()
-            .name("azsdp-uffd".into())
-            .spawn(move || d.dispatch())
+        crate::threads::spawn("azsdp-uffd", move || d.dispatch())
             .map_err(|e| ProtectError::Unavailable(format!("fault thread: {e}")))?;
         *p = Some(Arc::clone(&fresh));
         Ok(fresh)
