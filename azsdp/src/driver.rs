@@ -254,7 +254,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                 }
             }
             if !any {
-                self.fabric.publish_sent(self.conn.tx_returned());
+                self.fabric.publish_progress(self.conn.progress_made());
                 return;
             }
         }
@@ -393,7 +393,7 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
                 op,
                 result: OpResult::Cas(r),
             } => conn.handle_completion(now, op, Completion::Cas(r), mem),
-            FabricEvent::PeerGone { sent } => conn.handle_peer_left(now, sent, mem),
+            FabricEvent::PeerGone { left } => conn.handle_peer_left(now, left, mem),
         });
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now, &mut self.mem);

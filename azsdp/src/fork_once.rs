@@ -7,6 +7,7 @@
 //! runs. Here the state names the process that runs the initialisation: a
 //! child that inherits someone else's run takes it over.
 
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const RUNNING: u64 = 1;
@@ -46,7 +47,17 @@ impl ForkOnce {
                 .compare_exchange(s, me << 2 | RUNNING, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
+                // A panicking `init` (caught at the FFI boundary) leaves it
+                // to be tried again, not "running" for ever.
+                struct Retry<'a>(&'a AtomicU64);
+                impl Drop for Retry<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(0, Ordering::Release);
+                    }
+                }
+                let retry = Retry(&self.state);
                 init();
+                std::mem::forget(retry);
                 self.state.store(me << 2 | DONE, Ordering::Release);
                 return;
             }
@@ -64,6 +75,50 @@ impl ForkOnce {
 impl Default for ForkOnce {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// A value made once per process lineage, as [`ForkOnce`] runs: unlike a
+/// `OnceLock`, a child whose fork caught another thread making it makes it
+/// itself instead of waiting for a thread that does not exist there.
+pub struct ForkOnceCell<T> {
+    once: ForkOnce,
+    value: UnsafeCell<Option<T>>,
+}
+
+// SAFETY: the value is written only inside `once.call` (one runner per
+// process at a time, and never again once done) and read only after it.
+unsafe impl<T: Send + Sync> Sync for ForkOnceCell<T> {}
+
+impl<T> ForkOnceCell<T> {
+    pub const fn new() -> ForkOnceCell<T> {
+        ForkOnceCell {
+            once: ForkOnce::new(),
+            value: UnsafeCell::new(None),
+        }
+    }
+
+    /// The value, made by `make` if this process lineage has none yet.
+    pub fn get_or_init(&self, make: impl FnOnce() -> T) -> &T {
+        // SAFETY: only the one runner of `call` writes, before any reader
+        // can pass `call` (which returns once the run is done).
+        self.once
+            .call(|| unsafe { *self.value.get() = Some(make()) });
+        // SAFETY: `call` returned, so the value was written and is never
+        // written again in this process.
+        unsafe { (*self.value.get()).as_ref().expect("made by call") }
+    }
+}
+
+impl<T> Default for ForkOnceCell<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> std::fmt::Debug for ForkOnceCell<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForkOnceCell").finish_non_exhaustive()
     }
 }
 
@@ -97,5 +152,16 @@ mod tests {
         let mut again = false;
         once.call(|| again = true);
         assert!(!again);
+    }
+
+    #[test]
+    fn a_panicking_initialisation_is_tried_again() {
+        let cell: ForkOnceCell<u32> = ForkOnceCell::new();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            cell.get_or_init(|| panic!("first try fails"));
+        }));
+        assert!(r.is_err());
+        assert_eq!(*cell.get_or_init(|| 7), 7);
+        assert_eq!(*cell.get_or_init(|| 8), 7);
     }
 }

@@ -33,3 +33,18 @@ pub fn wake_all(word: &AtomicU32) {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
     }
 }
+
+/// [`wait`] on a signed word (same futex, another view of the integer).
+pub fn wait_i32(word: &std::sync::atomic::AtomicI32, expected: i32, timeout: Duration) {
+    // SAFETY: AtomicI32 and AtomicU32 have the same size and alignment; the
+    // futex only compares and sleeps.
+    let as_u32 = unsafe { &*(word as *const std::sync::atomic::AtomicI32).cast::<AtomicU32>() };
+    wait(as_u32, expected as u32, timeout);
+}
+
+/// [`wake_all`] on a signed word.
+pub fn wake_all_i32(word: &std::sync::atomic::AtomicI32) {
+    // SAFETY: as in `wait_i32`.
+    let as_u32 = unsafe { &*(word as *const std::sync::atomic::AtomicI32).cast::<AtomicU32>() };
+    wake_all(as_u32);
+}

@@ -66,6 +66,17 @@ impl Default for HeldBounds {
     }
 }
 
+impl Drop for HeldBounds {
+    fn drop(&mut self) {
+        self.set(None);
+    }
+}
+
+/// Participants whose bounds are not empty: memory hooks return at once,
+/// without the registry's lock, when none holds anything (always the case
+/// while a fork is under way, after its handler settled everything).
+static HOLDING: AtomicUsize = AtomicUsize::new(0);
+
 impl HeldBounds {
     /// Record the covering range of what is held now (`None`: nothing).
     /// Widened before the pages are held and narrowed after they are
@@ -73,14 +84,19 @@ impl HeldBounds {
     /// wide, never one missing a held page.
     pub fn set(&self, r: Option<Range<u64>>) {
         let (lo, hi) = r.map_or((u64::MAX, 0), |r| (r.start, r.end));
+        let was = self.holds_any();
+        if lo < hi && !was {
+            HOLDING.fetch_add(1, Ordering::SeqCst);
+        }
         self.lo.store(lo, Ordering::SeqCst);
         self.hi.store(hi, Ordering::SeqCst);
+        if lo >= hi && was {
+            HOLDING.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
-    /// Widen to cover `r` too.
-    pub fn widen(&self, r: &Range<u64>) {
-        self.lo.fetch_min(r.start, Ordering::SeqCst);
-        self.hi.fetch_max(r.end, Ordering::SeqCst);
+    fn holds_any(&self) -> bool {
+        self.lo.load(Ordering::SeqCst) < self.hi.load(Ordering::SeqCst)
     }
 
     fn may_overlap(&self, r: &Range<u64>) -> bool {
@@ -269,7 +285,7 @@ pub fn inside() -> bool {
 
 /// Settle whatever holds `range`. Cheap when nothing can.
 fn settle(range: Range<u64>) {
-    if COUNT.load(Ordering::SeqCst) == 0 || range.is_empty() || inside() {
+    if HOLDING.load(Ordering::SeqCst) == 0 || range.is_empty() || inside() {
         return;
     }
     // Protected and armed pages are whole pages inside one buffer: a range
@@ -278,10 +294,12 @@ fn settle(range: Range<u64>) {
     if range.start.next_multiple_of(p) + p > range.end {
         return;
     }
-    for_each_holding(&range, |c| {
-        if c.holds(&range) {
-            c.evacuate(range.clone());
-        }
+    crate::sync::in_memory_hook(|| {
+        for_each_holding(&range, |c| {
+            if c.holds(&range) {
+                c.evacuate(range.clone());
+            }
+        })
     });
 }
 
@@ -320,7 +338,7 @@ pub fn after_mmap(addr: u64, flags: i32) {
     crate::memory_map::invalidate();
     let shared_anon = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
     if flags & shared_anon == shared_anon {
-        crate::memory_map::note_process_private(addr);
+        crate::sync::in_memory_hook(|| crate::memory_map::note_process_private(addr));
     }
 }
 
@@ -357,12 +375,12 @@ pub fn before_madvise(addr: u64, len: u64, advice: i32) {
 }
 
 fn forget(range: Range<u64>) {
-    if COUNT.load(Ordering::SeqCst) == 0 || inside() {
+    if HOLDING.load(Ordering::SeqCst) == 0 || inside() {
         return;
     }
     // Only state of held pages needs dropping here; cached registrations
     // are checked by the protector when next used.
-    for_each_holding(&range, |c| c.forget(range.clone()));
+    crate::sync::in_memory_hook(|| for_each_holding(&range, |c| c.forget(range.clone())));
 }
 
 /// Settle everything in every connection, with arms stopped, so nothing is
@@ -378,6 +396,9 @@ pub fn quiesce_for_fork() {
 }
 
 extern "C" fn fork_prepare() {
+    // From here no other thread starts a critical section of ours (and the
+    // ones running end), so the child inherits none of our locks held.
+    crate::sync::raise_fork_barrier();
     // Never unwind into libc.
     let _ = std::panic::catch_unwind(quiesce_for_fork);
     // The child maps the process's shared memory too from now on.
@@ -403,6 +424,7 @@ fn release_held() {
 extern "C" fn fork_parent() {
     release_held();
     LIVE.release();
+    crate::sync::lower_fork_barrier();
     let _ = std::panic::catch_unwind(|| {
         for c in live() {
             c.set_forking(false);
@@ -418,5 +440,6 @@ extern "C" fn fork_child() {
     // The child is single-threaded: no one else can hold the lock here.
     release_held();
     LIVE.release();
+    crate::sync::lower_fork_barrier();
     // Connections see they are in a child by their owner's pid.
 }

@@ -14,10 +14,105 @@
 //!
 //! A test (`tests/lock_discipline.rs`) fails if a bare `std::sync` lock
 //! appears anywhere else in the core or the shim.
+//!
+//! **Fork.** A lock held by another thread when the program calls `fork()`
+//! would stay held for ever in the child, where that thread does not
+//! exist (a forked child hung in `close()` on a lock the stats thread held).
+//! So a fork is a barrier ([`raise_fork_barrier`]): from then on a thread
+//! that holds none of these locks cannot take one (it waits for the fork to
+//! be over), threads that hold some finish and let go (our locks are never
+//! held across a sleep), and the forking thread goes on only once no other
+//! thread holds any. The child starts with every lock free. Memory hooks
+//! are not held back ([`in_memory_hook`]): they run inside the allocator,
+//! whose own fork handler would wait for them; the fork handler settles
+//! everything in flight first, after which they need no lock at all.
 
+use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 
 use crate::process::Inside;
+
+/// The thread raising the fork barrier (0: none).
+static FORKER: AtomicI32 = AtomicI32::new(0);
+/// Locks held now, by all threads.
+static HELD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Locks this thread holds.
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// This thread runs a memory hook (the barrier lets it through).
+    static IN_HOOK: Cell<u32> = const { Cell::new(0) };
+}
+
+fn tid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Count a lock as held by this thread, waiting first if a fork is under
+/// way and this thread holds none.
+fn enter() {
+    let depth = DEPTH.try_with(Cell::get).unwrap_or(0);
+    let hooked = IN_HOOK.try_with(Cell::get).unwrap_or(0) > 0;
+    loop {
+        HELD.fetch_add(1, Ordering::SeqCst);
+        let f = FORKER.load(Ordering::SeqCst);
+        if f == 0 || depth > 0 || hooked || f == tid() {
+            break;
+        }
+        // A fork is under way and would copy this lock held: wait it out.
+        HELD.fetch_sub(1, Ordering::SeqCst);
+        while FORKER.load(Ordering::SeqCst) == f {
+            crate::futex::wait_i32(&FORKER, f, std::time::Duration::from_millis(1));
+        }
+    }
+    let _ = DEPTH.try_with(|d| d.set(depth + 1));
+}
+
+fn leave() {
+    let _ = DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    HELD.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// How many of these locks the calling thread holds. Nothing may wait for
+/// another thread (join, condition) while this is not zero: that thread
+/// may be held back by a fork barrier which waits for this one.
+pub fn held_here() -> u32 {
+    DEPTH.try_with(Cell::get).unwrap_or(0)
+}
+
+/// `fork()` is about to copy this process: keep every lock of ours free
+/// in the copy (see the module docs). Returns once no other thread holds
+/// one; the forking thread may take them itself meanwhile.
+pub fn raise_fork_barrier() {
+    FORKER.store(tid(), Ordering::SeqCst);
+    let mine = DEPTH.try_with(Cell::get).unwrap_or(0) as usize;
+    while HELD.load(Ordering::SeqCst) > mine {
+        std::thread::yield_now();
+    }
+}
+
+/// The fork is over (in the parent, or in the child, where the forking
+/// thread is the only one): locks may be taken again.
+pub fn lower_fork_barrier() {
+    FORKER.store(0, Ordering::SeqCst);
+    crate::futex::wake_all_i32(&FORKER);
+}
+
+/// Run `f` as part of a memory hook: locks it takes are not held back by a
+/// fork barrier.
+pub fn in_memory_hook<R>(f: impl FnOnce() -> R) -> R {
+    struct Out;
+    impl Drop for Out {
+        fn drop(&mut self) {
+            let _ = IN_HOOK.try_with(|h| h.set(h.get().saturating_sub(1)));
+        }
+    }
+    let _ = IN_HOOK.try_with(|h| h.set(h.get() + 1));
+    let _out = Out;
+    f()
+}
 
 /// A mutex whose holder counts as inside azsdp.
 #[derive(Debug, Default)]
@@ -25,12 +120,31 @@ pub struct Lock<T> {
     m: std::sync::Mutex<T>,
 }
 
+/// Counts one held lock of ours (see [`raise_fork_barrier`]) while it
+/// lives; dropped after the lock is released (declared last).
+#[derive(Debug)]
+struct Counted;
+
+impl Counted {
+    fn new() -> Counted {
+        enter();
+        Counted
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        leave();
+    }
+}
+
 /// A held [`Lock`]. The guard is released before the thread leaves
-/// "inside" (field order).
+/// "inside" and stops counting it (field order).
 #[derive(Debug)]
 pub struct LockGuard<'a, T> {
     guard: std::sync::MutexGuard<'a, T>,
     _inside: Inside,
+    _counted: Counted,
 }
 
 impl<T> Lock<T> {
@@ -41,15 +155,18 @@ impl<T> Lock<T> {
     }
 
     pub fn lock(&self) -> LockGuard<'_, T> {
+        let counted = Counted::new();
         let inside = Inside::enter();
         LockGuard {
             guard: self.m.lock().unwrap_or_else(|e| e.into_inner()),
             _inside: inside,
+            _counted: counted,
         }
     }
 
     /// The lock if nobody holds it now.
     pub fn try_lock(&self) -> Option<LockGuard<'_, T>> {
+        let counted = Counted::new();
         let inside = Inside::enter();
         let guard = match self.m.try_lock() {
             Ok(g) => g,
@@ -59,6 +176,7 @@ impl<T> Lock<T> {
         Some(LockGuard {
             guard,
             _inside: inside,
+            _counted: counted,
         })
     }
 
@@ -91,6 +209,7 @@ pub struct RwLock<T> {
 pub struct ReadGuard<'a, T> {
     guard: std::sync::RwLockReadGuard<'a, T>,
     _inside: Inside,
+    _counted: Counted,
 }
 
 /// A [`RwLock`] held for writing.
@@ -98,6 +217,7 @@ pub struct ReadGuard<'a, T> {
 pub struct WriteGuard<'a, T> {
     guard: std::sync::RwLockWriteGuard<'a, T>,
     _inside: Inside,
+    _counted: Counted,
 }
 
 impl<T> RwLock<T> {
@@ -108,18 +228,22 @@ impl<T> RwLock<T> {
     }
 
     pub fn read(&self) -> ReadGuard<'_, T> {
+        let counted = Counted::new();
         let inside = Inside::enter();
         ReadGuard {
             guard: self.l.read().unwrap_or_else(|e| e.into_inner()),
             _inside: inside,
+            _counted: counted,
         }
     }
 
     pub fn write(&self) -> WriteGuard<'_, T> {
+        let counted = Counted::new();
         let inside = Inside::enter();
         WriteGuard {
             guard: self.l.write().unwrap_or_else(|e| e.into_inner()),
             _inside: inside,
+            _counted: counted,
         }
     }
 }
@@ -147,6 +271,52 @@ impl<T> DerefMut for WriteGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// While a fork barrier is up, a thread that holds none of our locks
+    /// waits to take one; one already holding a lock goes on; the forker
+    /// goes on once the others let go.
+    #[test]
+    fn a_fork_barrier_waits_for_holders_and_holds_back_newcomers() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicBool;
+        let a = Arc::new(Lock::new(0u32));
+        let b = Arc::new(Lock::new(0u32));
+        // A holder that takes a second lock while the barrier is up.
+        let (ga, gb) = (Arc::clone(&a), Arc::clone(&b));
+        let holding = Arc::new(AtomicBool::new(false));
+        let h2 = Arc::clone(&holding);
+        let holder = std::thread::spawn(move || {
+            let _x = ga.lock();
+            h2.store(true, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            *gb.lock() += 1;
+        });
+        while !holding.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        let t0 = std::time::Instant::now();
+        raise_fork_barrier();
+        assert!(
+            t0.elapsed() >= std::time::Duration::from_millis(50),
+            "waited for the holder"
+        );
+        holder.join().unwrap();
+        // A newcomer waits until the barrier is lowered.
+        let took = Arc::new(AtomicBool::new(false));
+        let (gt, gb2) = (Arc::clone(&took), Arc::clone(&b));
+        let newcomer = std::thread::spawn(move || {
+            *gb2.lock() += 1;
+            gt.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!took.load(Ordering::SeqCst), "held back");
+        // The forker itself may lock.
+        *a.lock() += 1;
+        lower_fork_barrier();
+        newcomer.join().unwrap();
+        assert!(took.load(Ordering::SeqCst));
+        assert_eq!(*b.lock(), 2);
+    }
 
     #[test]
     fn holders_are_inside_and_leave_when_they_let_go() {

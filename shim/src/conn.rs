@@ -187,6 +187,10 @@ impl Conn {
         }
         let (c, _, _) = self.engine.snapshot();
         let end = match self.engine.state() {
+            azsdp::conn::State::Aborted(r) if c.bytes_unread_by_peer > 0 => format!(
+                "reset ({r}, {} sent bytes never read)",
+                c.bytes_unread_by_peer
+            ),
             azsdp::conn::State::Aborted(r) => format!("reset ({r})"),
             _ => "closed".to_string(),
         };

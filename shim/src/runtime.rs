@@ -4,8 +4,10 @@
 
 use azsdp::sync::Lock;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
+
+use azsdp::fork_once::ForkOnceCell;
 use std::time::Duration;
 
 use azsdp::config::Config;
@@ -16,14 +18,14 @@ use crate::log::{debug, error, warning};
 
 /// `AZSDP_DISABLE` is set: the shim leaves every socket alone.
 pub fn disabled() -> bool {
-    static DISABLED: OnceLock<bool> = OnceLock::new();
+    static DISABLED: ForkOnceCell<bool> = ForkOnceCell::new();
     *DISABLED.get_or_init(|| std::env::var_os("AZSDP_DISABLE").is_some())
 }
 
 /// The configuration, or why it could not be loaded (then everything
 /// stays on TCP).
 pub fn config() -> Option<&'static Config> {
-    static CONFIG: OnceLock<Option<Config>> = OnceLock::new();
+    static CONFIG: ForkOnceCell<Option<Config>> = ForkOnceCell::new();
     CONFIG
         .get_or_init(|| {
             if disabled() {
@@ -51,7 +53,7 @@ pub fn config() -> Option<&'static Config> {
 /// The program as it was invoked (argv[0], so `redis-server` rather than
 /// the binary it links to), else its executable's path; rules match it.
 pub fn program() -> &'static str {
-    static PROGRAM: OnceLock<String> = OnceLock::new();
+    static PROGRAM: ForkOnceCell<String> = ForkOnceCell::new();
     PROGRAM.get_or_init(|| {
         let argv0 = std::fs::read("/proc/self/cmdline").ok().and_then(|c| {
             let first = c.split(|b| *b == 0).next()?.to_vec();
@@ -152,11 +154,18 @@ pub fn publish_all() {
             _ => {}
         }
     }
-    let mut v = CLOSING.lock();
-    v.retain(|c| {
-        c.publish();
-        !c.finished()
-    });
+    // Finished connections are dropped after the lock is released: the
+    // drop joins their threads, which may be waiting for a fork to end.
+    let finished: Vec<Arc<Conn>> = {
+        let mut v = CLOSING.lock();
+        v.iter().for_each(|c| c.publish());
+        let (done, live) = std::mem::take(&mut *v)
+            .into_iter()
+            .partition(|c| c.finished());
+        *v = live;
+        done
+    };
+    drop(finished);
 }
 
 static AT_EXIT: AtomicBool = AtomicBool::new(false);

@@ -20,7 +20,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
-/// offset + 32 (32-63); 72-82 the trust, input and scale tests; 100.
+/// offset + 32 (32-63); 72-82 the trust, input and scale tests; 84-87 the
+/// dead-peer scenarios (azsdp: 116-119); 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -768,6 +769,31 @@ fn a_signal_interrupts_every_waiting_call_with_eintr() {
 #[test]
 fn bad_arguments_get_the_kernels_errors_not_a_crash() {
     sockcheck("bad-args", 29);
+}
+
+#[test]
+fn a_thousand_forks_while_connections_churn_leave_no_child_hung() {
+    sockcheck("fork-stress", 30);
+}
+
+#[test]
+fn a_dead_or_departed_peer_wakes_blocking_calls_within_a_second() {
+    sockcheck("dead-peer-blocking", 84);
+}
+
+#[test]
+fn a_dead_or_departed_peer_wakes_poll_within_a_second() {
+    sockcheck("dead-peer-poll", 85);
+}
+
+#[test]
+fn a_dead_or_departed_peer_wakes_select_within_a_second() {
+    sockcheck("dead-peer-select", 86);
+}
+
+#[test]
+fn a_dead_or_departed_peer_wakes_epoll_within_a_second() {
+    sockcheck("dead-peer-epoll", 87);
 }
 
 #[test]

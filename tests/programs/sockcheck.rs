@@ -24,6 +24,9 @@ macro_rules! check {
     };
 }
 
+// After `check!`, which it uses.
+mod dead_peer;
+
 fn errno() -> c_int {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
@@ -1318,6 +1321,126 @@ fn bad_args(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// A thousand forks while connections open, move and close in another
+/// thread (and the shim's stats thread publishes): every child, which
+/// makes a socket, closes what it inherited and exits through the exit
+/// handlers, must end. A lock inherited held would hang it for ever.
+fn fork_stress(server: bool, port: u16) -> R {
+    const FORKS: usize = 1000;
+    if !server {
+        let control = connect_to(port)?;
+        set_nonblocking(control);
+        let mut rounds = 0u64;
+        loop {
+            let mut b = [0u8; 1];
+            let n = recv_some(control, &mut b, 0);
+            if n == 0 || (n < 0 && errno() != libc::EAGAIN) {
+                break;
+            }
+            let round = || -> R {
+                let c = connect_to(port)?;
+                send_all(c, b"p")?;
+                let got = recv_exact(c, 1);
+                close(c);
+                let got = got?;
+                check!(got == b"p", "echo {got:?}");
+                Ok(())
+            };
+            if let Err(e) = round() {
+                // Cut short by the server stopping: fine; otherwise not.
+                let mut b = [0u8; 1];
+                if recv_some(control, &mut b, 0) != 0 {
+                    sleep_ms(100);
+                    if recv_some(control, &mut b, 0) != 0 {
+                        return Err(e);
+                    }
+                }
+                break;
+            }
+            rounds += 1;
+        }
+        check!(rounds > 0, "no connection moved");
+        close(control);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let control = accept_one(l)?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let st = std::sync::Arc::clone(&stop);
+    let churn = std::thread::spawn(move || {
+        let mut served = 0u64;
+        while !st.load(Ordering::SeqCst) {
+            if poll1(l, libc::POLLIN, 100) & libc::POLLIN == 0 {
+                continue;
+            }
+            let Ok(c) = accept_one(l) else { continue };
+            // The client may leave mid-connection when told to stop.
+            if let Ok(got) = recv_exact(c, 1)
+                && send_all(c, &got).is_ok()
+                && expect_eof(c).is_ok()
+            {
+                served += 1;
+            }
+            close(c);
+        }
+        served
+    });
+    let mut hung = 0;
+    for i in 0..FORKS {
+        // SAFETY: fork(2); the child only makes system calls through libc
+        // (interposed as the program's are) and leaves with exit(3).
+        let pid = unsafe { libc::fork() };
+        check!(pid >= 0, "fork {i}: {}", err_name(errno()));
+        if pid == 0 {
+            // SAFETY: the child's own descriptors, then exit (which runs
+            // the exit handlers, the shim's included).
+            unsafe {
+                let s = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+                libc::close(s);
+                libc::close(control);
+                let mut p = libc::pollfd {
+                    fd: l,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                libc::poll(&mut p, 1, 0);
+                libc::exit(0);
+            }
+        }
+        let t0 = Instant::now();
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid on our own child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                check!(
+                    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                    "child {i} ended with status {status:#x}"
+                );
+                break;
+            }
+            if t0.elapsed() > Duration::from_secs(20) {
+                hung += 1;
+                // SAFETY: kill and reap our own hung child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                break;
+            }
+            sleep_ms(1);
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    close(control);
+    let served = churn
+        .join()
+        .map_err(|_| "churn thread panicked".to_string())?;
+    check!(served > 0, "no connection was served while forking");
+    check!(hung == 0, "{hung} of {FORKS} forked children hung");
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "usage: azsdp-sockcheck SCENARIO server|client PORT";
@@ -1356,6 +1479,11 @@ fn main() {
         "names" => names(server, port),
         "eintr-waits" => eintr_waits(server, port),
         "bad-args" => bad_args(server, port),
+        "fork-stress" => fork_stress(server, port),
+        "dead-peer-blocking" => dead_peer::run(server, port, dead_peer::Style::Blocking),
+        "dead-peer-poll" => dead_peer::run(server, port, dead_peer::Style::Poll),
+        "dead-peer-select" => dead_peer::run(server, port, dead_peer::Style::Select),
+        "dead-peer-epoll" => dead_peer::run(server, port, dead_peer::Style::Epoll),
         _ => Err(format!("unknown scenario {scenario}; {usage}")),
     };
     if let Err(e) = r {

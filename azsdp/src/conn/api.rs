@@ -297,3 +297,12 @@ impl fmt::Display for Role {
         })
     }
 }
+
+/// What a departed peer had done (see `FabricEvent::PeerGone`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Departure {
+    /// How much of its stream its `send()` calls had returned.
+    pub sent: u64,
+    /// How much of our stream its `recv()` calls had returned.
+    pub read: u64,
+}

@@ -28,6 +28,9 @@ pub struct Counters {
     pub avails_sent: u64,
     pub updates_sent: u64,
     pub cancels_sent: u64,
+    /// Sent bytes a peer that left had not read (known when the fabric
+    /// says how far it got).
+    pub bytes_unread_by_peer: u64,
     // receive side
     pub bytes_recv_bsdp: u64,
     pub bytes_recv_zcopy: u64,

@@ -316,7 +316,9 @@ impl Connection {
         let established = self.state == State::Established;
         Readiness {
             readable: aborted || self.rx_eof || self.rx_shut || !self.rxq.is_empty(),
+            // After the peer left, a send fails at once (EPIPE).
             writable: aborted
+                || self.peer_left
                 || (established
                     && self.tx_shutdown == TxShutdown::Open
                     && self.tx_unposted < self.cfg.sndbuf),
@@ -338,6 +340,15 @@ impl Connection {
     /// peer may rely on having been sent; see [`Connection::handle_peer_left`]).
     pub fn tx_returned(&self) -> u64 {
         self.tx_returned
+    }
+
+    /// How far our calls have got, for the peer to judge our departure by
+    /// (published through the fabric; see [`Connection::handle_peer_left`]).
+    pub fn progress_made(&self) -> Departure {
+        Departure {
+            sent: self.tx_returned,
+            read: self.counters.bytes_received(),
+        }
     }
 
     /// Bytes a `recv()` could take now without waiting for the peer
@@ -640,29 +651,40 @@ impl Connection {
 
     // ----- fabric events ---------------------------------------------------
 
-    /// The fabric lost the peer (process died, link down).
-    /// The peer left; `sent` is how much of its stream its `send()` calls
-    /// had returned, if the fabric knows. If all of that arrived and none of
-    /// it waits in the peer's memory (no advertisement outstanding), nothing
-    /// is lost: the receiver gets EOF after the data, as from TCP after a
-    /// process died. Otherwise the connection is aborted (ECONNRESET): data
-    /// the peer's program believed sent died with it.
+    /// The fabric lost the peer (process died, link down), with how far it
+    /// had got if the fabric knows. As a TCP peer that dies sends FIN when
+    /// it read everything sent to it and RST otherwise: a departure that
+    /// lost nothing either way (all it sent arrived here, none of it waits
+    /// in its memory; all we sent was read there) ends our stream with EOF
+    /// after its data, and later sends fail with EPIPE. Any other is a
+    /// reset (ECONNRESET): data one program believed sent died unread,
+    /// whether ours was still queued, in flight or in its buffers.
     pub fn handle_peer_left(
         &mut self,
         now: Timestamp,
-        sent: Option<u64>,
+        left: Option<Departure>,
         mem: &mut dyn UserMemory,
     ) {
         self.now = now;
-        let tx_idle = self.send_calls.is_empty() && self.out_avails.is_empty();
-        let all_here = self.in_avails.is_empty() && sent.is_some_and(|s| s <= self.rx_stream_off);
-        if !self.is_finished() && !self.rx_eof && all_here && tx_idle && !self.is_aborted() {
-            self.rx_eof = true;
-            self.peer_left = true;
-            self.progress(mem);
+        let Some(left) = left else {
+            self.handle_peer_gone(now);
+            return;
+        };
+        if self.is_finished() || self.is_aborted() {
             return;
         }
-        self.handle_peer_gone(now);
+        let all_here = self.in_avails.is_empty() && left.sent <= self.rx_stream_off;
+        let all_read = self.send_calls.is_empty()
+            && self.out_avails.is_empty()
+            && left.read >= self.tx_returned;
+        if !(all_here && all_read) {
+            self.counters.bytes_unread_by_peer = self.tx_returned.saturating_sub(left.read);
+            self.abort(AbortReason::PeerGone, None);
+            return;
+        }
+        self.rx_eof = true;
+        self.peer_left = true;
+        self.progress(mem);
     }
 
     pub fn handle_peer_gone(&mut self, now: Timestamp) {

@@ -563,6 +563,49 @@ fn a_peer_that_leaves_after_a_clean_close_ends_nothing() {
     assert_eq!(*q.c[0].state(), State::Aborted(AbortReason::PeerGone));
 }
 
+fn left(sent: u64, read: u64) -> Departure {
+    Departure { sent, read }
+}
+
+/// A peer that dies having read everything we sent ends our stream with
+/// EOF and makes the socket writable, with sends failing (EPIPE); one that
+/// dies with some of it unread, even data that reached its buffers, resets
+/// the connection, as a TCP peer's RST does.
+#[test]
+fn a_peer_that_dies_with_our_data_unread_resets_the_connection() {
+    let small = 1000;
+    for read_it in [true, false] {
+        let mut p = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+        p.mem[0].fill(0x10000, &pattern(small as usize, 3));
+        let s = p.send(0, 0x10000, small);
+        p.run();
+        assert_eq!(p.result(s), Some(Ok(small)));
+        if read_it {
+            let r = p.recv(1, 0x200000, 4 * PAGE, RecvFlags::default());
+            p.run();
+            assert_eq!(p.result(r), Some(Ok(small)));
+        }
+        // The receiver dies; the sender learns how far it read.
+        let gone = p.c[1].progress_made();
+        assert_eq!(gone.read, if read_it { small } else { 0 });
+        p.c[0].handle_peer_left(Timestamp::ZERO, Some(gone), &mut p.mem[0]);
+        p.pump();
+        let ready = p.c[0].readiness();
+        assert!(ready.readable && ready.writable, "{ready:?}");
+        let s = p.send(0, 0x10000, small);
+        p.run();
+        if read_it {
+            assert_eq!(*p.c[0].state(), State::Established);
+            assert_eq!(p.result(s), Some(Err(CallError::BrokenPipe)));
+        } else {
+            assert_eq!(*p.c[0].state(), State::Aborted(AbortReason::PeerGone));
+            assert!(ready.error);
+            assert_eq!(p.c[0].counters().bytes_unread_by_peer, small);
+            assert!(p.result(s).is_some_and(|r| r.is_err()));
+        }
+    }
+}
+
 /// A peer that dies leaving nothing unsent (all its returned sends arrived,
 /// nothing advertised from its memory) ends the stream with EOF after the
 /// data, as TCP does; one that leaves data behind is a reset.
@@ -577,7 +620,7 @@ fn a_peer_that_dies_owing_nothing_ends_with_eof() {
     let sent = p.c[0].tx_returned();
     assert_eq!(sent, small);
     // The sender dies; the receiver has not read yet.
-    p.c[1].handle_peer_left(Timestamp::ZERO, Some(sent), &mut p.mem[1]);
+    p.c[1].handle_peer_left(Timestamp::ZERO, Some(left(sent, 0)), &mut p.mem[1]);
     let r = p.recv(1, 0x200000, 4 * PAGE, RecvFlags::default());
     p.run();
     assert_eq!(p.result(r), Some(Ok(small)), "the data first");
@@ -590,7 +633,7 @@ fn a_peer_that_dies_owing_nothing_ends_with_eof() {
     q.mem[0].fill(0x10000, &pattern(small as usize, 3));
     q.send(0, 0x10000, small);
     q.run();
-    q.c[1].handle_peer_left(Timestamp::ZERO, Some(small + 1), &mut q.mem[1]);
+    q.c[1].handle_peer_left(Timestamp::ZERO, Some(left(small + 1, 0)), &mut q.mem[1]);
     q.pump();
     assert_eq!(*q.c[1].state(), State::Aborted(AbortReason::PeerGone));
 
@@ -600,7 +643,7 @@ fn a_peer_that_dies_owing_nothing_ends_with_eof() {
     z.send(0, 0x10000, 4 * PAGE);
     z.run();
     let sent = z.c[0].tx_returned();
-    z.c[1].handle_peer_left(Timestamp::ZERO, Some(sent), &mut z.mem[1]);
+    z.c[1].handle_peer_left(Timestamp::ZERO, Some(left(sent, 0)), &mut z.mem[1]);
     z.pump();
     assert_eq!(*z.c[1].state(), State::Aborted(AbortReason::PeerGone));
 }

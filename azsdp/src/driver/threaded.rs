@@ -63,7 +63,7 @@ struct Shared<F: Fabric, P: Protector> {
     frozen_since: Lock<Option<Instant>>,
     /// `close()` came while the connection was frozen: done once claimed.
     close_pending: Lock<Option<bool>>,
-    this: std::sync::OnceLock<Weak<Shared<F, P>>>,
+    this: Weak<Shared<F, P>>,
     /// Told whenever a turn delivered something (readiness may have changed).
     notify: Option<Notify>,
     /// Where the connection holds pages (for the memory hooks).
@@ -210,7 +210,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// A forked child took the connection: fresh protection, the calls of
     /// the parent's threads dropped, threads of its own.
     fn adopt(&self) {
-        let Some(me) = self.this.get().and_then(Weak::upgrade) else {
+        let Some(me) = self.this.upgrade() else {
             return;
         };
         let fresh = self.refresh.lock().as_ref().map(|f| f());
@@ -360,7 +360,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         faults: Option<Box<dyn FaultSource>>,
         notify: Option<Notify>,
     ) -> Self {
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|this| Shared {
             driver: Lock::new(driver),
             waiter: Box::new(waiter),
             stop: AtomicBool::new(false),
@@ -371,13 +371,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             refresh: Lock::new(None),
             frozen_since: Lock::new(None),
             close_pending: Lock::new(None),
-            this: std::sync::OnceLock::new(),
+            this: this.clone(),
             notify,
             held: Arc::new(HeldBounds::default()),
             closing: Lock::new(None),
             fault_stopper: Lock::new(None),
         });
-        let _ = shared.this.set(Arc::downgrade(&shared));
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
         *shared.threads.lock() = spawn_threads(&shared, faults);
@@ -657,6 +656,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.waiter.kick();
         self.shared.stop_faults();
         standby::end();
+        if crate::sync::held_here() > 0 {
+            // Joining here could wait on a thread that a fork barrier
+            // holds back until this one lets go: they end on their own.
+            return;
+        }
         for t in threads {
             let _ = t.join();
         }

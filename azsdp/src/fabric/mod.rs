@@ -13,6 +13,7 @@ pub mod ring;
 pub mod shm;
 pub mod sim;
 
+pub use crate::conn::Departure;
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use thiserror::Error;
 
@@ -47,11 +48,12 @@ pub enum FabricEvent<'a> {
     Message(&'a [u8]),
     /// A one-sided operation finished.
     Done { op: OpId, result: OpResult },
-    /// The peer died or the link failed; nothing more will arrive. `sent`:
-    /// how much of its stream the peer's `send()` calls had returned when
-    /// it left, if the fabric knows (then the engine can tell a loss-free
-    /// end, delivered as EOF like TCP's, from one that lost data).
-    PeerGone { sent: Option<u64> },
+    /// The peer died or the link failed; nothing more will arrive. With
+    /// how far the peer's stream and ours had got when it left, if the
+    /// fabric knows: the engine can then tell a loss-free end (EOF, as
+    /// TCP's FIN) from one that lost data either way (a reset, as the RST
+    /// a TCP peer that dies with data unread sends).
+    PeerGone { left: Option<Departure> },
 }
 
 /// Waits for a fabric endpoint's events without borrowing it, so that a
@@ -137,9 +139,9 @@ pub trait Fabric {
     fn claim(&self) -> bool {
         true
     }
-    /// Record how much of our stream our `send()` calls have returned (the
-    /// peer learns it with [`FabricEvent::PeerGone`] if we die).
-    fn publish_sent(&mut self, _returned: u64) {}
+    /// Record how far our `send()` and `recv()` calls have got (the peer
+    /// learns it with [`FabricEvent::PeerGone`] if we die).
+    fn publish_progress(&mut self, _progress: Departure) {}
 }
 
 /// Who runs one side of a connection (see [`Fabric::ownership`]).

@@ -53,13 +53,13 @@ use nix::sys::uio::{RemoteIoVec, process_vm_readv};
 use nix::unistd::Pid;
 
 use super::ring::{self, Ring, RingWatch};
-use super::{Fabric, FabricError, FabricEvent, OpResult, Ownership};
+use super::{Departure, Fabric, FabricError, FabricEvent, OpResult, Ownership};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use crate::identity::{self, IdentityError, PeerId};
 use crate::pairing::{INTRO_LEN, Intro, IntroKind};
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const HEADER_LEN: usize = 4096;
 /// Largest ring a segment may have (a peer's segment asking for more is
 /// refused rather than mapped).
@@ -90,6 +90,9 @@ struct SegHeader {
     /// Per side: how much of its stream that side's `send()` calls have
     /// returned (the survivor of a death compares it with what it got).
     sent: [AtomicU64; 2],
+    /// Per side: how much of the other side's stream that side's `recv()`
+    /// calls have returned (the survivor compares it with what it sent).
+    read: [AtomicU64; 2],
     /// Per side: the pid of the process running that side, with
     /// [`FROZEN`] set from a fork until a process claims it. Each side
     /// reads its own to know whether it runs the connection; the peer's
@@ -863,10 +866,15 @@ impl Fabric for ShmEndpoint {
         }
     }
 
-    fn publish_sent(&mut self, returned: u64) {
-        let word = &self.seg.hdr().sent[self.side];
-        if word.load(Ordering::Relaxed) != returned {
-            word.store(returned, Ordering::Release);
+    fn publish_progress(&mut self, p: Departure) {
+        let hdr = self.seg.hdr();
+        for (word, v) in [
+            (&hdr.sent[self.side], p.sent),
+            (&hdr.read[self.side], p.read),
+        ] {
+            if word.load(Ordering::Relaxed) != v {
+                word.store(v, Ordering::Release);
+            }
         }
     }
 
@@ -1043,13 +1051,17 @@ impl Fabric for ShmEndpoint {
         if self.corrupt {
             // Whatever the peer claims to have sent, the stream is broken.
             self.gone_reported = true;
-            on_event(FabricEvent::PeerGone { sent: None });
+            on_event(FabricEvent::PeerGone { left: None });
             return n + 1;
         }
         if n == 0 && !self.peer_alive() && self.rx.is_empty() {
             self.gone_reported = true;
-            let sent = self.seg.hdr().sent[1 - self.side].load(Ordering::Acquire);
-            on_event(FabricEvent::PeerGone { sent: Some(sent) });
+            let hdr = self.seg.hdr();
+            let left = Departure {
+                sent: hdr.sent[1 - self.side].load(Ordering::Acquire),
+                read: hdr.read[1 - self.side].load(Ordering::Acquire),
+            };
+            on_event(FabricEvent::PeerGone { left: Some(left) });
             n += 1;
         }
         n

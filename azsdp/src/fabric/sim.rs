@@ -553,7 +553,7 @@ impl Fabric for SimEndpoint<'_> {
                     on_event(FabricEvent::Message(&m));
                 }
                 Ready::Done(op, result) => on_event(FabricEvent::Done { op, result }),
-                Ready::PeerGone => on_event(FabricEvent::PeerGone { sent: None }),
+                Ready::PeerGone => on_event(FabricEvent::PeerGone { left: None }),
             }
         }
         n

@@ -75,6 +75,7 @@ fn add(total: &mut Counters, c: &Counters) {
         avails_sent,
         updates_sent,
         cancels_sent,
+        bytes_unread_by_peer,
         bytes_recv_bsdp,
         bytes_recv_zcopy,
         recvs,
@@ -108,6 +109,7 @@ fn add(total: &mut Counters, c: &Counters) {
     total.avails_sent += avails_sent;
     total.updates_sent += updates_sent;
     total.cancels_sent += cancels_sent;
+    total.bytes_unread_by_peer += bytes_unread_by_peer;
     total.bytes_recv_bsdp += bytes_recv_bsdp;
     total.bytes_recv_zcopy += bytes_recv_zcopy;
     total.recvs += recvs;
