@@ -366,7 +366,14 @@ impl StatFile {
             r => r?,
         };
         let f = File::from(fd);
-        f.set_len(file_len() as u64)?;
+        if let Err(e) = crate::file_size::set_len(&f, file_len() as u64) {
+            let _ = nix::unistd::unlinkat(
+                &dirfd,
+                name.as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+            return Err(e);
+        }
         // SAFETY: a regular file we just made, in our own directory; only
         // this process writes it, and only through atomics.
         let map = unsafe { MmapMut::map_mut(&f)? };

@@ -302,6 +302,11 @@ fn run_program(config: Option<PathBuf>, program: Vec<std::ffi::OsString>) -> Exi
 }
 
 fn main() -> ExitCode {
+    // A closed stdout ends us quietly, as it ends `ls` in `ls | head`
+    // (Rust ignores SIGPIPE, and printing to the closed pipe would panic).
+    // SAFETY: installing the default disposition; no handler runs.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    azsdp::notes::set_sink(|m| eprintln!("azsdp: {m}"));
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(code) => code,

@@ -4,6 +4,11 @@
 //! Lines are formatted into a stack buffer and written with one `write(2)`
 //! through libc's own `write`, so logging neither allocates nor passes
 //! through the shim's hooks, and lines of concurrent threads do not mix.
+//!
+//! The log is the program's stderr by default, which may be a pipe nobody
+//! reads any more or a file under `RLIMIT_FSIZE=0` (sshd's children): a
+//! line must not raise SIGPIPE or SIGXFSZ there, which would kill the
+//! program, nor change its errno ([`write_quietly`]).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
@@ -89,14 +94,43 @@ pub fn write(level: Level, args: std::fmt::Arguments<'_>) {
     let _ = write!(line, "azsdp[{}] {tag}: ", std::process::id());
     let _ = line.write_fmt(args);
     line.buf[line.len] = b'\n';
-    // SAFETY: write(2) of our own initialised buffer.
+    write_quietly(FD.load(Ordering::Relaxed), &line.buf[..line.len + 1]);
+}
+
+/// `write(2)` that costs the program nothing if it fails: SIGPIPE and
+/// SIGXFSZ are blocked for the call, and one the call raised (not one
+/// already pending) is taken back before they are unblocked; errno is
+/// kept.
+pub fn write_quietly(fd: i32, buf: &[u8]) {
+    let _errno = crate::real::KeepErrno::new();
+    // SAFETY: signal sets on our stack, initialised by sigemptyset before
+    // use; write(2) of our own buffer; the thread's mask is restored.
     unsafe {
-        crate::real::write(
-            FD.load(Ordering::Relaxed),
-            line.buf.as_ptr().cast(),
-            line.len + 1,
-        )
-    };
+        let mut quiet: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut quiet);
+        libc::sigaddset(&mut quiet, libc::SIGPIPE);
+        libc::sigaddset(&mut quiet, libc::SIGXFSZ);
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, &quiet, &mut old);
+        let mut before: libc::sigset_t = std::mem::zeroed();
+        libc::sigpending(&mut before);
+        let r = crate::real::write(fd, buf.as_ptr().cast(), buf.len());
+        if r < 0 {
+            for sig in [libc::SIGPIPE, libc::SIGXFSZ] {
+                if libc::sigismember(&before, sig) == 0 {
+                    let mut one: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut one);
+                    libc::sigaddset(&mut one, sig);
+                    let now = libc::timespec {
+                        tv_sec: 0,
+                        tv_nsec: 0,
+                    };
+                    libc::sigtimedwait(&one, std::ptr::null_mut(), &now);
+                }
+            }
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+    }
 }
 
 macro_rules! error { ($($t:tt)*) => { $crate::log::write($crate::log::Level::Error, format_args!($($t)*)) } }

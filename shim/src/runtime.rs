@@ -31,6 +31,7 @@ pub fn config() -> Option<&'static Config> {
             if disabled() {
                 return None;
             }
+            route_messages();
             match Config::from_environment(None, std::env::vars_os()) {
                 Ok(c) => {
                     debug!(
@@ -48,6 +49,16 @@ pub fn config() -> Option<&'static Config> {
             }
         })
         .as_ref()
+}
+
+/// The core's notes and the shim's own panics (caught at the boundary,
+/// but the default hook would print them on the program's stderr) go to
+/// the log.
+fn route_messages() {
+    azsdp::notes::set_sink(|m| warning!("{m}"));
+    // The hook of this library's own copy of std: a Rust program's panics
+    // go through its own.
+    std::panic::set_hook(Box::new(|info| error!("internal error: {info}")));
 }
 
 /// The program as it was invoked (argv[0], so `redis-server` rather than

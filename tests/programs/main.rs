@@ -6,6 +6,7 @@ mod harness;
 mod hostile;
 mod inputs;
 mod loopback;
+mod output;
 mod scale;
 
 use std::io::Write;
@@ -21,7 +22,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// on one host, or a test whose server lingers, do not collide). Offsets
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
 /// offset + 32 (32-63); 72-82 the trust, input and scale tests; 84-87 the
-/// dead-peer scenarios (azsdp: 116-119); 100-115.
+/// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
+/// 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
     // Below Linux's ephemeral range (32768-60999), where the bench test's

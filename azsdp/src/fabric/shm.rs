@@ -266,7 +266,7 @@ impl Segment {
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )?;
         let file = std::fs::File::from(fd.try_clone()?);
-        file.set_len(layout.len as u64)?;
+        crate::file_size::set_len(&file, layout.len as u64)?;
         fcntl(
             &fd,
             FcntlArg::F_ADD_SEALS(

@@ -166,11 +166,13 @@ pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
     g
 }
 
-/// Say `note` on stderr once per process (the shim routes its log).
+/// Say `note` once per process, through [`crate::notes`] (never straight
+/// to the program's stderr).
 pub(crate) fn log_once(note: &str) {
     let mut said = SAID.lock();
     if !said.iter().any(|s| s == note) {
         said.push(note.to_string());
-        eprintln!("azsdp: {note}");
+        drop(said);
+        crate::notes::note(note);
     }
 }

@@ -145,7 +145,7 @@ impl Bench {
             }
         };
         c.args(args)
-            .env("AZSDP_LOG", self.out.join(format!("{}.log", mode.name)))
+            .env("AZSDP_LOG", self.log_of(mode))
             .env("AZSDP_LOG_LEVEL", "debug")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -224,7 +224,11 @@ impl Bench {
             Ok(v) => Some(v),
             Err(e) => {
                 self.failures += 1;
-                eprintln!("azsdp bench: {what} under {}: {e}", mode.name);
+                eprintln!(
+                    "azsdp bench: {what} under {}: {e} (the shim's log: {})",
+                    mode.name,
+                    self.log_of(mode).display()
+                );
                 None
             }
         }
@@ -510,10 +514,14 @@ impl Bench {
         (out[0], out[1])
     }
 
+    /// The shim's log of the runs under `mode`.
+    fn log_of(&self, mode: &Mode) -> PathBuf {
+        self.out.join(format!("{}.log", mode.name))
+    }
+
     fn check_upgraded(&mut self, modes: &[Mode]) {
         for m in modes.iter().filter(|m| m.config.is_some()) {
-            let log = std::fs::read_to_string(self.out.join(format!("{}.log", m.name)))
-                .unwrap_or_default();
+            let log = std::fs::read_to_string(self.log_of(m)).unwrap_or_default();
             let upgraded = log.matches(": azsdp (peer pid").count();
             let tcp = log
                 .lines()
@@ -522,8 +530,9 @@ impl Bench {
             if upgraded == 0 || tcp > 0 {
                 self.failures += 1;
                 eprintln!(
-                    "azsdp: under {} {upgraded} connection(s) were upgraded and {tcp} stayed on TCP (see {}.log)",
-                    m.name, m.name
+                    "azsdp: under {} {upgraded} connection(s) were upgraded and {tcp} stayed on TCP (see {})",
+                    m.name,
+                    self.log_of(m).display()
                 );
             }
         }
@@ -731,7 +740,11 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
     println!("{summary}");
     println!("results: {}", out.join("results.csv").display());
     if b.failures > 0 {
-        eprintln!("azsdp bench: {} measurement(s) failed", b.failures);
+        eprintln!(
+            "azsdp bench: {} measurement(s) failed (logs in {})",
+            b.failures,
+            out.display()
+        );
         return ExitCode::FAILURE;
     }
     let _ = std::io::stdout().flush();
@@ -967,8 +980,9 @@ pub fn tune(out_file: PathBuf) -> ExitCode {
     b.check_upgraded(&modes);
     if b.failures > 0 {
         eprintln!(
-            "azsdp tune: {} measurement(s) failed; nothing written",
-            b.failures
+            "azsdp tune: {} measurement(s) failed; nothing written (logs in {})",
+            b.failures,
+            dir.display()
         );
         return ExitCode::FAILURE;
     }
