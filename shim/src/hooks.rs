@@ -207,8 +207,13 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
     if nfd < 0 {
         return nfd;
     }
-    // SAFETY: the program's buffer, within its length.
-    unsafe { net::copy_out(&st, sl, addr, len) };
+    if let Err(e) = net::copy_out(&st, sl, addr, len) {
+        // As the kernel: the connection is dropped.
+        // SAFETY: closing the descriptor we just accepted.
+        unsafe { real::close(nfd) };
+        real::set_errno(e);
+        return -1;
+    }
     let e = real::errno();
     guard((), || {
         let sock = Sock::new(lsock.family, flags & libc::SOCK_NONBLOCK != 0);
@@ -407,7 +412,16 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
         if len == 0 {
             continue;
         }
-        // SAFETY: the program's buffer of `len` bytes, valid for the call.
+        if let Err(e) = crate::user_mem::check_buffer(p, len, false) {
+            // As the kernel: what went before the bad buffer, else EFAULT.
+            if total > 0 {
+                break;
+            }
+            real::set_errno(e);
+            return -1;
+        }
+        // SAFETY: the program's buffer of `len` bytes, which the kernel
+        // says it may read.
         let buf = unsafe { std::slice::from_raw_parts(p, len) };
         let flags = SendFlags {
             nonblocking,
@@ -451,7 +465,15 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
         if len == 0 {
             continue;
         }
-        // SAFETY: the program's buffer of `len` bytes, valid for the call.
+        if let Err(e) = crate::user_mem::check_buffer(p, len, true) {
+            if total > 0 {
+                break;
+            }
+            real::set_errno(e);
+            return -1;
+        }
+        // SAFETY: the program's buffer of `len` bytes, which the kernel
+        // says it may write.
         let buf = unsafe { std::slice::from_raw_parts_mut(p, len) };
         let first = total == 0;
         let f = RecvFlags {
@@ -552,28 +574,45 @@ pub unsafe extern "C" fn sendto(
     })
 }
 
-/// The program's iovec array as (pointer, length) pairs.
-unsafe fn iovs<T>(iov: *const libc::iovec, n: usize) -> Vec<(*mut T, usize)> {
-    if iov.is_null() {
-        return Vec::new();
+/// The program's iovec array as (pointer, length) pairs, read through the
+/// kernel, with the kernel's checks: EINVAL for more than `IOV_MAX`
+/// entries or a total beyond `ssize_t`, EFAULT for an array it cannot
+/// read.
+fn iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*mut u8, usize)>, c_int> {
+    const IOV_MAX: i64 = 1024;
+    if !(0..=IOV_MAX).contains(&n) {
+        return Err(libc::EINVAL);
     }
-    // SAFETY: the caller's array of n iovecs.
-    unsafe { std::slice::from_raw_parts(iov, n) }
-        .iter()
-        .map(|v| (v.iov_base.cast::<T>(), v.iov_len))
-        .collect()
+    let v = crate::user_mem::read(iov, n as usize)?;
+    let mut total: usize = 0;
+    for e in &v {
+        total = total
+            .checked_add(e.iov_len)
+            .filter(|t| *t <= isize::MAX as usize)
+            .ok_or(libc::EINVAL)?;
+    }
+    Ok(v.iter()
+        .map(|e| (e.iov_base.cast::<u8>(), e.iov_len))
+        .collect())
 }
 
 /// [`iovs`] of bytes to send.
-///
-/// # Safety
-/// As [`iovs`].
-unsafe fn send_iovs(iov: *const libc::iovec, n: usize) -> Vec<(*const u8, usize)> {
-    // SAFETY: the caller's promise, passed on.
-    unsafe { iovs::<u8>(iov, n) }
+fn send_iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*const u8, usize)>, c_int> {
+    Ok(iovs(iov, n)?
         .into_iter()
         .map(|(p, l)| (p.cast_const(), l))
-        .collect()
+        .collect())
+}
+
+/// The program's msghdr, read through the kernel.
+fn msghdr_of(msg: *const msghdr) -> Result<msghdr, c_int> {
+    Ok(crate::user_mem::read(msg, 1)?[0])
+}
+
+/// Fail the call with `e` (-1, errno).
+fn efail(e: c_int) -> ssize_t {
+    real::set_errno(e);
+    -1
 }
 
 #[unsafe(no_mangle)]
@@ -581,8 +620,11 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
     hook(|| {
         match target(fd) {
             Target::Azsdp(s, c) => guard(-1, || {
-                // SAFETY: the program's msghdr and its iovecs.
-                let bufs = unsafe { send_iovs((*msg).msg_iov, (*msg).msg_iovlen) };
+                let bufs =
+                    match msghdr_of(msg).and_then(|m| send_iovs(m.msg_iov, m.msg_iovlen as i64)) {
+                        Ok(b) => b,
+                        Err(e) => return efail(e),
+                    };
                 send_bufs(&s, &c, &bufs, flags)
             }),
             // SAFETY: libc's sendmsg with the program's arguments.
@@ -606,10 +648,9 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, len: size_t) -> ss
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || {
-                // SAFETY: the program's iovecs.
-                let bufs = unsafe { send_iovs(iov, n.max(0) as usize) };
-                send_bufs(&s, &c, &bufs, 0)
+            Target::Azsdp(s, c) => guard(-1, || match send_iovs(iov, i64::from(n)) {
+                Ok(bufs) => send_bufs(&s, &c, &bufs, 0),
+                Err(e) => efail(e),
             }),
             // SAFETY: libc's writev with the program's arguments.
             Target::Plain(t) => plain(t, true, || unsafe { real::writev(fd, iov, n) }),
@@ -640,10 +681,11 @@ pub unsafe extern "C" fn recvfrom(
     hook(|| {
         match target(fd) {
             Target::Azsdp(s, c) => guard(-1, || {
-                if !alen.is_null() {
-                    // SAFETY: the program's length word. A connected stream
-                    // socket reports no source address.
-                    unsafe { *alen = 0 };
+                // A connected stream socket reports no source address.
+                if !alen.is_null()
+                    && let Err(e) = crate::user_mem::write(alen, &[0])
+                {
+                    return efail(e);
                 }
                 recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
             }),
@@ -660,16 +702,23 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
     hook(|| {
         match target(fd) {
             Target::Azsdp(s, c) => guard(-1, || {
-                // SAFETY: the program's msghdr and its iovecs.
-                let bufs = unsafe { iovs::<u8>((*msg).msg_iov, (*msg).msg_iovlen) };
-                let r = recv_bufs(&s, &c, &bufs, flags);
-                // SAFETY: the program's msghdr.
-                unsafe {
-                    (*msg).msg_namelen = 0;
-                    (*msg).msg_controllen = 0;
-                    (*msg).msg_flags = 0;
+                let mut m = match msghdr_of(msg) {
+                    Ok(m) => m,
+                    Err(e) => return efail(e),
+                };
+                let bufs = match iovs(m.msg_iov, m.msg_iovlen as i64) {
+                    Ok(b) => b,
+                    Err(e) => return efail(e),
+                };
+                // The kernel writes these back: no address, no control
+                // data, no flags.
+                m.msg_namelen = 0;
+                m.msg_controllen = 0;
+                m.msg_flags = 0;
+                if let Err(e) = crate::user_mem::write(msg, &[m]) {
+                    return efail(e);
                 }
-                r
+                recv_bufs(&s, &c, &bufs, flags)
             }),
             // SAFETY: libc's recvmsg with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
@@ -692,10 +741,9 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || {
-                // SAFETY: the program's iovecs.
-                let bufs = unsafe { iovs::<u8>(iov, n.max(0) as usize) };
-                recv_bufs(&s, &c, &bufs, 0)
+            Target::Azsdp(s, c) => guard(-1, || match iovs(iov, i64::from(n)) {
+                Ok(bufs) => recv_bufs(&s, &c, &bufs, 0),
+                Err(e) => efail(e),
             }),
             // SAFETY: libc's readv with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe { real::readv(fd, iov, n) }),
@@ -1033,15 +1081,28 @@ pub unsafe extern "C" fn epoll_ctl(
             return unsafe { real::epoll_ctl(epfd, op, fd, ev) };
         };
         guard(-1, || {
-            // SAFETY: the program's event, if any.
-            let event = (!ev.is_null()).then(|| unsafe { *ev });
             if sock.conn().is_some() {
+                // The event through the kernel (none needed to delete).
+                let event = if op == libc::EPOLL_CTL_DEL {
+                    None
+                } else {
+                    match crate::user_mem::read(ev.cast_const(), 1) {
+                        Ok(v) => Some(v[0]),
+                        Err(e) => return efail(e) as c_int,
+                    }
+                };
                 return epoll::ctl(epfd, op, fd, sock, event);
             }
             // SAFETY: libc's epoll_ctl.
             let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
             if r == 0 && matches!(sock.role(), Role::Fresh) {
-                // Remember it: if the socket is upgraded, it moves to our part.
+                // Remember it: if the socket is upgraded, it moves to our
+                // part. (The kernel took the event: it is readable.)
+                let event = if op == libc::EPOLL_CTL_DEL {
+                    None
+                } else {
+                    crate::user_mem::read(ev.cast_const(), 1).ok().map(|v| v[0])
+                };
                 let mut regs = sock.kernel_epolls.lock();
                 regs.retain(|x| !(x.epfd == epfd && x.fd == fd));
                 if let (true, Some(e)) = (op != libc::EPOLL_CTL_DEL, event) {
@@ -1152,14 +1213,15 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
         if let Some(sock) = fdtable::get(fd) {
             if req == libc::FIONREAD as c_ulong {
                 if let Some(c) = sock.conn() {
-                    if arg == 0 {
-                        real::set_errno(libc::EFAULT);
-                        return -1;
-                    }
                     let n = guard(0, || c.engine.readable_bytes());
-                    // SAFETY: FIONREAD's argument is the program's int.
-                    unsafe { *(arg as *mut c_int) = n.min(c_int::MAX as u64) as c_int };
-                    return 0;
+                    let n = n.min(c_int::MAX as u64) as c_int;
+                    return match crate::user_mem::write(arg as *mut c_int, &[n]) {
+                        Ok(()) => 0,
+                        Err(e) => {
+                            real::set_errno(e);
+                            -1
+                        }
+                    };
                 }
             }
             // SAFETY: libc's ioctl.
@@ -1285,10 +1347,6 @@ pub unsafe extern "C" fn getsockopt(
     hook(|| {
         if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
             if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
-                if val.is_null() || len.is_null() {
-                    real::set_errno(libc::EFAULT);
-                    return -1;
-                }
                 let err = match c.engine.state() {
                     azsdp::conn::State::Aborted(r) => match r.call_error() {
                         CallError::TimedOut => libc::ETIMEDOUT,
@@ -1296,14 +1354,24 @@ pub unsafe extern "C" fn getsockopt(
                     },
                     _ => 0,
                 };
-                // SAFETY: the program's int and length.
-                unsafe {
-                    if (*len as usize) >= std::mem::size_of::<c_int>() {
-                        *(val.cast::<c_int>()) = err;
-                        *len = std::mem::size_of::<c_int>() as socklen_t;
+                // As the kernel: at most `*len` bytes of the int, and the
+                // length it wrote.
+                let put = || -> Result<(), c_int> {
+                    let room = crate::user_mem::read(len.cast_const(), 1)?[0];
+                    if (room as i32) < 0 {
+                        return Err(libc::EINVAL);
                     }
-                }
-                return 0;
+                    let n = (room as usize).min(std::mem::size_of::<c_int>());
+                    crate::user_mem::write(val.cast::<u8>(), &err.to_ne_bytes()[..n])?;
+                    crate::user_mem::write(len, &[n as socklen_t])
+                };
+                return match put() {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        real::set_errno(e);
+                        -1
+                    }
+                };
             }
         }
         // SAFETY: libc's getsockopt.
@@ -1320,8 +1388,10 @@ fn upgraded_name(fd: c_int, peer: bool, addr: *mut sockaddr, len: *mut socklen_t
         return Some(-1);
     }
     let (st, sl) = net::to_storage(if peer { c.peer } else { c.local });
-    // SAFETY: the program's buffer and length.
-    unsafe { net::copy_out(&st, sl, addr, len) };
+    if let Err(e) = net::copy_out(&st, sl, addr, len) {
+        real::set_errno(e);
+        return Some(-1);
+    }
     Some(0)
 }
 

@@ -78,29 +78,28 @@ pub fn to_storage(a: SocketAddr) -> (sockaddr_storage, socklen_t) {
 }
 
 /// Hand `a` back to the program as `accept`/`getpeername` do: copy at most
-/// `*len` bytes, and store the full length in `*len`.
-///
-/// # Safety
-/// `out` and `len` must be null or valid for the sizes `*len` gives.
-pub unsafe fn copy_out(
+/// `*len` bytes, and store the full length in `*len`; through the kernel,
+/// with its errors (EFAULT for memory it cannot access, EINVAL for a
+/// negative length). Null pointers: nothing to do.
+pub fn copy_out(
     a: &sockaddr_storage,
     alen: socklen_t,
     out: *mut sockaddr,
     len: *mut socklen_t,
-) {
+) -> Result<(), c_int> {
     if out.is_null() || len.is_null() {
-        return;
+        return Ok(());
     }
-    // SAFETY: the caller's contract; we copy no more than it has room for.
-    unsafe {
-        let room = (*len).min(alen) as usize;
-        std::ptr::copy_nonoverlapping(
-            (a as *const sockaddr_storage).cast::<u8>(),
-            out.cast::<u8>(),
-            room,
-        );
-        *len = alen;
+    let room = crate::user_mem::read(len.cast_const(), 1)?[0];
+    if (room as i32) < 0 {
+        return Err(libc::EINVAL);
     }
+    let n = room.min(alen) as usize;
+    // SAFETY: `a` is a whole sockaddr_storage, at least `alen` >= n bytes.
+    let bytes =
+        unsafe { std::slice::from_raw_parts((a as *const sockaddr_storage).cast::<u8>(), n) };
+    crate::user_mem::write(out.cast::<u8>(), bytes)?;
+    crate::user_mem::write(len, &[alen])
 }
 
 /// An address of socket `fd`, as `getsockname`/`getpeername` (`ask`) give it.

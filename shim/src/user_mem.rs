@@ -1,21 +1,53 @@
-//! The program's arrays (pollfds, fd_sets, epoll events), read and written
-//! through the kernel.
+//! The program's memory as the kernel would treat it.
 //!
 //! An interposed call must fail as the real one would when the program
 //! passes a bad pointer or a short array (EFAULT), never crash the program
-//! with SIGSEGV in our code. `process_vm_readv`/`process_vm_writev` on our
-//! own process check every page and say EFAULT, as the kernel's own copies
-//! do.
+//! with SIGSEGV in our code. Small arrays (pollfds, fd_sets, epoll events,
+//! iovecs, msghdrs) are read and written through the kernel:
+//! `process_vm_readv`/`process_vm_writev` on our own process check every
+//! page and say EFAULT, as the kernel's own copies do. Data buffers, which
+//! the engine copies or protects itself, are checked against the kernel's
+//! view of the mappings first ([`check_buffer`]).
 //!
 //! `unsafe` here: the system calls, over the program's addresses (which
 //! they check) and our own buffers.
 
 use libc::{c_int, c_void, iovec};
 
+/// C data for which every bit pattern is a valid value, so it may be
+/// filled with whatever bytes the program's memory holds.
+///
+/// # Safety
+/// Implement only for such types (integers and structs of them).
+pub unsafe trait Plain: Copy {}
+
+// SAFETY: integers and C structs of integers and pointers.
+unsafe impl Plain for u8 {}
+// SAFETY: as above.
+unsafe impl Plain for u32 {}
+// SAFETY: as above.
+unsafe impl Plain for u64 {}
+// SAFETY: as above.
+unsafe impl Plain for i32 {}
+// SAFETY: as above.
+unsafe impl Plain for i64 {}
+// SAFETY: as above.
+unsafe impl Plain for libc::pollfd {}
+// SAFETY: as above.
+unsafe impl Plain for libc::iovec {}
+// SAFETY: as above.
+unsafe impl Plain for libc::msghdr {}
+// SAFETY: as above.
+unsafe impl Plain for libc::epoll_event {}
+// SAFETY: as above.
+unsafe impl Plain for libc::timespec {}
+// SAFETY: as above.
+unsafe impl Plain for libc::timeval {}
+
 /// Copy `n` values of `T` from the program's `src`; `Err(EFAULT)` if the
 /// kernel cannot read them all.
-pub fn read<T: Copy + Default>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
-    let mut v = vec![T::default(); n];
+pub fn read<T: Plain>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
     if n == 0 {
         return Ok(v);
     }
@@ -34,12 +66,15 @@ pub fn read<T: Copy + Default>(src: *const T, n: usize) -> Result<Vec<T>, c_int>
     if got != len as isize {
         return Err(libc::EFAULT);
     }
+    // SAFETY: the kernel wrote all `n` values, and any bytes are a valid
+    // `T` (`Plain`).
+    unsafe { v.set_len(n) };
     Ok(v)
 }
 
 /// Copy `v` to the program's `dst`; `Err(EFAULT)` if the kernel cannot
 /// write it all.
-pub fn write<T: Copy>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
+pub fn write<T: Plain>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
     if v.is_empty() {
         return Ok(());
     }
@@ -59,6 +94,52 @@ pub fn write<T: Copy>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
         return Err(libc::EFAULT);
     }
     Ok(())
+}
+
+/// Mappings a thread's checked buffers were in lately: (start, end,
+/// checked for writing, memory-map generation).
+type Known = [(u64, u64, bool, u64); 4];
+
+thread_local! {
+    static KNOWN: std::cell::Cell<(Known, usize)> =
+        const { std::cell::Cell::new(([(0, 0, false, u64::MAX); 4], 0)) };
+}
+
+/// May a call read (or, with `write`, write) the program's `len` bytes at
+/// `p`? `Err(EFAULT)` where the kernel's copy would fault. A buffer inside
+/// a mapping that held one of the last few checked by this thread, with
+/// no interposed `mmap`/`munmap`/`mremap`/`madvise` since, passes without
+/// a system call; otherwise the kernel is asked (`PROCMAP_QUERY`).
+/// (Memory that libc unmaps internally, as `free()` does with large
+/// blocks, is not seen: a program that sends from freed memory may still
+/// fault, as it would when it touched it.)
+pub fn check_buffer(p: *const u8, len: usize, write: bool) -> Result<(), c_int> {
+    if len == 0 {
+        return Ok(());
+    }
+    let start = p as u64;
+    let end = start.checked_add(len as u64).ok_or(libc::EFAULT)?;
+    if p.is_null() {
+        return Err(libc::EFAULT);
+    }
+    let generation = azsdp::memory_map::generation();
+    let (known, next) = KNOWN.with(std::cell::Cell::get);
+    let hit = known
+        .iter()
+        .any(|&(lo, hi, w, seen)| seen == generation && lo <= start && end <= hi && (w || !write));
+    if hit {
+        return Ok(());
+    }
+    match azsdp::memory_map::accessible(&(start..end), write) {
+        None => Err(libc::EFAULT),
+        Some(azsdp::memory_map::Access::Within(r)) => {
+            let mut known = known;
+            known[next] = (r.start, r.end, write, generation);
+            KNOWN.with(|k| k.set((known, (next + 1) % known.len())));
+            Ok(())
+        }
+        Some(azsdp::memory_map::Access::Spans) => Ok(()),
+    }
 }
 
 /// The process's descriptor limit (`RLIMIT_NOFILE`, soft): the kernel's
@@ -90,5 +171,45 @@ mod tests {
         // A read-only page is not writable.
         let ro: &'static [u32] = &[0; 4];
         assert_eq!(write(ro.as_ptr().cast_mut(), &[1]), Err(libc::EFAULT));
+    }
+
+    #[test]
+    fn buffers_are_checked_against_the_kernels_mappings() {
+        let heap = vec![0u8; 100_000];
+        assert_eq!(check_buffer(heap.as_ptr(), heap.len(), true), Ok(()));
+        // Again, from the thread's cache.
+        assert_eq!(check_buffer(heap.as_ptr(), 10, false), Ok(()));
+        assert_eq!(check_buffer(std::ptr::null(), 1, false), Err(libc::EFAULT));
+        assert_eq!(check_buffer(std::ptr::null(), 0, true), Ok(()));
+        assert_eq!(
+            check_buffer(usize::MAX as *const u8, 2, false),
+            Err(libc::EFAULT)
+        );
+        let ro: &'static [u8] = b"read-only data";
+        assert_eq!(check_buffer(ro.as_ptr(), ro.len(), false), Ok(()));
+        assert_eq!(check_buffer(ro.as_ptr(), ro.len(), true), Err(libc::EFAULT));
+        // Two pages, the second unmapped (through the interposable munmap,
+        // as a program's would be).
+        // SAFETY: mmap/munmap of our own pages.
+        let p = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            p.cast::<u8>()
+        };
+        assert_eq!(check_buffer(p, 8192, true), Ok(()));
+        // SAFETY: our own second page.
+        unsafe { libc::munmap(p.add(4096).cast(), 4096) };
+        azsdp::memory_map::invalidate();
+        assert_eq!(check_buffer(p, 4096, true), Ok(()));
+        assert_eq!(check_buffer(p, 4097, true), Err(libc::EFAULT));
+        // SAFETY: our own first page.
+        unsafe { libc::munmap(p.cast(), 4096) };
     }
 }

@@ -1304,7 +1304,123 @@ fn bad_args(server: bool, port: u16) -> R {
             "epoll_wait with maxevents {most} gave {n} ({})",
             err_name(errno())
         );
+        fails(
+            "epoll_ctl ADD without an event",
+            libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, c, std::ptr::null_mut()),
+            libc::EFAULT,
+        )?;
         close(ep);
+        // Data calls with buffers, arrays and lengths the kernel refuses;
+        // the pending "ready" must stay unread.
+        let bad = unmapped.cast::<c_void>();
+        fails(
+            "recv into an unmapped page",
+            libc::recv(c, bad, 10, 0) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "recv into NULL",
+            libc::recv(c, std::ptr::null_mut(), 10, 0) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "read into an unmapped page",
+            libc::read(c, bad, 10) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "send from an unmapped page",
+            libc::send(c, bad, 10, 0) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "send from NULL",
+            libc::send(c, std::ptr::null(), 10, 0) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "write from an unmapped page",
+            libc::write(c, bad, 10) as c_int,
+            libc::EFAULT,
+        )?;
+        let mut byte = [0u8; 4];
+        let iov = libc::iovec {
+            iov_base: byte.as_mut_ptr().cast(),
+            iov_len: 4,
+        };
+        let bad_iov = unmapped.cast::<libc::iovec>();
+        fails(
+            "writev a bad iovec array",
+            libc::writev(c, bad_iov, 1) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "writev -1 iovecs",
+            libc::writev(c, &iov, -1) as c_int,
+            libc::EINVAL,
+        )?;
+        fails(
+            "writev 1025 iovecs",
+            libc::writev(c, &iov, 1025) as c_int,
+            libc::EINVAL,
+        )?;
+        fails(
+            "readv a bad iovec array",
+            libc::readv(c, bad_iov, 1) as c_int,
+            libc::EFAULT,
+        )?;
+        let to_bad = libc::iovec {
+            iov_base: bad,
+            iov_len: 10,
+        };
+        fails(
+            "readv into an unmapped page",
+            libc::readv(c, &to_bad, 1) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "sendmsg a bad msghdr",
+            libc::sendmsg(c, unmapped.cast::<libc::msghdr>(), 0) as c_int,
+            libc::EFAULT,
+        )?;
+        let mut m: libc::msghdr = std::mem::zeroed();
+        m.msg_iov = (&raw const to_bad).cast_mut();
+        m.msg_iovlen = 1;
+        fails(
+            "recvmsg into an unmapped page",
+            libc::recvmsg(c, &mut m, 0) as c_int,
+            libc::EFAULT,
+        )?;
+        fails(
+            "FIONREAD into NULL",
+            libc::ioctl(c, libc::FIONREAD, std::ptr::null_mut::<c_int>()),
+            libc::EFAULT,
+        )?;
+        let mut v: c_int = 0;
+        fails(
+            "SO_ERROR with a bad length",
+            libc::getsockopt(
+                c,
+                libc::SOL_SOCKET,
+                libc::SO_ERROR,
+                (&raw mut v).cast(),
+                unmapped.cast::<libc::socklen_t>(),
+            ),
+            libc::EFAULT,
+        )?;
+        let mut alen = 128 as libc::socklen_t;
+        fails(
+            "getpeername into an unmapped page",
+            libc::getpeername(c, unmapped.cast::<libc::sockaddr>(), &mut alen),
+            libc::EFAULT,
+        )?;
+        let mut sa: libc::sockaddr_storage = std::mem::zeroed();
+        let mut neg = -1i32 as libc::socklen_t;
+        fails(
+            "getpeername with a negative length",
+            libc::getpeername(c, (&raw mut sa).cast(), &mut neg),
+            libc::EINVAL,
+        )?;
         // Still usable, errno kept by successful calls.
         *libc::__errno_location() = 4321;
         let n = libc::poll(&mut one, 1, 0);
