@@ -202,6 +202,11 @@ impl<F: Fabric, P: Protector> Driver<F, P> {
         }
     }
 
+    /// `SO_ERROR` (see [`Connection::take_error`]).
+    pub fn take_error(&mut self) -> Option<CallError> {
+        self.conn.take_error()
+    }
+
     pub fn connection(&self) -> &Connection {
         &self.conn
     }

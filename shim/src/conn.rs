@@ -4,7 +4,7 @@
 use azsdp::sync::Lock;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use azsdp::config::Settings;
@@ -22,9 +22,6 @@ type Engine = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
 /// An upgraded connection.
 pub struct Conn {
     pub engine: Engine,
-    /// Bumped whenever the engine took something in (edge-triggered epoll
-    /// reports a ready socket again after it moved).
-    pub activity: Arc<AtomicU64>,
     /// The epoll sets watching this connection.
     pub watchers: Arc<crate::epoll::Watchers>,
     pub local: SocketAddr,
@@ -61,11 +58,9 @@ impl Conn {
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let waiter = ep.waiter();
         let d = Driver::new(cfg, ep, p.protector);
-        let activity = Arc::new(AtomicU64::new(0));
         let watchers = Arc::new(crate::epoll::Watchers::default());
-        let (a, w) = (Arc::clone(&activity), Arc::clone(&watchers));
+        let w = Arc::clone(&watchers);
         let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
-            a.fetch_add(1, Ordering::Relaxed);
             w.touched();
             crate::ready::notify();
         });
@@ -85,7 +80,6 @@ impl Conn {
         crate::runtime::ensure_exit_handler();
         let c = Arc::new(Conn {
             engine,
-            activity,
             watchers,
             local,
             peer,

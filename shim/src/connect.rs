@@ -286,6 +286,8 @@ pub fn connect(
         let r = kernel_connect(fd, dst, false, Duration::ZERO);
         match r {
             Ok(_) => Outcome::Tcp(0, 0, Some(reason)),
+            // Under way (a non-blocking socket): a TCP connection all the same.
+            Err(libc::EINPROGRESS) => Outcome::Tcp(-1, libc::EINPROGRESS, Some(reason)),
             Err(e) => Outcome::Tcp(-1, e, None),
         }
     };

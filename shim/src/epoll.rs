@@ -28,7 +28,6 @@ use libc::{
     EPOLLERR, EPOLLET, EPOLLHUP, EPOLLIN, EPOLLONESHOT, EPOLLOUT, EPOLLRDHUP, c_int, epoll_event,
 };
 
-use crate::conn::Conn;
 use crate::ready::Wakeup;
 use crate::real;
 use crate::sock::Sock;
@@ -44,9 +43,10 @@ struct Interest {
     sock: Arc<Sock>,
     events: u32,
     data: u64,
-    /// Bits reported last time, and the engine's activity then.
+    /// Bits reported last time, and the engine's progress then (data
+    /// arrived for readers, room made for writers).
     last_bits: u32,
-    last_activity: u64,
+    last_progress: (u64, u64),
     /// A one-shot interest that fired, until EPOLL_CTL_MOD.
     spent: bool,
 }
@@ -206,7 +206,7 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
                     events: ev.events,
                     data: ev.u64,
                     last_bits: 0,
-                    last_activity: u64::MAX,
+                    last_progress: (u64::MAX, u64::MAX),
                     spent: false,
                 },
             );
@@ -251,8 +251,7 @@ pub fn adopt(sock: &Arc<Sock>) {
     }
 }
 
-fn epoll_bits(c: &Conn, wanted: u32) -> u32 {
-    let r = c.engine.readiness();
+fn epoll_bits(r: &azsdp::conn::Readiness, wanted: u32) -> u32 {
     let mut b = 0u32;
     if r.readable {
         b |= EPOLLIN as u32;
@@ -260,8 +259,11 @@ fn epoll_bits(c: &Conn, wanted: u32) -> u32 {
     if r.writable {
         b |= EPOLLOUT as u32;
     }
+    if r.read_hangup {
+        b |= EPOLLRDHUP as u32;
+    }
     if r.hangup {
-        b |= (EPOLLHUP | EPOLLRDHUP) as u32;
+        b |= EPOLLHUP as u32;
     }
     if r.error {
         b |= EPOLLERR as u32;
@@ -289,17 +291,31 @@ fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
             continue;
         }
         let Some(c) = it.sock.conn() else { continue };
-        let activity = c.activity.load(Ordering::Relaxed);
-        let bits = epoll_bits(&c, it.events);
+        let r = c.engine.readiness();
+        let bits = epoll_bits(&r, it.events);
+        // As the kernel's wake-ups: readers hear of arriving data, writers
+        // of room made; nobody of other traffic (credits, acknowledgements).
+        let progress = (
+            if it.events & EPOLLIN as u32 != 0 {
+                r.arrived
+            } else {
+                0
+            },
+            if it.events & EPOLLOUT as u32 != 0 {
+                r.drained
+            } else {
+                0
+            },
+        );
         let edge = it.events & EPOLLET as u32 != 0;
         let report = if edge {
-            bits != 0 && (bits & !it.last_bits != 0 || activity != it.last_activity)
+            bits != 0 && (bits & !it.last_bits != 0 || progress != it.last_progress)
         } else {
             bits != 0
         };
         it.last_bits = bits;
         if report {
-            it.last_activity = activity;
+            it.last_progress = progress;
             if it.events & EPOLLONESHOT as u32 != 0 {
                 it.spent = true;
             } else if !edge {

@@ -127,6 +127,13 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     hook(|| {
+        // An upgraded connection's kernel socket is closed underneath (see
+        // `seal`), so the kernel would let it bind: refuse as it refuses a
+        // connected socket.
+        if fdtable::get(fd).is_some_and(|s| s.conn().is_some()) {
+            real::set_errno(libc::EINVAL);
+            return -1;
+        }
         // SAFETY: libc's bind.
         unsafe { real::bind(fd, addr, len) }
     })
@@ -277,7 +284,14 @@ pub unsafe extern "C" fn accept4(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     hook(|| {
-        let sock = fdtable::get(fd).filter(|s| matches!(s.role(), Role::Fresh));
+        let sock = fdtable::get(fd);
+        if let Some(s) = &sock
+            && s.conn().is_some()
+            && s.connect_pending.swap(false, Ordering::SeqCst)
+        {
+            return 0;
+        }
+        let sock = sock.filter(|s| matches!(s.role(), Role::Fresh));
         // SAFETY: the program's address, within its length.
         let dst = unsafe { net::from_raw(addr, len) };
         let (Some(sock), Some(dst)) = (sock, dst) else {
@@ -299,13 +313,15 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             return r;
         };
         guard(-1, || {
-            match connect::connect(fd, sock.family, dst, sock.is_nonblocking(), &s) {
+            let nonblocking = sock.is_nonblocking();
+            let (r, e) = match connect::connect(fd, sock.family, dst, nonblocking, &s) {
                 Outcome::Azsdp(c) => {
                     info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
+                    sock.connect_pending.store(nonblocking, Ordering::SeqCst);
                     sock.set_role(Role::Azsdp(c));
                     seal(fd);
                     epoll::adopt(&sock);
-                    0
+                    (0, 0)
                 }
                 Outcome::Tcp(r, e, reason) => {
                     if let Some(reason) = reason {
@@ -313,10 +329,19 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                         sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
                         sock.kernel_epolls.lock().clear();
                     }
-                    real::set_errno(e);
-                    r
+                    (r, e)
                 }
-            }
+            };
+            // A non-blocking TCP connect() always says EINPROGRESS, even
+            // when it completes at once (we waited for it here): so do we,
+            // and the program's poll for POLLOUT and SO_ERROR follow.
+            let (r, e) = if nonblocking && r == 0 {
+                (-1, libc::EINPROGRESS)
+            } else {
+                (r, e)
+            };
+            real::set_errno(e);
+            r
         })
     })
 }
@@ -458,6 +483,25 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
     if flags & libc::MSG_OOB != 0 {
         real::set_errno(libc::EINVAL);
         return -1;
+    }
+    let want = bufs.iter().fold(0usize, |a, b| a.saturating_add(b.1));
+    if flags & libc::MSG_TRUNC != 0 {
+        // TCP's MSG_TRUNC: take (or, with MSG_PEEK, look at) up to `want`
+        // bytes without copying them to the program.
+        let mut scratch = vec![0u8; want.min(1 << 20)];
+        let n = scratch.len();
+        return recv_bufs(
+            sock,
+            c,
+            &[(scratch.as_mut_ptr(), n)],
+            flags & !libc::MSG_TRUNC,
+        );
+    }
+    if want == 0 {
+        // TCP waits as for data (or EOF, or an error), then takes nothing.
+        let mut one = [0u8; 1];
+        let r = recv_bufs(sock, c, &[(one.as_mut_ptr(), 1)], flags | libc::MSG_PEEK);
+        return r.min(0);
     }
     let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
     let mut total: usize = 0;
@@ -1347,12 +1391,11 @@ pub unsafe extern "C" fn getsockopt(
     hook(|| {
         if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
             if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
-                let err = match c.engine.state() {
-                    azsdp::conn::State::Aborted(r) => match r.call_error() {
-                        CallError::TimedOut => libc::ETIMEDOUT,
-                        _ => libc::ECONNRESET,
-                    },
-                    _ => 0,
+                // The pending error, once, as the kernel's.
+                let err = match c.engine.take_error() {
+                    Some(CallError::TimedOut) => libc::ETIMEDOUT,
+                    Some(_) => libc::ECONNRESET,
+                    None => 0,
                 };
                 // As the kernel: at most `*len` bytes of the int, and the
                 // length it wrote.

@@ -121,8 +121,11 @@ pub fn poll_bits(r: &Readiness, wanted: c_short) -> c_short {
     if r.writable {
         b |= POLLOUT | (wanted & libc::POLLWRNORM);
     }
+    if r.read_hangup {
+        b |= wanted & POLLRDHUP;
+    }
     if r.hangup {
-        b |= POLLHUP | (wanted & POLLRDHUP);
+        b |= POLLHUP;
     }
     if r.error {
         b |= POLLERR;

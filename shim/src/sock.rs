@@ -54,6 +54,10 @@ pub struct Sock {
     role: RwLock<Role>,
     pub opts: Lock<Opts>,
     pub kernel_epolls: Lock<Vec<EpollReg>>,
+    /// A non-blocking `connect()` said EINPROGRESS for a connection that
+    /// was already made: the next `connect()` says 0, as the kernel's does
+    /// once the handshake is over (later ones EISCONN).
+    pub connect_pending: AtomicBool,
 }
 
 impl Sock {
@@ -65,6 +69,7 @@ impl Sock {
             role: RwLock::new(Role::Fresh),
             opts: Lock::new(Opts::default()),
             kernel_epolls: Lock::new(Vec::new()),
+            connect_pending: AtomicBool::new(false),
         })
     }
 

@@ -2,6 +2,7 @@
 //! socat, iperf3, redis, python's http.server with curl; mixed pairs with
 //! a peer not under azsdp; and a peer killed mid-stream.
 
+mod conform;
 mod harness;
 mod hostile;
 mod inputs;
@@ -23,7 +24,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
 /// offset + 32 (32-63); 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
-/// 100-115.
+/// 91 (azsdp: 123) idle-cpu; 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -796,6 +797,11 @@ fn a_dead_or_departed_peer_wakes_select_within_a_second() {
 #[test]
 fn a_dead_or_departed_peer_wakes_epoll_within_a_second() {
     sockcheck("dead-peer-epoll", 87);
+}
+
+#[test]
+fn connections_whose_peer_closed_cost_no_cpu_while_idle() {
+    sockcheck("idle-cpu", 91);
 }
 
 #[test]

@@ -1297,8 +1297,11 @@ fn bad_args(server: bool, port: u16) -> R {
             libc::EFAULT,
         )?;
         // A huge but allowed maxevents with one event ready: one event.
+        // (The kernel checks that the whole array would lie in user space:
+        // an array on the heap, low in it, not on the stack near its top.)
         let most = i32::MAX / std::mem::size_of::<libc::epoll_event>() as i32;
-        let n = libc::epoll_wait(ep, &mut ev, most, 0);
+        let mut on_heap = Box::new(libc::epoll_event { events: 0, u64: 0 });
+        let n = libc::epoll_wait(ep, &mut *on_heap, most, 0);
         check!(
             n == 1,
             "epoll_wait with maxevents {most} gave {n} ({})",
@@ -1434,6 +1437,58 @@ fn bad_args(server: bool, port: u16) -> R {
     let got = recv_exact(c, 5)?;
     check!(got == b"ready", "got {got:?}");
     close(c);
+    Ok(())
+}
+
+/// CPU time this process has used (user and system).
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage(2) into our own struct.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let t = |tv: libc::timeval| Duration::new(tv.tv_sec as u64, tv.tv_usec as u32 * 1000);
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// Connections whose peer closed (its process lives on) and that this
+/// side leaves open: they must cost nothing while idle (a progress thread
+/// that never slept again once the peer had closed used a core each).
+fn idle_cpu(server: bool, port: u16) -> R {
+    const CONNS: usize = 8;
+    if !server {
+        let cs: Vec<c_int> = (0..CONNS).map(|_| connect_to(port)).collect::<Result<_, _>>()?;
+        for &c in &cs {
+            send_all(c, b"x")?;
+            close(c);
+        }
+        sleep_ms(4000);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let mut cs = Vec::new();
+    for _ in 0..CONNS {
+        let c = accept_one(l)?;
+        check!(recv_exact(c, 1)? == b"x", "data");
+        check!(
+            poll1(c, libc::POLLRDHUP, 5000) & libc::POLLRDHUP != 0,
+            "the peer's close was not seen"
+        );
+        cs.push(c);
+    }
+    sleep_ms(300);
+    let (t0, c0) = (Instant::now(), cpu_time());
+    sleep_ms(2000);
+    let (wall, cpu) = (t0.elapsed(), cpu_time() - c0);
+    check!(
+        cpu < Duration::from_millis(200),
+        "{CONNS} idle connections whose peer closed used {cpu:?} of CPU in {wall:?}"
+    );
+    for c in cs {
+        expect_eof(c)?;
+        close(c);
+    }
     Ok(())
 }
 
@@ -1596,6 +1651,7 @@ fn main() {
         "eintr-waits" => eintr_waits(server, port),
         "bad-args" => bad_args(server, port),
         "fork-stress" => fork_stress(server, port),
+        "idle-cpu" => idle_cpu(server, port),
         "dead-peer-blocking" => dead_peer::run(server, port, dead_peer::Style::Blocking),
         "dead-peer-poll" => dead_peer::run(server, port, dead_peer::Style::Poll),
         "dead-peer-select" => dead_peer::run(server, port, dead_peer::Style::Select),

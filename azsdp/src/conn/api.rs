@@ -276,10 +276,21 @@ pub enum Shutdown {
 pub struct Readiness {
     pub readable: bool,
     pub writable: bool,
-    /// Both directions are finished (POLLHUP).
+    /// The receive direction is finished: the peer shut down its sending
+    /// side, we shut down ours for receiving, or the connection was
+    /// aborted (POLLRDHUP).
+    pub read_hangup: bool,
+    /// Both directions are finished, or the connection was aborted
+    /// (POLLHUP).
     pub hangup: bool,
-    /// The connection was aborted (POLLERR).
+    /// An error is pending: the connection was aborted and no call has
+    /// reported it yet (POLLERR).
     pub error: bool,
+    /// Grows whenever data (or the end of the stream) arrives: an
+    /// edge-triggered reader is told again then, and only then.
+    pub arrived: u64,
+    /// Grows whenever the send buffer makes room: the same for writers.
+    pub drained: u64,
 }
 
 /// Which side opened the connection (who sends HELLO).

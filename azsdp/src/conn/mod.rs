@@ -161,6 +161,8 @@ pub struct Connection {
     txbuf: VecDeque<u8>,
     /// Bytes in `txbuf` not yet moved to the out queue.
     tx_unposted: u64,
+    /// Bytes ever moved from `txbuf` to the out queue (room made).
+    tx_drained: u64,
     txq: VecDeque<TxItem>,
     send_calls: VecDeque<SendCall>,
     out_avails: BTreeMap<u32, OutAvail>,
@@ -205,8 +207,14 @@ pub struct Connection {
     ping_outstanding: bool,
     app_closed: bool,
     linger_deadline: Option<Timestamp>,
-    /// A recv after an abort reports the error once, like TCP after a reset.
-    reset_reported: bool,
+    /// The abort's error was reported (by a call or `SO_ERROR`): as TCP's
+    /// socket error, it is reported once; then receives see the end of
+    /// the stream and sends EPIPE.
+    error_reported: bool,
+    /// The peer's stream had ended (EOF) when the connection was aborted:
+    /// as TCP reset in CLOSE_WAIT, receives see the end of the stream and
+    /// the error is EPIPE.
+    aborted_after_eof: bool,
     /// Work waits for queued actions to run: `poll_timeout` says "now".
     repoll: bool,
 }
@@ -244,6 +252,7 @@ impl Connection {
             rx_slots_held: 0,
             txbuf: VecDeque::new(),
             tx_unposted: 0,
+            tx_drained: 0,
             txq: VecDeque::new(),
             send_calls: VecDeque::new(),
             out_avails: BTreeMap::new(),
@@ -276,7 +285,8 @@ impl Connection {
             ping_outstanding: false,
             app_closed: false,
             linger_deadline: None,
-            reset_reported: false,
+            error_reported: false,
+            aborted_after_eof: false,
             repoll: false,
             cfg,
         };
@@ -311,20 +321,34 @@ impl Connection {
     }
 
     /// Readiness for poll/select/epoll.
+    /// As TCP's `tcp_poll` sees a socket: readable with data, at the end
+    /// of the stream or on an error; writable with room, and once sending
+    /// is shut down or the connection aborted (a send then fails at
+    /// once); hung up when both directions are finished.
     pub fn readiness(&self) -> Readiness {
         let aborted = matches!(self.state, State::Aborted(_));
-        let established = self.state == State::Established;
+        let rx_done = aborted || self.rx_eof || self.rx_shut;
+        let tx_done = aborted || self.tx_shutdown != TxShutdown::Open || self.peer_left;
         Readiness {
-            readable: aborted || self.rx_eof || self.rx_shut || !self.rxq.is_empty(),
-            // After the peer left, a send fails at once (EPIPE).
-            writable: aborted
-                || self.peer_left
-                || (established
-                    && self.tx_shutdown == TxShutdown::Open
-                    && self.tx_unposted < self.cfg.sndbuf),
-            hangup: aborted || (self.rx_eof && self.tx_shutdown == TxShutdown::Sent),
-            error: aborted,
+            readable: rx_done || !self.rxq.is_empty(),
+            // Sends are taken from the moment the pair is made (queued
+            // until the engines' handshake is over), as TCP's after
+            // connect() returns.
+            writable: tx_done || (!aborted && self.tx_unposted < self.cfg.sndbuf),
+            read_hangup: rx_done,
+            hangup: aborted || (rx_done && self.tx_shutdown != TxShutdown::Open),
+            error: aborted && !self.error_reported,
+            arrived: self.rx_stream_off + u64::from(self.rx_eof),
+            drained: self.tx_drained,
         }
+    }
+
+    /// `SO_ERROR`: the pending error, reported once (as TCP's socket
+    /// error, which reading clears).
+    pub fn take_error(&mut self) -> Option<CallError> {
+        let e = self.abort_error().filter(|_| !self.error_reported);
+        self.error_reported = true;
+        e
     }
 
     /// Calls not yet completed (their threads are blocked in them).
@@ -600,7 +624,10 @@ impl Connection {
 
     fn abort_error(&self) -> Option<CallError> {
         match &self.state {
-            State::Aborted(r) => Some(r.call_error()),
+            State::Aborted(r) => Some(match r.call_error() {
+                CallError::ConnReset if self.aborted_after_eof => CallError::BrokenPipe,
+                e => e,
+            }),
             _ => None,
         }
     }
@@ -1129,8 +1156,9 @@ impl Connection {
         if self.is_aborted() {
             return;
         }
-        let err = reason.call_error();
+        self.aborted_after_eof = self.rx_eof;
         self.state = State::Aborted(reason);
+        let err = self.abort_error().expect("aborted");
         self.out.clear();
         if let Some(code) = code {
             self.out.push_back(OutMsg::Abort(code));
@@ -1177,11 +1205,11 @@ impl Connection {
         for mut call in calls {
             call.failed = true;
             if call.gets == 0 && call.pending_arm == 0 {
+                self.error_reported = true;
                 self.push(Action::CallDone {
                     call: call.call,
                     result: Err(err),
                 });
-                self.reset_reported = true;
             } else {
                 // Its GETs write into the buffer until they complete.
                 self.recv_calls.push_back(call);

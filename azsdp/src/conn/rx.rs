@@ -127,8 +127,11 @@ impl Connection {
         self.now = now;
         self.counters.recvs += 1;
         if let Some(err) = self.abort_error() {
-            let result = if self.reset_reported { Ok(0) } else { Err(err) };
-            self.reset_reported = true;
+            // After the peer's EOF the stream's end comes first (the error
+            // stays pending for a send or SO_ERROR), as TCP in CLOSE_WAIT.
+            let eof = self.error_reported || self.aborted_after_eof;
+            let result = if eof { Ok(0) } else { Err(err) };
+            self.error_reported |= !eof;
             self.push(Action::CallDone { call, result });
             return;
         }
@@ -172,7 +175,9 @@ impl Connection {
             }
             let (filled, f) = (call.filled, call.flags);
             let result = if let Some(err) = aborted {
-                Err(err)
+                // (What it was given may not all have landed: it fails.)
+                // The error once, then the end of the stream.
+                if self.error_reported { Ok(0) } else { Err(err) }
             } else if call.failed {
                 Err(CallError::ConnReset)
             } else if stop == Stop::Full
@@ -196,11 +201,11 @@ impl Connection {
             } else {
                 return;
             };
-            if aborted.is_some() {
-                self.reset_reported = true;
+            if aborted.is_some() && result.is_err() {
+                self.error_reported = true;
             }
             let call = self.recv_calls.pop_front().expect("head call");
-            if result.is_ok() && !call.flags.peek {
+            if result.is_ok() && aborted.is_none() && !call.flags.peek {
                 self.counters.bytes_recv_bsdp += call.via_bsdp;
                 self.counters.bytes_recv_zcopy += call.via_zcopy;
             }

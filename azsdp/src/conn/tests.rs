@@ -490,9 +490,14 @@ fn shutdown_delivers_eof_after_all_data_and_close_with_unread_data_resets() {
         q.c[0].state(),
         State::Aborted(AbortReason::PeerAbort(AbortCode::Reset))
     ));
+    // As TCP after a reset: the error once, then EPIPE.
+    let s = q.send(0, 0x1000, 6);
+    q.run();
+    assert_eq!(q.result(s), Some(Err(CallError::ConnReset)));
     let s = q.send(0, 0x1000, 6);
     q.run();
     assert_eq!(q.result(s), Some(Err(CallError::BrokenPipe)));
+    assert!(!q.c[0].readiness().error, "reported");
 }
 
 #[test]
@@ -595,8 +600,18 @@ fn a_peer_that_dies_with_our_data_unread_resets_the_connection() {
         let s = p.send(0, 0x10000, small);
         p.run();
         if read_it {
-            assert_eq!(*p.c[0].state(), State::Established);
+            // As TCP to a peer that closed: this send goes (nobody reads
+            // it: a reset), the next fails with EPIPE, receives see EOF.
+            assert_eq!(p.result(s), Some(Ok(small)));
+            assert_eq!(*p.c[0].state(), State::Aborted(AbortReason::PeerGone));
+            assert!(p.c[0].readiness().error);
+            let r = p.recv(0, 0x200000, 100, RecvFlags::default());
+            p.run();
+            assert_eq!(p.result(r), Some(Ok(0)));
+            let s = p.send(0, 0x10000, small);
+            p.run();
             assert_eq!(p.result(s), Some(Err(CallError::BrokenPipe)));
+            assert!(!p.c[0].readiness().error);
         } else {
             assert_eq!(*p.c[0].state(), State::Aborted(AbortReason::PeerGone));
             assert!(ready.error);

@@ -138,13 +138,23 @@ impl Connection {
         self.now = now;
         self.counters.sends += 1;
         let refused = if let Some(e) = self.abort_error() {
-            Some(if self.app_closed {
-                CallError::BrokenPipe
-            } else {
-                e.min_pipe()
-            })
-        } else if self.tx_shutdown != TxShutdown::Open || self.peer_left {
+            // The error once (as TCP's socket error), then EPIPE.
+            let first = !self.app_closed && !self.error_reported;
+            self.error_reported = true;
+            Some(if first { e } else { CallError::BrokenPipe })
+        } else if self.tx_shutdown != TxShutdown::Open {
             Some(CallError::BrokenPipe)
+        } else if self.peer_left {
+            // As TCP to a peer that closed: this send goes (and draws a
+            // reset, since nobody reads it), the next one fails.
+            self.counters.bytes_unread_by_peer += buf.len;
+            self.counters.bytes_sent_bsdp += buf.len;
+            self.push(Action::CallDone {
+                call,
+                result: Ok(buf.len),
+            });
+            self.abort(super::AbortReason::PeerGone, None);
+            return;
         } else {
             None
         };
@@ -348,6 +358,7 @@ impl Connection {
                     let result = if call.accepted > 0 {
                         Ok(call.accepted)
                     } else {
+                        self.error_reported = true;
                         Err(err)
                     };
                     self.push(Action::CallDone {
@@ -581,6 +592,7 @@ impl Connection {
                     self.credits -= 1;
                     self.credits_in_use += 1;
                     self.tx_unposted -= m;
+                    self.tx_drained += m;
                     self.out.push_back(OutMsg::Data { len: m });
                 }
                 TxItem::Avail(id) => {
@@ -965,15 +977,5 @@ fn copy_in(mem: &mut dyn UserMemory, addr: u64, n: u64, buf: &mut VecDeque<u8>) 
         let first = a.len() - old;
         mem.read(addr, &mut a[old..]);
         mem.read(addr + first as u64, b);
-    }
-}
-
-impl CallError {
-    /// Errors of a dead connection as a send sees them.
-    fn min_pipe(self) -> CallError {
-        match self {
-            CallError::TimedOut => CallError::TimedOut,
-            _ => CallError::BrokenPipe,
-        }
     }
 }

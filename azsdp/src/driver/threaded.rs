@@ -494,13 +494,27 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return Readiness {
                 readable: true,
                 writable: true,
+                read_hangup: true,
                 hangup: true,
                 error: true,
+                arrived: 0,
+                drained: 0,
             };
         }
         let mut d = self.shared.lock();
         self.shared.turn_all(&mut d, 0);
         d.connection().readiness()
+    }
+
+    /// `SO_ERROR`: the pending error, once (see `Connection::take_error`);
+    /// a forked child's inert copy has ECONNRESET.
+    pub fn take_error(&self) -> Option<CallError> {
+        if !self.shared.make_mine() {
+            return Some(CallError::ConnReset);
+        }
+        let mut d = self.shared.lock();
+        self.shared.turn_all(&mut d, 0);
+        d.take_error()
     }
 
     /// Bytes a `recv()` could take without waiting (FIONREAD).
@@ -790,6 +804,8 @@ fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Share
                 if !d.is_finished() {
                     d.abort();
                 }
+                // The peer learns at once that this side is done.
+                d.fabric().finish();
                 drop(d);
                 // The fault thread ends with it.
                 s.stop.store(true, Ordering::SeqCst);

@@ -139,6 +139,10 @@ pub trait Fabric {
     fn claim(&self) -> bool {
         true
     }
+    /// This side is done (its connection finished, or is dropped): nothing
+    /// more will come from it or be read by it, and the peer may learn so
+    /// at once.
+    fn finish(&self) {}
     /// Record how far our `send()` and `recv()` calls have got (the peer
     /// learns it with [`FabricEvent::PeerGone`] if we die).
     fn publish_progress(&mut self, _progress: Departure) {}

@@ -45,7 +45,7 @@ use std::collections::VecDeque;
 use std::io::IoSliceMut;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapMut, MmapOptions};
@@ -189,6 +189,11 @@ struct Segment {
     slots: u16,
     reg_slots: u32,
     key: u32,
+    /// Per side: a waiter of this process saw that side's closed flag and
+    /// returned at once, so that its thread looks (then reports the peer
+    /// gone). Later waits sleep as usual: with nothing more to come, not
+    /// sleeping would spin.
+    closed_seen: [AtomicBool; 2],
 }
 
 fn bad(what: &str) -> std::io::Error {
@@ -199,6 +204,13 @@ fn bad(what: &str) -> std::io::Error {
 }
 
 impl Segment {
+    /// Has `side` closed, and is that news to this process's waiters (see
+    /// `closed_seen`)?
+    fn peer_closed_news(&self, side: usize) -> bool {
+        self.hdr().closed[side].load(Ordering::Acquire) != 0
+            && !self.closed_seen[side].swap(true, Ordering::AcqRel)
+    }
+
     fn hdr(&self) -> &SegHeader {
         // SAFETY: the mapping is at least HEADER_LEN bytes, page-aligned, and
         // lives as long as self; SegHeader is all atomics (any bit pattern
@@ -292,6 +304,7 @@ impl Segment {
             slots: p.lock_slots,
             reg_slots,
             key,
+            closed_seen: Default::default(),
         };
         let h = seg.hdr();
         h.version.store(VERSION, Ordering::Relaxed);
@@ -349,6 +362,7 @@ impl Segment {
             slots: slots as u16,
             reg_slots,
             key,
+            closed_seen: Default::default(),
         };
         seg.ring(0)?;
         seg.ring(1)?;
@@ -431,6 +445,17 @@ pub struct ShmEndpoint {
     /// When the peer process was last seen alive: an idle poll asks the
     /// kernel (a system call) at most once per [`ALIVE_EVERY`].
     alive_at: Option<Instant>,
+}
+
+/// An endpoint this process runs and lets go of says so in the segment:
+/// the peer then learns at once that nothing more will come or be read
+/// (as a TCP peer learns from the FIN, or the RST its next segment
+/// draws), not when this process exits. (A forked child's copy of the
+/// parent's side is not this process's to close.)
+impl Drop for ShmEndpoint {
+    fn drop(&mut self) {
+        self.finish();
+    }
 }
 
 /// How often an idle endpoint asks whether the peer process still exists
@@ -866,6 +891,12 @@ impl Fabric for ShmEndpoint {
         }
     }
 
+    fn finish(&self) {
+        if self.ownership() == Ownership::Mine {
+            self.close();
+        }
+    }
+
     fn publish_progress(&mut self, p: Departure) {
         let hdr = self.seg.hdr();
         for (word, v) in [
@@ -1161,7 +1192,7 @@ fn wait_ring(
     }
     // A count, not a flag: several threads of this process may sleep here.
     sleeping.fetch_add(1, Ordering::SeqCst);
-    if quiet() && seg.hdr().closed[peer].load(Ordering::Acquire) == 0 {
+    if quiet() && !seg.peer_closed_news(peer) {
         crate::futex::wait(published, ticket, timeout.saturating_sub(start.elapsed()));
     }
     sleeping.fetch_sub(1, Ordering::SeqCst);
@@ -1236,9 +1267,7 @@ impl super::FabricWaiter for ShmWaiter {
     fn sleep(&self, ticket: u32, timeout: Duration) {
         let (published, sleeping) = self.rx.wait_words();
         sleeping.fetch_add(1, Ordering::SeqCst);
-        if published.load(Ordering::Acquire) == ticket
-            && self.seg.hdr().closed[self.peer].load(Ordering::Acquire) == 0
-        {
+        if published.load(Ordering::Acquire) == ticket && !self.seg.peer_closed_news(self.peer) {
             crate::futex::wait(published, ticket, timeout);
         }
         sleeping.fetch_sub(1, Ordering::SeqCst);
