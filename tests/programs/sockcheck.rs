@@ -1458,7 +1458,9 @@ fn cpu_time() -> Duration {
 fn idle_cpu(server: bool, port: u16) -> R {
     const CONNS: usize = 8;
     if !server {
-        let cs: Vec<c_int> = (0..CONNS).map(|_| connect_to(port)).collect::<Result<_, _>>()?;
+        let cs: Vec<c_int> = (0..CONNS)
+            .map(|_| connect_to(port))
+            .collect::<Result<_, _>>()?;
         for &c in &cs {
             send_all(c, b"x")?;
             close(c);
