@@ -1,54 +1,17 @@
 //! The cases: each makes a fresh connection with the peer and records
 //! every call on it (see the crate docs).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use libc::{c_int, c_void, socklen_t};
 
 use crate::peer::Peer;
+use azsdp_test_support::{alarm_in, count_signal, delivered, set_timeout};
+
 use crate::{T, close, crc, data, pbits, sleep_ms, wait_ready};
 
 type R = Result<(), String>;
 
-static PIPES: AtomicUsize = AtomicUsize::new(0);
-static ALARMS: AtomicUsize = AtomicUsize::new(0);
-
-extern "C" fn on_pipe(_: c_int) {
-    PIPES.fetch_add(1, Ordering::SeqCst);
-}
-
-extern "C" fn on_alarm(_: c_int) {
-    ALARMS.fetch_add(1, Ordering::SeqCst);
-}
-
-fn handle(sig: c_int, f: extern "C" fn(c_int), restart: bool) {
-    // SAFETY: installing a plain handler that only touches an atomic.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = f as usize;
-        sa.sa_flags = if restart { libc::SA_RESTART } else { 0 };
-        libc::sigaction(sig, &sa, std::ptr::null_mut());
-    }
-}
-
-/// SIGALRM in `ms` milliseconds.
-fn alarm_in(ms: u64) {
-    let it = libc::itimerval {
-        it_interval: libc::timeval {
-            tv_sec: 0,
-            tv_usec: 0,
-        },
-        it_value: libc::timeval {
-            tv_sec: (ms / 1000) as libc::time_t,
-            tv_usec: ((ms % 1000) * 1000) as libc::suseconds_t,
-        },
-    };
-    // SAFETY: setitimer(2) from our own struct.
-    unsafe { libc::setitimer(libc::ITIMER_REAL, &it, std::ptr::null_mut()) };
-}
-
 pub fn run(t: &mut T, p: &mut Peer, port: u16) -> R {
-    handle(libc::SIGPIPE, on_pipe, true);
+    count_signal(libc::SIGPIPE, true);
     let l = listener(port)?;
     stream(t, p, l)?;
     flags(t, p, l)?;
@@ -419,35 +382,11 @@ fn options(t: &mut T, p: &mut Peer, l: c_int) -> R {
         )
     });
     t.line("SO_ERROR into 2 bytes: length", &slen.to_string());
-    let tv = libc::timeval {
-        tv_sec: 0,
-        tv_usec: 200_000,
-    };
-    // SAFETY: SO_RCVTIMEO from our own timeval.
-    t.call_i("set SO_RCVTIMEO 200 ms", || unsafe {
-        libc::setsockopt(
-            c,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&raw const tv).cast(),
-            std::mem::size_of_val(&tv) as u32,
-        )
+    t.call_i("set SO_RCVTIMEO 200 ms", || {
+        set_timeout(c, libc::SO_RCVTIMEO, 200)
     });
     recv(t, c, 10, 0, "recv with SO_RCVTIMEO and nothing there");
-    let zero = libc::timeval {
-        tv_sec: 0,
-        tv_usec: 0,
-    };
-    // SAFETY: SO_RCVTIMEO off.
-    unsafe {
-        libc::setsockopt(
-            c,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&raw const zero).cast(),
-            std::mem::size_of_val(&zero) as u32,
-        )
-    };
+    set_timeout(c, libc::SO_RCVTIMEO, 0);
     // fcntl
     // SAFETY: fcntl(2) of our descriptor.
     let fl = t.call_i("F_GETFL", || unsafe { libc::fcntl(c, libc::F_GETFL) });
@@ -760,12 +699,23 @@ fn poll_family(t: &mut T, p: &mut Peer, l: c_int) -> R {
     recv(t, c, 100, 0, "recv the 10");
     sel(t, "select read idle", &[c], &[], false);
     // A timeout passes: nothing ready.
+    select_read(t, c, 50, "select 50 ms idle");
+    poll_rec(t, c, libc::POLLIN, 50, "poll 50 ms idle");
+    close(r0);
+    close(w0);
+    close(c);
+    peer(t, p, "drain");
+    Ok(())
+}
+
+/// select(2) for reading `c` alone, with a timeout; recorded.
+fn select_read(t: &mut T, c: c_int, ms: u64, what: &str) -> isize {
     let mut tv = libc::timeval {
-        tv_sec: 0,
-        tv_usec: 50_000,
+        tv_sec: (ms / 1000) as libc::time_t,
+        tv_usec: ((ms % 1000) * 1000) as libc::suseconds_t,
     };
-    // SAFETY: select(2) of our set.
-    t.call("select 50 ms idle", || unsafe {
+    // SAFETY: select(2) of our own set and timeout.
+    t.call(what, || unsafe {
         let mut rs: libc::fd_set = std::mem::zeroed();
         libc::FD_SET(c, &mut rs);
         libc::select(
@@ -775,13 +725,7 @@ fn poll_family(t: &mut T, p: &mut Peer, l: c_int) -> R {
             std::ptr::null_mut(),
             &mut tv,
         ) as isize
-    });
-    poll_rec(t, c, libc::POLLIN, 50, "poll 50 ms idle");
-    close(r0);
-    close(w0);
-    close(c);
-    peer(t, p, "drain");
-    Ok(())
+    })
 }
 
 fn epoll_ctl(t: &mut T, ep: c_int, op: c_int, fd: c_int, events: u32, what: &str) -> c_int {
@@ -941,12 +885,9 @@ fn half_close(t: &mut T, p: &mut Peer, l: c_int) -> R {
         libc::shutdown(c, libc::SHUT_WR)
     });
     peer(t, p, "drain");
-    let before = PIPES.load(Ordering::SeqCst);
+    let before = delivered(libc::SIGPIPE);
     send(t, c, b"late", 0, "send after SHUT_WR");
-    t.line(
-        "SIGPIPE",
-        &(PIPES.load(Ordering::SeqCst) - before).to_string(),
-    );
+    t.line("SIGPIPE", &(delivered(libc::SIGPIPE) - before).to_string());
     send(
         t,
         c,
@@ -954,10 +895,7 @@ fn half_close(t: &mut T, p: &mut Peer, l: c_int) -> R {
         libc::MSG_NOSIGNAL,
         "send NOSIGNAL after SHUT_WR",
     );
-    t.line(
-        "SIGPIPE",
-        &(PIPES.load(Ordering::SeqCst) - before).to_string(),
-    );
+    t.line("SIGPIPE", &(delivered(libc::SIGPIPE) - before).to_string());
     poll_rec(t, c, all, 0, "poll after SHUT_WR");
     peer(t, p, "send 12 71");
     wait_ready(c, libc::POLLIN);
@@ -1005,7 +943,7 @@ fn departures(t: &mut T, p: &mut Peer, l: c_int) -> R {
     recv(t, c, 100, 0, "recv its data");
     recv(t, c, 100, 0, "recv at the end");
     recv(t, c, 100, 0, "recv at the end again");
-    let before = PIPES.load(Ordering::SeqCst);
+    let before = delivered(libc::SIGPIPE);
     send(
         t,
         c,
@@ -1021,10 +959,7 @@ fn departures(t: &mut T, p: &mut Peer, l: c_int) -> R {
         libc::MSG_NOSIGNAL,
         "send to the closed peer again",
     );
-    t.line(
-        "SIGPIPE",
-        &(PIPES.load(Ordering::SeqCst) - before).to_string(),
-    );
+    t.line("SIGPIPE", &(delivered(libc::SIGPIPE) - before).to_string());
     close(c);
 
     t.case("peer-closed-unread");
@@ -1065,8 +1000,8 @@ fn departures(t: &mut T, p: &mut Peer, l: c_int) -> R {
 fn signals(t: &mut T, p: &mut Peer, l: c_int) -> R {
     t.case("signals");
     let c = conn(t, p, l)?;
-    handle(libc::SIGALRM, on_alarm, false);
-    let before = ALARMS.load(Ordering::SeqCst);
+    count_signal(libc::SIGALRM, false);
+    let before = delivered(libc::SIGALRM);
     alarm_in(100);
     recv(t, c, 10, 0, "recv interrupted");
     alarm_in(100);
@@ -1077,28 +1012,10 @@ fn signals(t: &mut T, p: &mut Peer, l: c_int) -> R {
     epoll_ctl(t, ep, libc::EPOLL_CTL_ADD, c, libc::EPOLLIN as u32, "ADD");
     epoll_wait(t, ep, 5000, "epoll_wait interrupted");
     alarm_in(100);
-    let mut tv = libc::timeval {
-        tv_sec: 5,
-        tv_usec: 0,
-    };
-    // SAFETY: select(2) of our set.
-    t.call("select interrupted", || unsafe {
-        let mut rs: libc::fd_set = std::mem::zeroed();
-        libc::FD_SET(c, &mut rs);
-        libc::select(
-            c + 1,
-            &mut rs,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            &mut tv,
-        ) as isize
-    });
-    t.line(
-        "alarms",
-        &(ALARMS.load(Ordering::SeqCst) - before).to_string(),
-    );
+    select_read(t, c, 5000, "select interrupted");
+    t.line("alarms", &(delivered(libc::SIGALRM) - before).to_string());
     // With SA_RESTART: a receive goes on; the waits still end.
-    handle(libc::SIGALRM, on_alarm, true);
+    count_signal(libc::SIGALRM, true);
     p.tell("sendafter 400 5 90");
     p.answer();
     alarm_in(100);
@@ -1108,10 +1025,7 @@ fn signals(t: &mut T, p: &mut Peer, l: c_int) -> R {
     alarm_in(100);
     epoll_wait(t, ep, 5000, "epoll_wait with SA_RESTART");
     recv(t, c, 10, libc::MSG_DONTWAIT, "recv nothing");
-    t.line(
-        "alarms",
-        &(ALARMS.load(Ordering::SeqCst) - before).to_string(),
-    );
+    t.line("alarms", &(delivered(libc::SIGALRM) - before).to_string());
     // SAFETY: default disposition again.
     unsafe { libc::signal(libc::SIGALRM, libc::SIG_IGN) };
     close(ep);

@@ -16,6 +16,7 @@
 
 use std::io::Write as _;
 
+pub use azsdp_test_support::{close, errno, loopback, pattern as data, sleep_ms};
 use libc::c_int;
 
 mod cases;
@@ -31,10 +32,6 @@ pub struct T {
 
 /// A value of errno no call sets: a call that succeeds must leave it.
 const SENTINEL: c_int = 7777;
-
-pub fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
 
 pub fn set_errno(e: c_int) {
     // SAFETY: the thread's errno.
@@ -108,15 +105,6 @@ pub fn crc(b: &[u8]) -> u32 {
     })
 }
 
-/// `len` bytes of pattern `seed` (the peer makes the same).
-pub fn data(len: usize, seed: u32) -> Vec<u8> {
-    (0..len as u32)
-        .map(|i| {
-            (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(0x9e37_79b9)).rotate_left(5) as u8
-        })
-        .collect()
-}
-
 impl T {
     /// Start case `name`.
     pub fn case(&mut self, name: &'static str) {
@@ -133,33 +121,33 @@ impl T {
     /// Make `f`, a call returning a count (or -1 and errno), and record it
     /// with `what`; returns the call's result.
     pub fn call(&mut self, what: &str, f: impl FnOnce() -> isize) -> isize {
-        set_errno(SENTINEL);
-        let r = f();
-        let e = errno();
-        let result = if r < 0 {
-            format!("-1 {}", ename(e))
-        } else if e == SENTINEL {
-            r.to_string()
-        } else {
-            format!("{r} (errno changed to {})", ename(e))
-        };
-        self.line(what, &result);
-        set_errno(e);
-        r
+        self.record(what, f, |r| r.to_string())
     }
 
     /// As [`T::call`], for a call returning a descriptor (recorded as
     /// `fd`: numbers may differ where azsdp holds descriptors of its own).
     pub fn call_fd(&mut self, what: &str, f: impl FnOnce() -> c_int) -> c_int {
+        self.record(what, || f() as isize, |_| "fd".to_string()) as c_int
+    }
+
+    /// Make `f` with errno at [`SENTINEL`] and record its result (`shown`
+    /// if it succeeded), its errno if it failed, and whether it kept errno
+    /// if it succeeded; leaves errno as the call did.
+    fn record(
+        &mut self,
+        what: &str,
+        f: impl FnOnce() -> isize,
+        shown: impl FnOnce(isize) -> String,
+    ) -> isize {
         set_errno(SENTINEL);
         let r = f();
         let e = errno();
         let result = if r < 0 {
             format!("-1 {}", ename(e))
         } else if e == SENTINEL {
-            "fd".to_string()
+            shown(r)
         } else {
-            format!("fd (errno changed to {})", ename(e))
+            format!("{} (errno changed to {})", shown(r), ename(e))
         };
         self.line(what, &result);
         set_errno(e);
@@ -170,27 +158,6 @@ impl T {
     pub fn call_i(&mut self, what: &str, f: impl FnOnce() -> c_int) -> c_int {
         self.call(what, || f() as isize) as c_int
     }
-}
-
-pub fn close(fd: c_int) {
-    // SAFETY: close(2) of our own descriptor.
-    unsafe { libc::close(fd) };
-}
-
-/// `127.0.0.1:port`.
-pub fn loopback(port: u16) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
-}
-
-pub fn sleep_ms(ms: u64) {
-    std::thread::sleep(std::time::Duration::from_millis(ms));
 }
 
 /// Wait (up to 5 s) until `fd` polls `events`; plain libc, not recorded.

@@ -101,6 +101,15 @@ fn answer(rsp: &mut std::fs::File, s: &str) {
     let _ = writeln!(rsp, "{s}");
 }
 
+/// "ok", or the call's errno by name.
+fn outcome(ok: bool) -> String {
+    if ok {
+        "ok".into()
+    } else {
+        format!("err {}", ename(errno()))
+    }
+}
+
 fn serve(port: u16, cmds: BufReader<std::fs::File>, mut rsp: std::fs::File) {
     let mut cur: c_int = -1;
     let mut lst: c_int = -1;
@@ -116,14 +125,7 @@ fn serve(port: u16, cmds: BufReader<std::fs::File>, mut rsp: std::fs::File) {
                     let a = loopback(port);
                     libc::connect(cur, (&raw const a).cast(), std::mem::size_of_val(&a) as u32)
                 };
-                answer(
-                    &mut rsp,
-                    &if r == 0 {
-                        "ok".into()
-                    } else {
-                        format!("err {}", ename(errno()))
-                    },
-                );
+                answer(&mut rsp, &outcome(r == 0));
             }
             Some("listen") => {
                 // SAFETY: a listener of ours on an ephemeral port.
@@ -143,14 +145,7 @@ fn serve(port: u16, cmds: BufReader<std::fs::File>, mut rsp: std::fs::File) {
                 // SAFETY: accept(2) without an address.
                 cur = unsafe { libc::accept(lst, std::ptr::null_mut(), std::ptr::null_mut()) };
                 crate::close(lst);
-                answer(
-                    &mut rsp,
-                    &if cur >= 0 {
-                        "ok".into()
-                    } else {
-                        format!("err {}", ename(errno()))
-                    },
-                );
+                answer(&mut rsp, &outcome(cur >= 0));
             }
             Some("send") => {
                 let r = send_all(cur, &data(num(1) as usize, num(2) as u32));
@@ -172,14 +167,7 @@ fn serve(port: u16, cmds: BufReader<std::fs::File>, mut rsp: std::fs::File) {
             Some("shutdown") => {
                 // SAFETY: shutdown(2) of our socket.
                 let r = unsafe { libc::shutdown(cur, num(1) as c_int) };
-                answer(
-                    &mut rsp,
-                    &if r == 0 {
-                        "ok".into()
-                    } else {
-                        format!("err {}", ename(errno()))
-                    },
-                );
+                answer(&mut rsp, &outcome(r == 0));
             }
             Some("close") => {
                 crate::close(cur);

@@ -219,7 +219,6 @@ impl Proc {
         }
     }
 
-    /// Wait, failing the test if it takes longer than `t` or fails.
     /// Wait, failing the test (with `log()`, read then) if it takes longer
     /// than `t` or fails.
     pub fn expect_success(&mut self, t: Duration, log: impl FnOnce() -> String) {

@@ -6,7 +6,6 @@ mod conform;
 mod harness;
 mod hostile;
 mod inputs;
-mod loopback;
 mod output;
 mod scale;
 
@@ -14,8 +13,8 @@ use std::io::Write;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use azsdp_test_support::loopback;
 use harness::*;
-use loopback::loopback;
 
 const LISTEN: Duration = Duration::from_secs(15);
 
@@ -24,7 +23,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
 /// offset + 32 (32-63); 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
-/// 91 (azsdp: 123) idle-cpu; 100-115.
+/// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -281,6 +280,34 @@ fn curl_downloads_256mib_from_python_http_server() {
         "{line}"
     );
     srv.kill();
+}
+
+/// Python's select, poll and epoll on non-blocking upgraded sockets, with
+/// a SIGALRM handler running every 3 ms: every interrupted wait is EINTR
+/// (which Python retries), never EAGAIN (which it raises), and 32 MiB
+/// arrive intact each time (`waits_under_signals.py`).
+#[test]
+fn python_waits_through_a_signal_storm() {
+    let script = workspace().join("tests/programs/waits_under_signals.py");
+    let script = script.display().to_string();
+    for (i, style) in ["select", "poll", "epoll"].into_iter().enumerate() {
+        let s = Scratch::new(&format!("py-{style}"));
+        let p = port(92 + i as u16).to_string();
+        let mut srv = Proc::start(
+            s.under_azsdp("server", "python3", &[&script, "server", &p, style]),
+            "python3 server",
+        );
+        wait_listening(p.parse().expect("port"), LISTEN);
+        let mut cli = Proc::start(
+            s.under_azsdp("client", "python3", &[&script, "client", &p, style]),
+            "python3 client",
+        );
+        cli.expect_success(Duration::from_secs(120), || s.log("client"));
+        srv.expect_success(Duration::from_secs(30), || s.log("server"));
+        let log = s.log("server");
+        assert!(log.contains(": azsdp (peer pid"), "{log}");
+        assert!(log.contains(&format!("server {style}: ok")), "{log}");
+    }
 }
 
 /// One side under azsdp, the other not: plain TCP, the data intact, and

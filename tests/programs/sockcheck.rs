@@ -6,13 +6,14 @@
 //! Exit status 0 when every check holds; otherwise the failed check is
 //! printed and the status is 1.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use azsdp_test_support::{
+    alarm_in, close, count_signal, delivered, errno, loopback as addr, pattern as data,
+    set_timeout, sleep_ms,
+};
 use libc::{c_int, c_void};
-use loopback::loopback as addr;
-
-mod loopback;
 
 type R = Result<(), String>;
 
@@ -26,10 +27,6 @@ macro_rules! check {
 
 // After `check!`, which it uses.
 mod dead_peer;
-
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
 
 fn err_name(e: c_int) -> String {
     std::io::Error::from_raw_os_error(e).to_string()
@@ -132,17 +129,6 @@ fn expect_eof(fd: c_int) -> R {
     Ok(())
 }
 
-fn close(fd: c_int) {
-    // SAFETY: close(2) of our own descriptor.
-    unsafe { libc::close(fd) };
-}
-
-fn data(len: usize, seed: u32) -> Vec<u8> {
-    (0..len as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).rotate_left(7) as u8)
-        .collect()
-}
-
 fn set_nonblocking(fd: c_int) {
     // SAFETY: fcntl(2) flags of our own descriptor.
     unsafe {
@@ -167,10 +153,6 @@ fn poll1(fd: c_int, events: i16, ms: c_int) -> i16 {
     // SAFETY: poll(2) of one entry.
     let n = unsafe { libc::poll(&mut p, 1, ms) };
     if n <= 0 { 0 } else { p.revents }
-}
-
-fn sleep_ms(ms: u64) {
-    std::thread::sleep(Duration::from_millis(ms));
 }
 
 // ----- scenarios ---------------------------------------------------------------
@@ -346,27 +328,6 @@ fn halfclose(server: bool, port: u16) -> R {
     Ok(())
 }
 
-static PIPES: AtomicUsize = AtomicUsize::new(0);
-static ALARMS: AtomicUsize = AtomicUsize::new(0);
-
-extern "C" fn on_sigpipe(_: c_int) {
-    PIPES.fetch_add(1, Ordering::SeqCst);
-}
-
-extern "C" fn on_alarm(_: c_int) {
-    ALARMS.fetch_add(1, Ordering::SeqCst);
-}
-
-fn handle(sig: c_int, f: extern "C" fn(c_int), restart: bool) {
-    // SAFETY: installing a plain handler that only touches an atomic.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = f as usize;
-        sa.sa_flags = if restart { libc::SA_RESTART } else { 0 };
-        libc::sigaction(sig, &sa, std::ptr::null_mut());
-    }
-}
-
 /// Writing to a closed peer: EPIPE, SIGPIPE unless MSG_NOSIGNAL.
 fn sigpipe(server: bool, port: u16) -> R {
     if server {
@@ -375,7 +336,7 @@ fn sigpipe(server: bool, port: u16) -> R {
         recv_exact(c, 1)?;
         close(c);
     } else {
-        handle(libc::SIGPIPE, on_sigpipe, true);
+        count_signal(libc::SIGPIPE, true);
         let c = connect_to(port)?;
         send_all(c, b"x")?;
         sleep_ms(300);
@@ -398,7 +359,7 @@ fn sigpipe(server: bool, port: u16) -> R {
             err_name(e)
         );
         check!(
-            PIPES.load(Ordering::SeqCst) == 0,
+            delivered(libc::SIGPIPE) == 0,
             "SIGPIPE despite MSG_NOSIGNAL"
         );
         // SAFETY: as above, now without MSG_NOSIGNAL.
@@ -409,9 +370,9 @@ fn sigpipe(server: bool, port: u16) -> R {
             err_name(errno())
         );
         check!(
-            PIPES.load(Ordering::SeqCst) == 1,
+            delivered(libc::SIGPIPE) == 1,
             "SIGPIPE count {}",
-            PIPES.load(Ordering::SeqCst)
+            delivered(libc::SIGPIPE)
         );
         close(c);
     }
@@ -565,41 +526,13 @@ fn threads(server: bool, port: u16) -> R {
     Ok(())
 }
 
-fn arm_alarm(ms: u64) {
-    let t = libc::itimerval {
-        it_interval: libc::timeval {
-            tv_sec: 0,
-            tv_usec: 0,
-        },
-        it_value: libc::timeval {
-            tv_sec: 0,
-            tv_usec: (ms * 1000) as libc::suseconds_t,
-        },
-    };
-    // SAFETY: setitimer(2) with our own structure.
-    unsafe { libc::setitimer(libc::ITIMER_REAL, &t, std::ptr::null_mut()) };
-}
-
 /// SO_RCVTIMEO, EINTR without SA_RESTART, restart with it.
 fn signals(server: bool, port: u16) -> R {
     if server {
         let l = listen_on(port)?;
         let c = accept_one(l)?;
         let mut b = [0u8; 16];
-        let tv = libc::timeval {
-            tv_sec: 0,
-            tv_usec: 100_000,
-        };
-        // SAFETY: SO_RCVTIMEO from our own timeval.
-        unsafe {
-            libc::setsockopt(
-                c,
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const tv).cast::<c_void>(),
-                16,
-            )
-        };
+        set_timeout(c, libc::SO_RCVTIMEO, 100);
         let t = Instant::now();
         check!(
             recv_some(c, &mut b, 0) == -1 && errno() == libc::EAGAIN,
@@ -611,40 +544,24 @@ fn signals(server: bool, port: u16) -> R {
             "SO_RCVTIMEO returned after {:?}",
             t.elapsed()
         );
-        let off = libc::timeval {
-            tv_sec: 0,
-            tv_usec: 0,
-        };
-        // SAFETY: as above (zero: no timeout).
-        unsafe {
-            libc::setsockopt(
-                c,
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const off).cast::<c_void>(),
-                16,
-            )
-        };
-        handle(libc::SIGALRM, on_alarm, false);
-        arm_alarm(150);
+        set_timeout(c, libc::SO_RCVTIMEO, 0);
+        count_signal(libc::SIGALRM, false);
+        alarm_in(150);
         check!(
             recv_some(c, &mut b, 0) == -1 && errno() == libc::EINTR,
             "no EINTR: {}",
             err_name(errno())
         );
-        check!(ALARMS.load(Ordering::SeqCst) == 1, "alarm did not fire");
-        handle(libc::SIGALRM, on_alarm, true);
-        arm_alarm(150);
+        check!(delivered(libc::SIGALRM) == 1, "alarm did not fire");
+        count_signal(libc::SIGALRM, true);
+        alarm_in(150);
         let n = recv_some(c, &mut b, 0);
         check!(
             n == 1 && b[0] == b'x',
             "restarted recv gave {n} ({})",
             err_name(errno())
         );
-        check!(
-            ALARMS.load(Ordering::SeqCst) == 2,
-            "second alarm did not fire"
-        );
+        check!(delivered(libc::SIGALRM) == 2, "second alarm did not fire");
         close(c);
     } else {
         let c = connect_to(port)?;
@@ -1028,7 +945,7 @@ fn eintr_waits(server: bool, port: u16) -> R {
     let ep = unsafe { libc::epoll_create1(0) };
     epoll_ctl(ep, libc::EPOLL_CTL_ADD, c, libc::EPOLLIN as u32)?;
     for restart in [false, true] {
-        handle(libc::SIGALRM, on_alarm, restart);
+        count_signal(libc::SIGALRM, restart);
         let waits: [(&str, &dyn Fn() -> c_int); 6] = [
             ("poll", &|| {
                 let mut p = libc::pollfd {
@@ -1101,8 +1018,8 @@ fn eintr_waits(server: bool, port: u16) -> R {
             }),
         ];
         for (name, wait) in waits {
-            let before = ALARMS.load(Ordering::SeqCst);
-            arm_alarm(100);
+            let before = delivered(libc::SIGALRM);
+            alarm_in(100);
             let t = Instant::now();
             let r = wait();
             let e = errno();
@@ -1112,10 +1029,7 @@ fn eintr_waits(server: bool, port: u16) -> R {
                 err_name(e),
                 t.elapsed()
             );
-            check!(
-                ALARMS.load(Ordering::SeqCst) == before + 1,
-                "{name}: no alarm"
-            );
+            check!(delivered(libc::SIGALRM) == before + 1, "{name}: no alarm");
         }
     }
     // The data still arrives, and a successful wait leaves errno alone.
