@@ -39,62 +39,31 @@
 //! (inboxes are bounded, preallocated channels) and touches no application
 //! memory.
 //!
-//! `unsafe` here: pre-touching pages by address, and the raw `UFFDIO_MOVE`
-//! and `UFFDIO_POISON` ioctls (the crate predates them).
+//! `unsafe` here: pre-touching pages by address, and the calls of [`sys`]
+//! that change what our address space maps.
 
 use crate::sync::{Lock, LockGuard};
 use std::collections::HashMap;
 use std::ops::Range;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use userfaultfd::{Event, FaultKind, FeatureFlags, ReadWrite, RegisterMode, Uffd, UffdBuilder};
-
 use crate::pages::RangeCounter;
 
-/// `UFFD_FEATURE_PAGEFAULT_FLAG_WP`.
-const FEATURE_WP: u64 = 1 << 0;
-/// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM` (Linux 5.19): write protection of
-/// shared memory.
-const FEATURE_WP_SHMEM: u64 = 1 << 12;
-/// `UFFD_FEATURE_WP_UNPOPULATED` (Linux 6.4); older headers lack the name.
-const FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
-/// `UFFD_FEATURE_POISON` (Linux 6.6).
-const FEATURE_POISON: u64 = 1 << 14;
-/// `UFFD_FEATURE_MOVE` (Linux 6.8).
-const FEATURE_MOVE: u64 = 1 << 16;
-/// `_IOWR(0xAA, 0x05, struct uffdio_move)` (40 bytes).
-const UFFDIO_MOVE: libc::c_ulong = 0xc028_aa05;
-/// `_IOWR(0xAA, 0x08, struct uffdio_poison)` (32 bytes).
-const UFFDIO_POISON: libc::c_ulong = 0xc020_aa08;
-const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
-const UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES: u64 = 1 << 1;
+mod sys;
 
-#[repr(C)]
-struct UffdioMove {
-    dst: u64,
-    src: u64,
-    len: u64,
-    mode: u64,
-    moved: i64,
-}
-
-#[repr(C)]
-struct UffdioPoison {
-    start: u64,
-    len: u64,
-    mode: u64,
-    updated: i64,
-}
+use sys::{
+    FEATURE_MOVE, FEATURE_POISON, FEATURE_WP, FEATURE_WP_SHMEM, FEATURE_WP_UNPOPULATED,
+    MOVE_ALLOW_SRC_HOLES, MOVE_DONTWAKE, REGISTER_MISSING, REGISTER_WP, Userfaultfd,
+};
 
 pub use super::{Fault, ProtectError};
 
 /// The process's userfaultfd and what it knows, shared by every connection.
 struct Process {
-    uffd: Uffd,
+    uffd: Userfaultfd,
     pid: u32,
     wp_unpopulated: bool,
     can_move: bool,
@@ -143,17 +112,6 @@ pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
     vec![Box::new(PROCESS.lock())]
 }
 
-fn build(features: FeatureFlags) -> Result<Uffd, userfaultfd::Error> {
-    UffdBuilder::new()
-        .close_on_exec(true)
-        // Non-blocking reads: a fault seen by poll() may be resolved (woken
-        // by an unprotect) before the read, which must then not block.
-        .non_blocking(true)
-        .user_mode_only(false)
-        .require_features(features)
-        .create()
-}
-
 impl Process {
     /// This process's userfaultfd (a forked child makes its own).
     fn get() -> Result<Arc<Process>, ProtectError> {
@@ -186,7 +144,7 @@ impl Process {
         ];
         let mut last = None;
         for f in attempts {
-            match build(FeatureFlags::from_bits_retain(f)) {
+            match Userfaultfd::open(f) {
                 Ok(uffd) => {
                     return Ok(Process {
                         uffd,
@@ -226,13 +184,13 @@ impl Process {
                 }
                 continue;
             }
-            let Ok(Some(Event::Pagefault { kind, rw, addr, .. })) = self.uffd.read_event() else {
+            let Some(pf) = self.uffd.read_fault() else {
                 continue;
             };
             let f = Fault {
-                addr: addr as u64,
-                write: rw == ReadWrite::Write,
-                wp: matches!(kind, FaultKind::WriteProtected),
+                addr: pf.addr,
+                write: pf.write,
+                wp: pf.wp,
             };
             let page_len = crate::pages::system_page_size();
             let page = f.addr & !(page_len - 1);
@@ -257,18 +215,17 @@ impl Process {
                 if !f.wp {
                     // SAFETY: fills a hole in a registered range with the
                     // zero page and wakes its waiters.
-                    let _ = unsafe { self.uffd.zeropage(page as *mut _, page_len as usize, true) };
+                    let _ = unsafe { self.uffd.zeropage(&(page..page + page_len)) };
                 }
-                let _ = self.uffd.wake(page as *mut _, page_len as usize);
+                let _ = self.uffd.wake(&(page..page + page_len));
             }
         }
     }
 
-    fn register_mode(&self, r: &Range<u64>, mode: RegisterMode) -> Result<(), String> {
+    fn register_mode(&self, r: &Range<u64>, mode: u32) -> Result<(), String> {
         self.uffd
-            .register_with_mode(r.start as *mut _, (r.end - r.start) as usize, mode)
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+            .register(r, mode)
+            .map_err(|e| format!("UFFDIO_REGISTER: {e}"))
     }
 
     /// Register `r` in write-protect mode (unless the cache says it is),
@@ -302,7 +259,7 @@ impl Process {
             parts.push(cur..r.end);
         }
         for part in parts {
-            self.register_mode(&part, RegisterMode::WRITE_PROTECT)
+            self.register_mode(&part, REGISTER_WP)
                 .map_err(|why| ProtectError::Register {
                     range: part.clone(),
                     why,
@@ -320,9 +277,7 @@ impl Process {
         {
             return;
         }
-        let _ = self
-            .uffd
-            .unregister(r.start as *mut _, (r.end - r.start) as usize);
+        let _ = self.uffd.unregister(r);
     }
 
     fn write_protect(&self, r: &Range<u64>) -> Result<(), String> {
@@ -337,8 +292,8 @@ impl Process {
             }
         }
         self.uffd
-            .write_protect(r.start as *mut _, (r.end - r.start) as usize)
-            .map_err(|e| e.to_string())
+            .write_protect(r)
+            .map_err(|e| format!("UFFDIO_WRITEPROTECT: {e}"))
     }
 }
 
@@ -512,11 +467,7 @@ impl UffdProtect {
             }
             if let Err(why) = done {
                 for undo in &fresh[..i] {
-                    let _ = proc.uffd.remove_write_protection(
-                        undo.start as *mut _,
-                        (undo.end - undo.start) as usize,
-                        true,
-                    );
+                    let _ = proc.uffd.remove_write_protection(undo, true);
                 }
                 let _ = st.wp.remove(r.clone());
                 return Err(ProtectError::Ioctl {
@@ -536,7 +487,7 @@ impl UffdProtect {
         for f in free {
             self.proc
                 .uffd
-                .remove_write_protection(f.start as *mut _, (f.end - f.start) as usize, true)
+                .remove_write_protection(&f, true)
                 .map_err(|e| ProtectError::Ioctl {
                     range: f.clone(),
                     why: e.to_string(),
@@ -617,10 +568,7 @@ impl UffdProtect {
     /// nothing), and at the aliases that show it.
     pub fn wake(&self, r: Range<u64>) {
         let wake = |a: &Range<u64>| {
-            let _ = self
-                .proc
-                .uffd
-                .wake(a.start as *mut _, (a.end - a.start) as usize);
+            let _ = self.proc.uffd.wake(a);
         };
         wake(&r);
         for (alias, shows) in &self.aliases {
@@ -636,28 +584,16 @@ impl UffdProtect {
     fn move_pages(&self, dst: u64, src: u64, len: u64, mode: u64) -> Result<(), String> {
         let mut done = 0u64;
         while done < len {
-            let mut m = UffdioMove {
-                dst: dst + done,
-                src: src + done,
-                len: len - done,
-                mode,
-                moved: 0,
-            };
-            // SAFETY: the ioctl reads and writes only `m`; the kernel checks
-            // both ranges (same mm, anonymous, registered destination).
-            let rc = unsafe { libc::ioctl(self.proc.uffd.as_raw_fd(), UFFDIO_MOVE, &mut m) };
-            if m.moved > 0 {
-                done += m.moved as u64;
-            }
-            if rc == 0 {
-                if m.moved <= 0 {
-                    break;
-                }
-                continue;
-            }
-            let err = nix::errno::Errno::last();
-            if err != nix::errno::Errno::EAGAIN {
-                return Err(format!("UFFDIO_MOVE: {err}"));
+            // SAFETY: both ranges are private anonymous memory of ours, the
+            // destination registered (the callers' contract).
+            let (moved, r) =
+                unsafe { self.proc.uffd.move_pages(dst + done, src + done, len - done, mode) };
+            done += moved;
+            match r {
+                Ok(()) if moved == 0 => break,
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {}
+                Err(e) => return Err(format!("UFFDIO_MOVE: {e}")),
             }
         }
         Ok(())
@@ -689,7 +625,7 @@ impl UffdProtect {
         // because UFFDIO_MOVE only moves into registered ranges.
         if let Err(e) = self
             .proc
-            .register_mode(&(s.addr..s.addr + len), RegisterMode::WRITE_PROTECT)
+            .register_mode(&(s.addr..s.addr + len), REGISTER_WP)
         {
             unmap_staging(&s);
             return Err(format!("staging register: {e}"));
@@ -729,7 +665,7 @@ impl UffdProtect {
         }
         // MISSING mode on top of write-protect: an access to a page that
         // has moved out now faults to us, by the program or by the kernel.
-        if let Err(e) = proc.register_mode(&r, RegisterMode::MISSING | RegisterMode::WRITE_PROTECT)
+        if let Err(e) = proc.register_mode(&r, REGISTER_MISSING | REGISTER_WP)
         {
             drop(st);
             self.give_back_staging(stage);
@@ -743,12 +679,12 @@ impl UffdProtect {
             stage.addr,
             r.start,
             len,
-            UFFDIO_MOVE_MODE_DONTWAKE | UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES,
+            MOVE_DONTWAKE | MOVE_ALLOW_SRC_HOLES,
         );
         if let Err(e) = moved {
             // Whatever moved goes back; the receive runs synchronously.
-            let _ = self.move_pages(r.start, stage.addr, len, UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES);
-            let _ = self.proc.register_mode(&r, RegisterMode::WRITE_PROTECT);
+            let _ = self.move_pages(r.start, stage.addr, len, MOVE_ALLOW_SRC_HOLES);
+            let _ = self.proc.register_mode(&r, REGISTER_WP);
             let mut st = proc.lock();
             let _ = st.armed.remove(r.clone());
             self.release(&mut st, &r);
@@ -779,7 +715,7 @@ impl UffdProtect {
             r.start,
             s,
             r.end - r.start,
-            UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES,
+            MOVE_ALLOW_SRC_HOLES,
         )
         .map_err(|why| ProtectError::Arm {
             range: r.clone(),
@@ -800,28 +736,17 @@ impl UffdProtect {
         match outcome {
             DisarmOutcome::Landed => {}
             DisarmOutcome::Abandoned => {
-                let _ = self.move_pages(r.start, stage.addr, len, UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES);
+                let _ = self.move_pages(r.start, stage.addr, len, MOVE_ALLOW_SRC_HOLES);
             }
             DisarmOutcome::Lost => {
-                let mut p = UffdioPoison {
-                    start: r.start,
-                    len,
-                    mode: 0,
-                    updated: 0,
-                };
-                // SAFETY: the ioctl reads and writes only `p`; it fills
-                // holes in our own registered range.
-                let poisoned = self.proc.can_poison
-                    && unsafe { libc::ioctl(self.proc.uffd.as_raw_fd(), UFFDIO_POISON, &mut p) }
-                        == 0;
+                // SAFETY: holes of our own registered range, which must
+                // not be read (the data never came).
+                let poisoned =
+                    self.proc.can_poison && unsafe { self.proc.uffd.poison(&r) }.is_ok();
                 if !poisoned {
                     // SAFETY: maps the zero page into holes of our own
                     // registered range (and wakes their waiters).
-                    let _ = unsafe {
-                        self.proc
-                            .uffd
-                            .zeropage(r.start as *mut _, len as usize, true)
-                    };
+                    let _ = unsafe { self.proc.uffd.zeropage(&r) };
                 }
             }
         }
@@ -829,7 +754,7 @@ impl UffdProtect {
         // is ours. Staging pages that still hold data are discarded.
         let proc = Arc::clone(&self.proc);
         let mut st = proc.lock();
-        let _ = proc.register_mode(&r, RegisterMode::WRITE_PROTECT);
+        let _ = proc.register_mode(&r, REGISTER_WP);
         let _ = st.armed.remove(r.clone());
         self.release(&mut st, &r);
         drop(st);
