@@ -23,7 +23,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
 /// offset + 32 (32-63); 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
-/// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 100-115.
+/// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
+/// 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -511,6 +512,11 @@ fn sockcheck_on(scenario: &str, offset: u16, modes: &[bool]) {
             }
         }
     }
+}
+
+#[test]
+fn own_connections_pair_at_once_and_wildcard_connects_are_local() {
+    sockcheck("local-pairs", 95);
 }
 
 #[test]

@@ -75,8 +75,11 @@ fn accept_one(l: c_int) -> Result<c_int, String> {
 }
 
 fn connect_to(port: u16) -> Result<c_int, String> {
+    connect_addr(addr(port))
+}
+
+fn connect_addr(a: libc::sockaddr_in) -> Result<c_int, String> {
     let fd = tcp_socket()?;
-    let a = addr(port);
     // SAFETY: connect(2) to our own address structure.
     if unsafe { libc::connect(fd, (&raw const a).cast(), std::mem::size_of_val(&a) as u32) } != 0 {
         return Err(format!("connect: {}", err_name(errno())));
@@ -1355,6 +1358,53 @@ fn bad_args(server: bool, port: u16) -> R {
 }
 
 /// CPU time this process has used (user and system).
+/// Connections that Linux delivers on this host pair at once or stay TCP
+/// at once. The server connects to its own listener and accepts, in one
+/// thread, 20 times: nothing may wait for an answer only its own later
+/// accept() could give (20 x pair_timeout). Then the client connects to
+/// 0.0.0.0:PORT, which Linux delivers to the loopback listener: under
+/// azsdp it pairs like any local connection (the test checks the logs).
+fn local_pairs(server: bool, port: u16) -> R {
+    const PAIRS: usize = 20;
+    let want = data(100_000, 9);
+    if server {
+        let l = listen_on(port)?;
+        let t = Instant::now();
+        for i in 0..PAIRS {
+            let c = connect_to(port)?;
+            let a = accept_one(l)?;
+            let b = data(1000, i as u32);
+            send_all(c, &b)?;
+            check!(recv_exact(a, b.len())? == b, "pair {i}: bytes differ");
+            send_all(a, &b)?;
+            check!(recv_exact(c, b.len())? == b, "pair {i}: reply differs");
+            close(c);
+            close(a);
+        }
+        check!(
+            t.elapsed() < Duration::from_secs(5),
+            "{PAIRS} connect+accept pairs in one thread took {:?}: a connect waited for an accept only it could make",
+            t.elapsed()
+        );
+        let c = accept_one(l)?;
+        check!(
+            recv_exact(c, want.len())? == want,
+            "0.0.0.0 client: bytes differ"
+        );
+        send_all(c, b"done")?;
+        expect_eof(c)?;
+        close(c);
+    } else {
+        let mut a = addr(port);
+        a.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::UNSPECIFIED).to_be();
+        let c = connect_addr(a)?;
+        send_all(c, &want)?;
+        check!(recv_exact(c, 4)? == b"done", "reply");
+        close(c);
+    }
+    Ok(())
+}
+
 fn cpu_time() -> Duration {
     // SAFETY: getrusage(2) into our own struct.
     let ru = unsafe {
@@ -1567,6 +1617,7 @@ fn main() {
         "eintr-waits" => eintr_waits(server, port),
         "bad-args" => bad_args(server, port),
         "fork-stress" => fork_stress(server, port),
+        "local-pairs" => local_pairs(server, port),
         "idle-cpu" => idle_cpu(server, port),
         "dead-peer-blocking" => dead_peer::run(server, port, dead_peer::Style::Blocking),
         "dead-peer-poll" => dead_peer::run(server, port, dead_peer::Style::Poll),
