@@ -185,8 +185,8 @@ pub fn demo(bytes: u64, buflen: usize, touch: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if crate::find_shim().is_none() {
-        eprintln!("azsdp demo: libazsdp.so not found (cargo build --release builds it)");
+    if let Err(e) = crate::locate::shim() {
+        eprintln!("azsdp demo: {e}");
         return ExitCode::from(2);
     }
     let dir = std::env::temp_dir().join(format!("azsdp-demo-{}", std::process::id()));

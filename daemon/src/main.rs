@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
 mod demo;
+mod locate;
 mod stat;
 
 use azsdp::config::{Config, Connection, Settings};
@@ -24,12 +25,32 @@ use azsdp::conn::Role;
 #[command(
     name = "azsdp",
     version,
-    about = "Asynchronous zero-copy sockets (AZ-SDP)"
+    about = "Asynchronous zero-copy sockets (AZ-SDP)",
+    long_about = "Asynchronous zero-copy sockets (AZ-SDP) for unmodified programs: \
+        `azsdp run -- PROGRAM` preloads libazsdp.so, and the program's TCP connections \
+        to other programs under azsdp on this host move their data without copies.",
+    after_long_help = AFTER_HELP
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+/// The environment and files, for `--help` and the manual page.
+const AFTER_HELP: &str = "\
+Environment:
+  AZSDP_CONFIG     the configuration file (else /etc/azsdp/azsdp.toml)
+  AZSDP_<KEY>      overrides the global key <key> (e.g. AZSDP_WRITE_FAULT=block)
+  AZSDP_LOG        the shim's log: stderr (default), off, or a file
+  AZSDP_LOG_LEVEL  error, warn (default), info, debug
+  AZSDP_STAT_DIR   where the stat files live (default /dev/shm/azsdp-<euid>)
+  AZSDP_SHIM       the libazsdp.so to preload
+  AZSDP_DISABLE    set: the shim leaves every socket alone
+
+Files:
+  /etc/azsdp/azsdp.toml     the configuration (example: azsdp.example.toml)
+  /usr/lib/azsdp/libazsdp.so, or beside azsdp, or ../lib/azsdp/ from it: the shim
+  ~/.cache/azsdp/           the shim a release build embeds, written out on first use";
 
 #[derive(Subcommand, Debug)]
 enum Command {
@@ -102,6 +123,19 @@ enum Command {
     /// Inspect the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Print a shell's completion script (e.g. `azsdp completions bash >
+    /// /etc/bash_completion.d/azsdp`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (azsdp.1, azsdp-run.1, ...).
+    Man {
+        /// Directory to write to (default: ../share/man/man1 from this
+        /// executable, where `man` looks for the programs on PATH).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -187,6 +221,11 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
             buflen,
             touch,
         } => return Err(demo::peer(listen, connect, bytes, buflen.max(1), touch)),
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "azsdp", &mut std::io::stdout());
+        }
+        Command::Man { out } => return Err(write_man_pages(out)),
         Command::Config(ConfigCommand::Check { file }) => {
             let c = load(file.as_ref())?;
             match &c.source {
@@ -223,61 +262,61 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
     Ok(())
 }
 
-/// Where libazsdp.so is: AZSDP_SHIM, else next to this executable (a cargo
-/// target directory), else ../lib/azsdp/ from it (an installation).
-pub(crate) fn find_shim() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("AZSDP_SHIM") {
-        return Some(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?;
-    let found = || {
-        [
-            dir.join("libazsdp.so"),
-            dir.join("../lib/azsdp/libazsdp.so"),
-        ]
-        .into_iter()
-        .find(|p| p.exists())
+/// `azsdp man`: a page for the command and one for each visible
+/// subcommand (`azsdp-run.1`, ...), as git and cargo have them.
+fn write_man_pages(out: Option<PathBuf>) -> ExitCode {
+    let dir = match out {
+        Some(d) => d,
+        None => match std::env::current_exe() {
+            Ok(exe) => exe
+                .parent()
+                .unwrap_or(std::path::Path::new("/"))
+                .join("../share/man/man1"),
+            Err(e) => {
+                eprintln!("azsdp man: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
     };
-    found().or_else(|| {
-        build_sibling_for_cargo_run(dir, &["-p", "azsdp-shim"]);
-        found()
-    })
-}
-
-/// Under `cargo run`, a sibling artifact (libazsdp.so, azsdp-ttcp) may not
-/// be built yet (cargo builds only the package it runs): build it with
-/// `cargo build TARGET_ARGS`, in our profile, into our directory `dir`.
-pub(crate) fn build_sibling_for_cargo_run(dir: &std::path::Path, target_args: &[&str]) {
-    let (Some(cargo), Some(manifest)) = (
-        std::env::var_os("CARGO"),
-        std::env::var_os("CARGO_MANIFEST_DIR"),
-    ) else {
-        return;
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let write = || -> std::io::Result<usize> {
+        std::fs::create_dir_all(&dir)?;
+        let mut n = 0;
+        let mut page = |name: String, c: clap::Command| -> std::io::Result<()> {
+            let mut f = std::fs::File::create(dir.join(format!("{name}.1")))?;
+            clap_mangen::Man::new(c.name(name.clone())).render(&mut f)?;
+            n += 1;
+            Ok(())
+        };
+        for sub in cmd.get_subcommands().filter(|c| !c.is_hide_set()) {
+            page(format!("azsdp-{}", sub.get_name()), sub.clone())?;
+        }
+        page("azsdp".into(), cmd.clone())?;
+        Ok(n)
     };
-    let workspace = PathBuf::from(manifest).join("..");
-    if !workspace.join("shim/Cargo.toml").exists() {
-        return;
+    match write() {
+        Ok(n) => {
+            let dir = dir.canonicalize().unwrap_or(dir);
+            println!("{n} pages in {}", dir.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("azsdp man: {}: {e}", dir.display());
+            ExitCode::FAILURE
+        }
     }
-    let release = dir.file_name().is_some_and(|n| n == "release");
-    eprintln!("azsdp: building (cargo build {})", target_args.join(" "));
-    let _ = std::process::Command::new(cargo)
-        .current_dir(&workspace)
-        .args(["build", "-q"])
-        .args(target_args)
-        .args(release.then_some("--release"))
-        .status();
 }
 
 /// `azsdp run`: exec the program with the shim preloaded (returns only on
 /// failure).
 fn run_program(config: Option<PathBuf>, program: Vec<std::ffi::OsString>) -> ExitCode {
     use std::os::unix::process::CommandExt;
-    let Some(shim) = find_shim() else {
-        eprintln!(
-            "azsdp: cannot find libazsdp.so (build it with `cargo build --release`, or set AZSDP_SHIM)"
-        );
-        return ExitCode::from(2);
+    let shim = match locate::shim() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("azsdp: {e}");
+            return ExitCode::from(2);
+        }
     };
     let shim = shim.canonicalize().unwrap_or(shim);
     let mut cmd = std::process::Command::new(&program[0]);

@@ -65,3 +65,61 @@ fn config_show_reports_the_deciding_rule_and_env_overrides() {
     assert!(stdout.contains("zcopy_threshold  = 16384"), "{stdout}");
     assert!(stdout.contains("async            = false"), "{stdout}");
 }
+
+#[test]
+fn man_writes_a_page_for_the_command_and_each_subcommand() {
+    let dir = std::env::temp_dir().join(format!("azsdp-man-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = azsdp().args(["man", "--out"]).arg(&dir).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for page in [
+        "azsdp",
+        "azsdp-run",
+        "azsdp-stat",
+        "azsdp-bench",
+        "azsdp-tune",
+        "azsdp-config",
+    ] {
+        let text = std::fs::read_to_string(dir.join(format!("{page}.1")))
+            .unwrap_or_else(|e| panic!("{page}.1: {e}"));
+        assert!(
+            text.starts_with(".ie") || text.contains(".TH"),
+            "{page}.1 is no man page"
+        );
+        assert!(text.contains(page), "{page}.1 does not name itself");
+    }
+    let main = std::fs::read_to_string(dir.join("azsdp.1")).unwrap();
+    assert!(
+        main.contains("AZSDP_LOG_LEVEL"),
+        "azsdp.1 lists no environment"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn completions_for_each_shell_name_every_subcommand() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = azsdp().args(["completions", shell]).output().unwrap();
+        assert!(out.status.success(), "{shell}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        for sub in ["run", "stat", "bench", "tune", "config", "demo"] {
+            assert!(text.contains(sub), "{shell} completion lacks {sub}");
+        }
+    }
+}
+
+#[test]
+fn run_names_a_missing_shim_and_starts_nothing() {
+    let out = azsdp()
+        .env("AZSDP_SHIM", "/nonexistent/libazsdp.so")
+        .args(["run", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/libazsdp.so"), "{err}");
+}

@@ -586,8 +586,11 @@ impl UffdProtect {
         while done < len {
             // SAFETY: both ranges are private anonymous memory of ours, the
             // destination registered (the callers' contract).
-            let (moved, r) =
-                unsafe { self.proc.uffd.move_pages(dst + done, src + done, len - done, mode) };
+            let (moved, r) = unsafe {
+                self.proc
+                    .uffd
+                    .move_pages(dst + done, src + done, len - done, mode)
+            };
             done += moved;
             match r {
                 Ok(()) if moved == 0 => break,
@@ -665,8 +668,7 @@ impl UffdProtect {
         }
         // MISSING mode on top of write-protect: an access to a page that
         // has moved out now faults to us, by the program or by the kernel.
-        if let Err(e) = proc.register_mode(&r, REGISTER_MISSING | REGISTER_WP)
-        {
+        if let Err(e) = proc.register_mode(&r, REGISTER_MISSING | REGISTER_WP) {
             drop(st);
             self.give_back_staging(stage);
             return Err(fail(e));
@@ -711,16 +713,11 @@ impl UffdProtect {
             range: r.clone(),
             why: "not armed".into(),
         })?;
-        self.move_pages(
-            r.start,
-            s,
-            r.end - r.start,
-            MOVE_ALLOW_SRC_HOLES,
-        )
-        .map_err(|why| ProtectError::Arm {
-            range: r.clone(),
-            why,
-        })
+        self.move_pages(r.start, s, r.end - r.start, MOVE_ALLOW_SRC_HOLES)
+            .map_err(|why| ProtectError::Arm {
+                range: r.clone(),
+                why,
+            })
     }
 
     /// Armed range `r` is ordinary memory again. `Landed`: its data was put
@@ -741,8 +738,7 @@ impl UffdProtect {
             DisarmOutcome::Lost => {
                 // SAFETY: holes of our own registered range, which must
                 // not be read (the data never came).
-                let poisoned =
-                    self.proc.can_poison && unsafe { self.proc.uffd.poison(&r) }.is_ok();
+                let poisoned = self.proc.can_poison && unsafe { self.proc.uffd.poison(&r) }.is_ok();
                 if !poisoned {
                     // SAFETY: maps the zero page into holes of our own
                     // registered range (and wakes their waiters).

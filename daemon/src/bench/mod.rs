@@ -285,41 +285,17 @@ fn memcpy_gbps(size: usize, hot: bool) -> f64 {
     size as f64 / best / 1e9
 }
 
-/// A benchmark program (`azsdp-ttcp`, `azsdp-echo`) next to `exe`, built
-/// first under `cargo run`.
-fn find_bench_program(exe: &Path, name: &str) -> Option<PathBuf> {
-    let p = exe.parent()?.join(name);
-    if p.exists() {
-        return Some(p);
-    }
-    crate::build_sibling_for_cargo_run(
-        exe.parent()?,
-        &[
-            "-p",
-            "azsdp-benches",
-            "--bin",
-            "azsdp-ttcp",
-            "--bin",
-            "azsdp-echo",
-        ],
-    );
-    p.exists().then_some(p)
-}
-
 /// Find the programs, write the mode configurations, open results.csv.
 fn setup(out: &Path, modes: &[Mode]) -> Result<Bench, ExitCode> {
     let exe = std::env::current_exe().map_err(|e| {
         eprintln!("azsdp: {e}");
         ExitCode::FAILURE
     })?;
-    if crate::find_shim().is_none() {
-        eprintln!("azsdp: libazsdp.so not found");
-        return Err(ExitCode::from(2));
-    }
-    let Some(ttcp) = find_bench_program(&exe, "azsdp-ttcp") else {
-        eprintln!("azsdp: azsdp-ttcp not found (cargo build --release builds it)");
-        return Err(ExitCode::from(2));
-    };
+    let found = crate::locate::shim().and_then(|_| crate::locate::program("azsdp-ttcp"));
+    let ttcp = found.map_err(|e| {
+        eprintln!("azsdp: {e}");
+        ExitCode::from(2)
+    })?;
     std::fs::create_dir_all(out).map_err(|e| {
         eprintln!("azsdp: {}: {e}", out.display());
         ExitCode::FAILURE
@@ -470,10 +446,13 @@ impl Bench {
         at_once: usize,
         in_turn: usize,
     ) -> (Option<conns::Scale>, Option<conns::Scale>) {
-        let Some(echo) = find_bench_program(&self.exe, "azsdp-echo") else {
-            eprintln!("azsdp bench: azsdp-echo not found (cargo build --release builds it)");
-            self.failures += 1;
-            return (None, None);
+        let echo = match crate::locate::program("azsdp-echo") {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("azsdp bench: {e}");
+                self.failures += 1;
+                return (None, None);
+            }
         };
         let exe = self.exe.clone();
         let mut out = [None, None];

@@ -55,7 +55,11 @@ const fn io(ty: u32, nr: u32) -> u32 {
     (ty << 8) | nr
 }
 
-const UFFDIO_MOVE: u32 = iowr(uapi::UFFDIO, uapi::_UFFDIO_MOVE, size_of::<uapi::uffdio_move>());
+const UFFDIO_MOVE: u32 = iowr(
+    uapi::UFFDIO,
+    uapi::_UFFDIO_MOVE,
+    size_of::<uapi::uffdio_move>(),
+);
 const UFFDIO_POISON: u32 = iowr(
     uapi::UFFDIO,
     uapi::_UFFDIO_POISON,
@@ -283,7 +287,11 @@ mod tests {
     /// right ones for the two it does not.
     #[test]
     fn ioctl_encoding_matches_the_pregenerated_numbers() {
-        let api = iowr(uapi::UFFDIO, uapi::_UFFDIO_API, size_of::<uapi::uffdio_api>());
+        let api = iowr(
+            uapi::UFFDIO,
+            uapi::_UFFDIO_API,
+            size_of::<uapi::uffdio_api>(),
+        );
         assert_eq!(api, req::UFFDIO_API);
         let wp = iowr(
             uapi::UFFDIO,
@@ -291,7 +299,11 @@ mod tests {
             size_of::<uapi::uffdio_writeprotect>(),
         );
         assert_eq!(wp, req::UFFDIO_WRITEPROTECT);
-        let copy = iowr(uapi::UFFDIO, uapi::_UFFDIO_COPY, size_of::<uapi::uffdio_copy>());
+        let copy = iowr(
+            uapi::UFFDIO,
+            uapi::_UFFDIO_COPY,
+            size_of::<uapi::uffdio_copy>(),
+        );
         assert_eq!(copy, req::UFFDIO_COPY);
         // The kernel header's values (x86_64 and every generic-ioctl arch).
         assert_eq!(UFFDIO_MOVE, 0xc028_aa05);
