@@ -168,6 +168,16 @@ fn closing(log: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// "1GiB", "64KiB", "10 bytes".
+fn human(n: u64) -> String {
+    let s = azsdp::config::format_size(n);
+    if s.bytes().all(|b| b.is_ascii_digit()) {
+        format!("{s} bytes")
+    } else {
+        s
+    }
+}
+
 fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
@@ -193,9 +203,9 @@ pub fn demo(bytes: u64, buflen: usize, touch: bool) -> ExitCode {
     let _ = std::fs::create_dir_all(&dir);
     let port = 18000 + (std::process::id() % 2000) as u16;
     println!(
-        "azsdp demo: {} MiB in {} KiB writes from one reused buffer{}, receiver verifying every byte",
-        bytes >> 20,
-        buflen >> 10,
+        "azsdp demo: {} in {} writes from one reused buffer{}, receiver verifying every byte",
+        human(bytes),
+        human(buflen as u64),
         if touch {
             " rewritten before each write"
         } else {

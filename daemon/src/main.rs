@@ -15,10 +15,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
 mod demo;
+mod environment;
 mod locate;
 mod stat;
 
-use azsdp::config::{Config, Connection, Settings};
+use azsdp::config::{Config, Connection};
 use azsdp::conn::Role;
 
 #[derive(Parser, Debug)]
@@ -34,6 +35,15 @@ use azsdp::conn::Role;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// A write size for `demo`: a size that fits in memory.
+fn parse_buflen(s: &str) -> Result<usize, String> {
+    let n = azsdp::config::parse_size(s)?;
+    usize::try_from(n)
+        .ok()
+        .filter(|n| (1..=1 << 30).contains(n))
+        .ok_or_else(|| format!("`{s}`: from 1 byte to 1GiB"))
 }
 
 /// The environment and files, for `--help` and the manual page.
@@ -61,6 +71,10 @@ enum Command {
         /// else built-in defaults).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Start the program even if the configuration or the AZSDP_*
+        /// environment has problems (it then runs on plain TCP).
+        #[arg(long)]
+        run_anyway: bool,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         program: Vec<std::ffi::OsString>,
@@ -68,11 +82,11 @@ enum Command {
     /// Run a program pair under azsdp, then on kernel TCP, and show what
     /// moved over which path.
     Demo {
-        /// Bytes to send.
-        #[arg(long, default_value_t = 1 << 30)]
+        /// Bytes to send (a size: 1000000, 64KiB, 1G).
+        #[arg(long, default_value = "1GiB", value_parser = azsdp::config::parse_size)]
         bytes: u64,
-        /// Bytes per write.
-        #[arg(long, default_value_t = 1 << 20)]
+        /// Bytes per write (a size).
+        #[arg(long, default_value = "1MiB", value_parser = parse_buflen)]
         buflen: usize,
         /// Rewrite the buffer before each write (AZ-SDP's worst case: the
         /// write faults on pages still in flight).
@@ -173,39 +187,30 @@ enum RoleArg {
 
 fn load(file: Option<&PathBuf>) -> Result<Config, ExitCode> {
     Config::from_environment(file.map(PathBuf::as_path), std::env::vars_os()).map_err(|e| {
-        eprintln!("azsdp: {e}");
+        report_problems(&e);
         ExitCode::from(2)
     })
 }
 
-fn print_settings(s: &Settings) {
-    println!("use              = {:?}", s.use_);
-    println!("zcopy_threshold  = {}", s.zcopy_threshold);
-    println!("async            = {}", s.async_);
-    println!("write_fault      = {:?}", s.write_fault);
-    println!("block_escalate   = {:?}", s.block_escalate);
-    println!("recv_protect     = {:?}", s.recv_protect);
-    println!("recv_protect_min = {}", s.recv_protect_min);
-    println!("max_outstanding  = {}", s.max_outstanding);
-    println!("max_avail        = {}", s.max_avail);
-    println!(
-        "fallback         = {} faults / {} sends, recover after {}",
-        s.fallback_faults, s.fallback_window, s.fallback_recover
-    );
-    println!(
-        "bsdp             = buffer {}, slot {}, credits {}",
-        s.bsdp_buffer, s.bsdp_slot, s.bsdp_credits
-    );
-    println!("poll             = {:?}", s.poll);
-    println!(
-        "timeouts         = peer {:?}, keepalive {:?}, linger {:?}",
-        s.peer_timeout, s.keepalive, s.linger
+/// Each problem on a line of its own, then how many.
+fn report_problems(e: &azsdp::config::ConfigError) {
+    for p in &e.problems {
+        eprintln!("azsdp: {p}");
+    }
+    let n = e.problems.len();
+    eprintln!(
+        "azsdp: {n} problem{} in the configuration",
+        if n == 1 { "" } else { "s" }
     );
 }
 
 fn run(cli: Cli) -> Result<(), ExitCode> {
     match cli.command {
-        Command::Run { config, program } => return Err(run_program(config, program)),
+        Command::Run {
+            config,
+            run_anyway,
+            program,
+        } => return Err(run_program(config, run_anyway, program)),
         Command::Stat { json } => stat::print(json),
         Command::Bench { quick, out, config } => return Err(bench::run(quick, out, config)),
         Command::Tune { out } => return Err(bench::tune(out)),
@@ -229,10 +234,11 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
         Command::Config(ConfigCommand::Check { file }) => {
             let c = load(file.as_ref())?;
             match &c.source {
-                Some(p) => println!("{}: ok, {} rule(s)", p.display(), c.rules.len()),
-                None => println!("no configuration file: built-in defaults"),
+                Some(p) => println!("# {}: ok, {} rule(s)", p.display(), c.rules.len()),
+                None => println!("# no configuration file: the built-in defaults"),
             }
-            print_settings(&c.global);
+            println!("# the global settings, with any AZSDP_<KEY> overrides:");
+            print!("{}", c.global.to_toml());
         }
         Command::Config(ConfigCommand::Show {
             config,
@@ -253,10 +259,10 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
                 port,
             });
             match d.rule {
-                Some(i) => println!("rule {i} matches"),
-                None => println!("no rule matches: global settings"),
+                Some(i) => println!("# rule {i} matches: the globals, overlaid by its keys"),
+                None => println!("# no rule matches: the global settings"),
             }
-            print_settings(&d.settings);
+            print!("{}", d.settings.to_toml());
         }
     }
     Ok(())
@@ -309,7 +315,11 @@ fn write_man_pages(out: Option<PathBuf>) -> ExitCode {
 
 /// `azsdp run`: exec the program with the shim preloaded (returns only on
 /// failure).
-fn run_program(config: Option<PathBuf>, program: Vec<std::ffi::OsString>) -> ExitCode {
+fn run_program(
+    config: Option<PathBuf>,
+    run_anyway: bool,
+    program: Vec<std::ffi::OsString>,
+) -> ExitCode {
     use std::os::unix::process::CommandExt;
     let shim = match locate::shim() {
         Ok(s) => s,
@@ -321,12 +331,23 @@ fn run_program(config: Option<PathBuf>, program: Vec<std::ffi::OsString>) -> Exi
     let shim = shim.canonicalize().unwrap_or(shim);
     let mut cmd = std::process::Command::new(&program[0]);
     cmd.args(&program[1..]);
-    if let Some(c) = &config {
-        // A bad file is reported here and by the shim, which then keeps
-        // the program on plain TCP: the program runs either way.
-        if let Err(e) = Config::load(c) {
-            eprintln!("azsdp: {e}; the program runs on plain TCP");
+    // What the shim will read, checked before the program starts: a
+    // mistake stops here, not as a program that silently stays on TCP.
+    let problems = environment::check(config.as_deref());
+    if !problems.is_empty() {
+        for p in &problems {
+            eprintln!("azsdp: {p}");
         }
+        if !run_anyway {
+            eprintln!(
+                "azsdp: {} problem(s): not starting {} (--run-anyway starts it on plain TCP)",
+                problems.len(),
+                program[0].to_string_lossy()
+            );
+            return ExitCode::from(2);
+        }
+    }
+    if let Some(c) = &config {
         cmd.env("AZSDP_CONFIG", c.canonicalize().unwrap_or(c.clone()));
     }
     let mut preload = shim.into_os_string();

@@ -40,7 +40,7 @@ fn config_check_rejects_bad_files_with_line_and_key() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("bad.toml:4: key `rule[1].role`"),
+        stderr.contains("bad.toml:4:8: key `rule[1].role`"),
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
@@ -62,7 +62,7 @@ fn config_show_reports_the_deciding_rule_and_env_overrides() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("rule 1 matches"), "{stdout}");
-    assert!(stdout.contains("zcopy_threshold  = 16384"), "{stdout}");
+    assert!(stdout.contains("zcopy_threshold  = \"16KiB\""), "{stdout}");
     assert!(stdout.contains("async            = false"), "{stdout}");
 }
 
@@ -122,4 +122,77 @@ fn run_names_a_missing_shim_and_starts_nothing() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/libazsdp.so"), "{err}");
+}
+
+#[test]
+fn config_check_prints_every_key_in_config_syntax() {
+    let out = azsdp()
+        .args(["config", "check", &example()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // What it prints is itself a configuration that checks.
+    let dir = std::env::temp_dir().join(format!("azsdp-cli-print-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let printed = dir.join("printed.toml");
+    std::fs::write(&printed, stdout.as_bytes()).unwrap();
+    let again = azsdp()
+        .args(["config", "check"])
+        .arg(&printed)
+        .output()
+        .unwrap();
+    assert!(
+        again.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    for key in ["protection", "pair_timeout", "write_fault      = \"copy\""] {
+        assert!(stdout.contains(key), "{key}: {stdout}");
+    }
+    assert!(
+        !stdout.contains("Copy") && !stdout.contains("Both"),
+        "{stdout}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn run_refuses_to_start_on_any_problem_unless_told_to() {
+    let dir = std::env::temp_dir().join(format!("azsdp-cli-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let marker = dir.join("started");
+    let touch = ["--", "touch", marker.to_str().unwrap()];
+    let out = azsdp()
+        .args(["run", "--config", "/nonexistent/azsdp.toml"])
+        .args(touch)
+        .env("AZSDP_LOGLEVEL", "info")
+        .env("AZSDP_LOG_LEVEL", "verbose")
+        .env("AZSDP_LOG", "/nonexistent/x.log")
+        .env("AZSDP_STAT_DIR", "/nonexistent")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for said in [
+        "/nonexistent/azsdp.toml: cannot read",
+        "did you mean AZSDP_LOG_LEVEL?",
+        "AZSDP_LOG_LEVEL=verbose: not a level",
+        "AZSDP_LOG=/nonexistent/x.log: cannot open it",
+        "AZSDP_STAT_DIR: /nonexistent",
+    ] {
+        assert!(err.contains(said), "missing {said:?} in:\n{err}");
+    }
+    assert!(!marker.exists(), "the program started");
+    let out = azsdp()
+        .args(["run", "--run-anyway", "--config", "/nonexistent/azsdp.toml"])
+        .args(touch)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(marker.exists(), "--run-anyway did not start it");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -13,14 +13,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-#[repr(u8)]
-pub enum Level {
-    Error = 1,
-    Warn = 2,
-    Info = 3,
-    Debug = 4,
-}
+pub use azsdp::config::logging::LogLevel as Level;
 
 /// 0: not read yet.
 static LEVEL: AtomicU8 = AtomicU8::new(0);
@@ -28,30 +21,48 @@ static LEVEL: AtomicU8 = AtomicU8::new(0);
 static FD: AtomicI32 = AtomicI32::new(-2);
 
 fn setup() {
-    let level = match std::env::var("AZSDP_LOG_LEVEL").as_deref() {
-        Ok("error") => Level::Error,
-        Ok("info") => Level::Info,
-        Ok("debug") => Level::Debug,
-        _ => Level::Warn,
+    use azsdp::config::logging::{self, LogTarget};
+    let var = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+    let (level, bad_level) = match logging::log_level(var("AZSDP_LOG_LEVEL").as_deref()) {
+        Ok(l) => (l, None),
+        Err(e) => (Level::Warn, Some(e)),
     };
-    let fd = match std::env::var("AZSDP_LOG").as_deref() {
-        Err(_) | Ok("") | Ok("stderr") => 2,
-        Ok("off") | Ok("none") => -1,
-        Ok(path) => match std::ffi::CString::new(path) {
+    let mut bad_file = None;
+    let fd = match logging::log_target(var("AZSDP_LOG").as_deref()) {
+        LogTarget::Stderr => 2,
+        LogTarget::Off => -1,
+        LogTarget::File(path) => {
+            let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok();
             // SAFETY: open(2) of a NUL-terminated path.
-            Ok(c) => unsafe {
+            let fd = c.map_or(-1, |c| unsafe {
                 libc::open(
                     c.as_ptr(),
                     libc::O_WRONLY | libc::O_CREAT | libc::O_APPEND | libc::O_CLOEXEC,
                     0o644,
                 )
+            });
+            if fd < 0 {
+                let e = std::io::Error::last_os_error();
+                bad_file = Some(format!(
+                    "AZSDP_LOG={}: cannot open it ({e}); logging to stderr",
+                    path.display()
+                ));
+                2
+            } else {
+                fd
             }
-            .max(2),
-            Err(_) => 2,
-        },
+        }
     };
     FD.store(fd, Ordering::Relaxed);
     LEVEL.store(level as u8, Ordering::Relaxed);
+    // Said once, when the log is first used (each process reads these
+    // variables once).
+    for problem in [bad_level.map(|e| format!("{e}; logging at warn")), bad_file]
+        .into_iter()
+        .flatten()
+    {
+        write(Level::Warn, format_args!("{problem}"));
+    }
 }
 
 /// Would a line at `level` be written?

@@ -43,7 +43,13 @@ pub fn config() -> Option<&'static Config> {
                     Some(c)
                 }
                 Err(e) => {
-                    error!("{e}; this program stays on plain TCP");
+                    for p in &e.problems {
+                        error!("{p}");
+                    }
+                    error!(
+                        "{} configuration problem(s): this program stays on plain TCP",
+                        e.problems.len()
+                    );
                     None
                 }
             }

@@ -136,8 +136,23 @@ impl Scratch {
     /// `azsdp run -- program args...`, with this test's stat directory and
     /// the shim's log in `<name>.log`.
     pub fn under_azsdp(&self, name: &str, program: &str, args: &[&str]) -> Command {
+        self.run_with(&[], name, program, args)
+    }
+
+    /// `under_azsdp` with `azsdp run --run-anyway`: the program starts
+    /// whatever `azsdp run` thinks of the configuration and environment,
+    /// so that the shim's own handling of them is what is tested.
+    pub fn under_azsdp_anyway(&self, name: &str, program: &str, args: &[&str]) -> Command {
+        self.run_with(&["--run-anyway"], name, program, args)
+    }
+
+    fn run_with(&self, options: &[&str], name: &str, program: &str, args: &[&str]) -> Command {
         let mut c = Command::new(azsdp());
-        c.arg("run").arg("--").arg(need(program)).args(args);
+        c.arg("run")
+            .args(options)
+            .arg("--")
+            .arg(need(program))
+            .args(args);
         self.setup(&mut c, name);
         c
     }

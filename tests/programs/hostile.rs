@@ -473,7 +473,9 @@ fn stat_files_live_in_a_checked_private_directory_and_go_at_exit() {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
         let planted = s.path("precious");
         std::fs::write(&planted, b"precious").expect("write");
-        let mut c = s.under_azsdp(
+        // The shim's own check is what is tested (`azsdp run` refuses
+        // such a directory before the program starts).
+        let mut c = s.under_azsdp_anyway(
             "client2",
             echo.to_str().expect("path"),
             &["send", &p.to_string(), "100000"],

@@ -69,7 +69,7 @@ fn bad_environment_and_configuration_fail_clearly() {
         ),
     ];
     for (name, var, value, upgraded, says) in cases {
-        let mut c = s.under_azsdp(name, echo, &["send", &p, "100000"]);
+        let mut c = s.under_azsdp_anyway(name, echo, &["send", &p, "100000"]);
         c.env(var, &value);
         let t0 = Instant::now();
         let mut c = Proc::start(c, name);
@@ -90,5 +90,18 @@ fn bad_environment_and_configuration_fail_clearly() {
             );
         }
     }
+    // A mistyped log level is said once by the shim (and once by `azsdp
+    // run`), and the log goes on at warn.
+    let mut c = s.under_azsdp_anyway("level", echo, &["send", &p, "100000"]);
+    c.env("AZSDP_LOG_LEVEL", "verbose");
+    let mut c = Proc::start(c, "level");
+    c.expect_success(Duration::from_secs(20), || s.log("level"));
+    let log = s.log("level");
+    assert_eq!(
+        log.matches("warn: AZSDP_LOG_LEVEL=verbose: not a level")
+            .count(),
+        1,
+        "{log}"
+    );
     srv.kill();
 }

@@ -318,7 +318,8 @@ fn python_waits_through_a_signal_storm() {
             s.under_azsdp("client", "python3", &[&script, "client", &p, style]),
             "python3 client",
         );
-        cli.expect_success(Duration::from_secs(120), || s.log("client"));
+        let both = || format!("{}\nthe server's log:\n{}", s.log("client"), s.log("server"));
+        cli.expect_success(Duration::from_secs(120), both);
         srv.expect_success(Duration::from_secs(30), || s.log("server"));
         let log = s.log("server");
         assert!(log.contains(": azsdp (peer pid"), "{log}");
@@ -735,6 +736,7 @@ fn a_bad_configuration_is_reported_and_the_program_runs_on_tcp() {
     let run = |name: &str, args: &[&str]| {
         let mut c = std::process::Command::new(azsdp());
         c.arg("run")
+            .arg("--run-anyway")
             .arg("--config")
             .arg(&cfg)
             .arg("--")
@@ -756,6 +758,19 @@ fn a_bad_configuration_is_reported_and_the_program_runs_on_tcp() {
         "{log}"
     );
     assert!(!log.contains(": azsdp (peer pid"), "{log}");
+    // Without --run-anyway, the program does not start at all.
+    let out = std::process::Command::new(azsdp())
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args(["--", "true"])
+        .output()
+        .expect("azsdp run");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.toml:1:19: key `zcopy_threshold`"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -17,9 +17,10 @@
 //! Every error names the file (or variable), the line and the key. The full
 //! reference is `docs/config.md`.
 
+pub mod logging;
+mod problems;
 mod values;
 
-use std::fmt;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -29,6 +30,8 @@ use toml::de::{DeTable, DeValue};
 
 use crate::conn::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect, Role};
 use crate::protect::ProtectionMode;
+pub use problems::{ConfigError, Problem};
+use problems::{did_you_mean, position};
 pub use values::{Cidr, Glob, PortRange, parse_duration, parse_size};
 
 /// Default location of the configuration file.
@@ -197,6 +200,75 @@ impl Settings {
         s
     }
 
+    /// Every key and its value, in configuration syntax (a TOML value:
+    /// strings quoted), in the order of `docs/config.md`.
+    pub fn entries(&self) -> Vec<(&'static str, String)> {
+        let q = |s: &str| format!("\"{s}\"");
+        let size = |n: u64| q(&format_size(n));
+        let dur = |d: Duration| q(&show(d));
+        let v = vec![
+            (
+                "use",
+                q(match self.use_ {
+                    Use::Azsdp => "azsdp",
+                    Use::Tcp => "tcp",
+                    Use::Both => "both",
+                }),
+            ),
+            ("zcopy_threshold", size(self.zcopy_threshold)),
+            ("async", self.async_.to_string()),
+            (
+                "write_fault",
+                q(match self.write_fault {
+                    FaultPolicy::Copy => "copy",
+                    FaultPolicy::Block => "block",
+                }),
+            ),
+            ("block_escalate", dur(self.block_escalate)),
+            (
+                "recv_protect",
+                q(match self.recv_protect {
+                    RecvProtect::Auto => "auto",
+                    RecvProtect::On => "on",
+                    RecvProtect::Off => "off",
+                }),
+            ),
+            ("recv_protect_min", size(self.recv_protect_min)),
+            (
+                "protection",
+                q(match self.protection {
+                    ProtectionMode::Auto => "auto",
+                    ProtectionMode::Userfaultfd => "userfaultfd",
+                    ProtectionMode::Mprotect => "mprotect",
+                    ProtectionMode::Off => "off",
+                }),
+            ),
+            ("max_outstanding", self.max_outstanding.to_string()),
+            ("max_avail", size(u64::from(self.max_avail))),
+            ("fallback_faults", self.fallback_faults.to_string()),
+            ("fallback_window", self.fallback_window.to_string()),
+            ("fallback_recover", self.fallback_recover.to_string()),
+            ("bsdp_buffer", size(self.bsdp_buffer)),
+            ("bsdp_slot", size(u64::from(self.bsdp_slot))),
+            ("bsdp_credits", self.bsdp_credits.to_string()),
+            ("poll", dur(self.poll)),
+            ("peer_timeout", dur(self.peer_timeout)),
+            ("keepalive", dur(self.keepalive)),
+            ("linger", dur(self.linger)),
+            ("pair_timeout", dur(self.pair_timeout)),
+        ];
+        debug_assert_eq!(v.len(), TUNABLE_KEYS.len());
+        v
+    }
+
+    /// [`Settings::entries`] as TOML lines (`key = value`), aligned.
+    pub fn to_toml(&self) -> String {
+        self.entries()
+            .into_iter()
+            .map(|(k, v)| format!("{k:<16} = {v}\n"))
+            .collect()
+    }
+
     /// The engine configuration for one connection.
     pub fn engine_config(
         &self,
@@ -268,30 +340,18 @@ pub struct Decision {
     pub settings: Settings,
 }
 
-/// A configuration error: where, which key, what is wrong.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    /// File path, or `env AZSDP_X` for an environment override.
-    pub origin: String,
-    pub line: Option<usize>,
-    pub key: Option<String>,
-    pub message: String,
+/// Every `AZSDP_*` variable azsdp reads.
+fn env_names() -> Vec<String> {
+    RESERVED_ENV
+        .iter()
+        .map(|r| format!("AZSDP_{r}"))
+        .chain(
+            TUNABLE_KEYS
+                .iter()
+                .map(|k| format!("AZSDP_{}", k.to_ascii_uppercase())),
+        )
+        .collect()
 }
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.origin)?;
-        if let Some(l) = self.line {
-            write!(f, ":{l}")?;
-        }
-        if let Some(k) = &self.key {
-            write!(f, ": key `{k}`")?;
-        }
-        write!(f, ": {}", self.message)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 /// Environment variables with the AZSDP_ prefix that are not tunables.
 const RESERVED_ENV: &[&str] = &[
@@ -381,6 +441,17 @@ fn duration(raw: &Raw<'_>) -> Result<Duration, String> {
     }
 }
 
+/// A size as the configuration writes it: "64KiB", "8MiB", or bytes.
+pub fn format_size(n: u64) -> String {
+    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if n >= 1 << shift && n % (1 << shift) == 0 {
+            return format!("{}{unit}", n >> shift);
+        }
+    }
+    n.to_string()
+}
+
+/// A duration as the configuration writes it: "10ms", "30s", "5m".
 fn show(d: Duration) -> String {
     if d.is_zero() {
         "0".into()
@@ -534,101 +605,188 @@ fn raw_of<'a>(v: &'a DeValue<'_>) -> Raw<'a> {
     }
 }
 
-/// Line (1-based) of byte offset `pos` in `text`.
-fn line_of(text: &str, pos: usize) -> usize {
-    text.as_bytes()[..pos.min(text.len())]
-        .iter()
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
+/// The problems found in one text, and where each key was set (for
+/// problems that involve two keys).
+struct Report<'t> {
+    origin: &'t str,
+    text: &'t str,
+    problems: Vec<Problem>,
+    /// Key path (`keepalive`, `rule[2].keepalive`) -> its span.
+    spans: std::collections::HashMap<String, std::ops::Range<usize>>,
+}
+
+impl Report<'_> {
+    fn add(
+        &mut self,
+        span: Option<std::ops::Range<usize>>,
+        key: Option<String>,
+        message: String,
+        help: Option<String>,
+    ) {
+        let (line, column) = match span.map(|s| position(self.text, s.start)) {
+            Some((l, c)) => (Some(l), Some(c)),
+            None => (None, None),
+        };
+        self.problems.push(Problem {
+            origin: self.origin.to_string(),
+            line,
+            column,
+            key,
+            message,
+            help,
+        });
+    }
+
+    /// An unknown key at `span`, and the known one it may have meant.
+    fn unknown_key(
+        &mut self,
+        span: std::ops::Range<usize>,
+        path: String,
+        key: &str,
+        known: &[&str],
+    ) {
+        let help = match did_you_mean(key, known.iter().copied()) {
+            Some(k) => format!("did you mean `{k}`?"),
+            None => format!("the keys here are: {}", known.join(", ")),
+        };
+        self.add(Some(span), Some(path), "unknown key".into(), Some(help));
+    }
+}
+
+/// The keys a `[[rule]]` matches on.
+const MATCH_KEYS: &[&str] = &["program", "role", "address", "port"];
+
+/// Which pairs of keys disagree in `s`: (the key to blame, the other, why).
+fn conflicts(s: &Settings) -> Vec<(&'static str, &'static str, String)> {
+    let mut v = Vec::new();
+    if u64::from(s.bsdp_slot) > s.bsdp_buffer {
+        v.push((
+            "bsdp_slot",
+            "bsdp_buffer",
+            format!(
+                "the slot ({}) is larger than bsdp_buffer ({})",
+                format_size(u64::from(s.bsdp_slot)),
+                format_size(s.bsdp_buffer)
+            ),
+        ));
+    }
+    if s.peer_timeout > Duration::ZERO && s.keepalive >= s.peer_timeout {
+        v.push((
+            "keepalive",
+            "peer_timeout",
+            format!(
+                "{} must be shorter than peer_timeout ({})",
+                show(s.keepalive),
+                show(s.peer_timeout)
+            ),
+        ));
+    }
+    v
 }
 
 impl Config {
-    /// Parse a configuration from TOML text; `origin` names it in errors.
+    /// Parse a configuration from TOML text; `origin` names it in errors,
+    /// which are all of its problems, in file order.
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let err = |span: Option<std::ops::Range<usize>>, key: Option<String>, message: String| {
-            ConfigError {
-                origin: origin.to_string(),
-                line: span.map(|s| line_of(text, s.start)),
-                key,
-                message,
+        let mut r = Report {
+            origin,
+            text,
+            problems: Vec::new(),
+            spans: Default::default(),
+        };
+        let doc = match DeTable::parse(text) {
+            Ok(d) => d,
+            Err(e) => {
+                r.add(e.span(), None, e.message().trim().to_string(), None);
+                return Err(ConfigError {
+                    problems: r.problems,
+                });
             }
         };
-        let doc = DeTable::parse(text).map_err(|e| err(e.span(), None, e.message().to_string()))?;
         let mut global = Tunables::default();
         let mut rules = Vec::new();
+        let mut top_keys: Vec<&str> = TUNABLE_KEYS.to_vec();
+        top_keys.push("rule");
         for (k, v) in doc.get_ref().iter() {
             let key: &str = k.get_ref();
             if key == "rule" {
                 let DeValue::Array(items) = v.get_ref() else {
-                    return Err(err(
+                    r.add(
                         Some(v.span()),
                         Some("rule".into()),
-                        "must be an array of tables: write [[rule]]".into(),
-                    ));
+                        "must be an array of tables".into(),
+                        Some("write [[rule]]".into()),
+                    );
+                    continue;
                 };
                 for (i, item) in items.iter().enumerate() {
-                    rules.push(parse_rule(i + 1, item, &err)?);
+                    if let Some(rule) = parse_rule(i + 1, item, &mut r) {
+                        rules.push(rule);
+                    }
                 }
                 continue;
             }
-            set_tunable(&mut global, key, &raw_value(v, key, &err)?)
-                .map_err(|m| err(Some(v.span()), Some(key.to_string()), m))?;
+            if !TUNABLE_KEYS.contains(&key) {
+                r.unknown_key(k.span(), key.to_string(), key, &top_keys);
+                continue;
+            }
+            match raw_value(v).and_then(|raw| set_tunable(&mut global, key, &raw)) {
+                Ok(()) => {
+                    r.spans.insert(key.to_string(), k.span());
+                }
+                Err(m) => r.add(Some(v.span()), Some(key.to_string()), m, None),
+            }
         }
         let config = Config {
             source: None,
             global: Settings::default().overlay(&global),
             rules,
         };
-        config.check(origin)?;
-        Ok(config)
+        config.check(&mut r);
+        if r.problems.is_empty() {
+            return Ok(config);
+        }
+        r.problems
+            .sort_by_key(|p| (p.line.unwrap_or(usize::MAX), p.column.unwrap_or(0)));
+        Err(ConfigError {
+            problems: r.problems,
+        })
     }
 
-    /// Cross-field checks.
-    fn check(&self, origin: &str) -> Result<(), ConfigError> {
-        let bad = |key: &str, message: String| ConfigError {
-            origin: origin.to_string(),
-            line: None,
-            key: Some(key.to_string()),
-            message,
-        };
-        let check_one = |s: &Settings, key_prefix: &str| -> Result<(), ConfigError> {
-            if u64::from(s.bsdp_slot) > s.bsdp_buffer {
-                return Err(bad(
-                    &format!("{key_prefix}bsdp_slot"),
-                    format!(
-                        "the slot ({}) is larger than bsdp_buffer ({})",
-                        s.bsdp_slot, s.bsdp_buffer
-                    ),
-                ));
+    /// Keys that disagree, each reported at the line that set the key to
+    /// blame (or, if only the other was set there, at that one's).
+    fn check(&self, r: &mut Report<'_>) {
+        let mut report = |s: &Settings, prefix: &str, only_if_set_here: bool| {
+            for (blame, other, why) in conflicts(s) {
+                let here = |k: &str| r.spans.get(&format!("{prefix}{k}")).cloned();
+                let span = here(blame).or_else(|| here(other));
+                if only_if_set_here && span.is_none() {
+                    // The rule inherits both: the globals' problem already says so.
+                    continue;
+                }
+                r.add(span, Some(format!("{prefix}{blame}")), why, None);
             }
-            if s.peer_timeout > Duration::ZERO && s.keepalive >= s.peer_timeout {
-                return Err(bad(
-                    &format!("{key_prefix}keepalive"),
-                    "must be shorter than peer_timeout".into(),
-                ));
-            }
-            Ok(())
         };
-        check_one(&self.global, "")?;
-        for r in &self.rules {
-            check_one(
-                &self.global.overlay(&r.tunables),
-                &format!("rule[{}].", r.index),
-            )?;
+        report(&self.global, "", false);
+        for rule in &self.rules {
+            let s = self.global.overlay(&rule.tunables);
+            report(&s, &format!("rule[{}].", rule.index), true);
         }
-        Ok(())
     }
 
     /// Load from `path`: a regular file of at most [`MAX_FILE_BYTES`]
     /// (a FIFO, a device or `/dev/zero` is refused without reading it).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();
-        let text = read_bounded(path).map_err(|message| ConfigError {
-            origin: origin.clone(),
-            line: None,
-            key: None,
-            message,
+        let text = read_bounded(path).map_err(|message| {
+            ConfigError::one(Problem {
+                origin: origin.clone(),
+                line: None,
+                column: None,
+                key: None,
+                message,
+                help: None,
+            })
         })?;
         let mut c = Config::parse(&text, &origin)?;
         c.source = Some(path.to_path_buf());
@@ -638,41 +796,56 @@ impl Config {
     /// Load as a preloaded program does: `explicit` (e.g. `azsdp run
     /// --config`), else `AZSDP_CONFIG`, else [`DEFAULT_PATH`] if it exists,
     /// else the built-in defaults; then apply `AZSDP_<KEY>` overrides.
+    /// The error holds every problem: the file's, then the environment's.
     pub fn from_environment(
         explicit: Option<&Path>,
         vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
     ) -> Result<Config, ConfigError> {
+        let mut problems = Vec::new();
+        let env_problem =
+            |name: &str, key: Option<String>, message: String, help: Option<String>| Problem {
+                origin: format!("env {name}"),
+                line: None,
+                column: None,
+                key,
+                message,
+                help,
+            };
         // Only AZSDP_ variables are ours; any other may be any bytes.
         let mut ours: Vec<(String, String)> = Vec::new();
         for (k, v) in vars {
-            let kb = k.as_encoded_bytes();
-            if !kb.starts_with(b"AZSDP_") {
+            if !k.as_encoded_bytes().starts_with(b"AZSDP_") {
                 continue;
             }
-            let key = k.to_string_lossy().into_owned();
-            let Some(v) = v.to_str() else {
-                return Err(ConfigError {
-                    origin: format!("env {key}"),
-                    line: None,
-                    key: None,
-                    message: "the value is not valid UTF-8".into(),
-                });
-            };
-            ours.push((key, v.to_string()));
+            let name = k.to_string_lossy().into_owned();
+            match v.into_string() {
+                Ok(v) => ours.push((name, v)),
+                Err(_) => problems.push(env_problem(
+                    &name,
+                    None,
+                    "the value is not valid UTF-8".into(),
+                    None,
+                )),
+            }
         }
         let from_env = ours
             .iter()
             .find(|(k, _)| k == "AZSDP_CONFIG")
             .map(|(_, v)| PathBuf::from(v));
-        let mut config = match (explicit, from_env) {
-            (Some(p), _) => Config::load(p)?,
-            (None, Some(p)) => Config::load(&p)?,
+        let loaded = match (explicit, from_env) {
+            (Some(p), _) => Config::load(p),
+            (None, Some(p)) => Config::load(&p),
             (None, None) if Path::new(DEFAULT_PATH).exists() => {
-                Config::load(Path::new(DEFAULT_PATH))?
+                Config::load(Path::new(DEFAULT_PATH))
             }
-            (None, None) => Config::default(),
+            (None, None) => Ok(Config::default()),
         };
+        let mut config = loaded.unwrap_or_else(|e| {
+            problems.splice(0..0, e.problems);
+            Config::default()
+        });
         let mut overrides = Tunables::default();
+        let mut set_by_env: Vec<(String, &str)> = Vec::new();
         for (k, v) in &ours {
             let Some(name) = k.strip_prefix("AZSDP_") else {
                 continue;
@@ -681,16 +854,40 @@ impl Config {
                 continue;
             }
             let key = name.to_ascii_lowercase();
-            set_tunable(&mut overrides, &key, &Raw::Str(v)).map_err(|m| ConfigError {
-                origin: format!("env {k}"),
-                line: None,
-                key: Some(key.clone()),
-                message: m,
-            })?;
+            if !TUNABLE_KEYS.contains(&key.as_str()) {
+                let known = env_names();
+                let help = match did_you_mean(k, known.iter().map(String::as_str)) {
+                    Some(n) => format!("did you mean {n}?"),
+                    None => format!(
+                        "azsdp reads AZSDP_<KEY> for each configuration key and {}",
+                        RESERVED_ENV
+                            .iter()
+                            .map(|r| format!("AZSDP_{r}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
+                problems.push(env_problem(k, None, "unknown variable".into(), Some(help)));
+                continue;
+            }
+            match set_tunable(&mut overrides, &key, &Raw::Str(v)) {
+                Ok(()) => set_by_env.push((key, k)),
+                Err(m) => problems.push(env_problem(k, Some(key), m, None)),
+            }
         }
         config.global = config.global.overlay(&overrides);
-        config.check("environment")?;
-        Ok(config)
+        // A conflict the variables made (the file's own were reported).
+        for (blame, other, why) in conflicts(&config.global) {
+            let var = |key: &str| set_by_env.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+            if let Some(name) = var(blame).or_else(|| var(other)) {
+                problems.push(env_problem(name, Some(blame.to_string()), why, None));
+            }
+        }
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError { problems })
+        }
     }
 
     /// The settings for a connection: the first matching rule over the globals.
@@ -722,34 +919,23 @@ impl Config {
     }
 }
 
-type ErrFn<'e> = dyn Fn(Option<std::ops::Range<usize>>, Option<String>, String) -> ConfigError + 'e;
-
-fn raw_value<'v>(
-    v: &'v Spanned<DeValue<'_>>,
-    key: &str,
-    err: &ErrFn<'_>,
-) -> Result<Raw<'v>, ConfigError> {
+fn raw_value<'v>(v: &'v Spanned<DeValue<'_>>) -> Result<Raw<'v>, String> {
     match raw_of(v.get_ref()) {
-        Raw::Other(what) if TUNABLE_KEYS.contains(&key) => Err(err(
-            Some(v.span()),
-            Some(key.to_string()),
-            format!("{what} is not a valid value here"),
-        )),
+        Raw::Other(what) => Err(format!("{what} is not a valid value here")),
         r => Ok(r),
     }
 }
 
-fn parse_rule(
-    index: usize,
-    item: &Spanned<DeValue<'_>>,
-    err: &ErrFn<'_>,
-) -> Result<Rule, ConfigError> {
+/// One `[[rule]]`; its problems go to `r`.
+fn parse_rule(index: usize, item: &Spanned<DeValue<'_>>, r: &mut Report<'_>) -> Option<Rule> {
     let DeValue::Table(t) = item.get_ref() else {
-        return Err(err(
+        r.add(
             Some(item.span()),
             Some(format!("rule[{index}]")),
             "must be a table".into(),
-        ));
+            None,
+        );
+        return None;
     };
     let mut rule = Rule {
         index,
@@ -759,54 +945,55 @@ fn parse_rule(
         port: None,
         tunables: Tunables::default(),
     };
+    let known: Vec<&str> = MATCH_KEYS.iter().chain(TUNABLE_KEYS).copied().collect();
     for (k, v) in t.iter() {
         let key: &str = k.get_ref();
         let path = format!("rule[{index}].{key}");
-        let fail = |m: String| err(Some(v.span()), Some(path.clone()), m);
-        let raw = raw_value(v, key, err)?;
-        let text = match &raw {
-            Raw::Str(s) => Some(*s),
-            _ => None,
-        };
-        match key {
-            "program" => {
-                let s = text.ok_or_else(|| fail("must be a string (a glob)".into()))?;
-                rule.program = Some(Glob::new(s).map_err(fail)?);
+        if !known.contains(&key) {
+            r.unknown_key(k.span(), path, key, &known);
+            continue;
+        }
+        let set = raw_value(v).and_then(|raw| {
+            let text = match &raw {
+                Raw::Str(s) => Some(*s),
+                _ => None,
+            };
+            match key {
+                "program" => {
+                    let s = text.ok_or("must be a string (a glob)")?;
+                    rule.program = Some(Glob::new(s)?);
+                }
+                "role" => {
+                    rule.role = Some(choice(
+                        &raw,
+                        &[("server", Role::Server), ("client", Role::Client)],
+                    )?)
+                }
+                "address" => {
+                    let s = text.ok_or("must be a string such as \"10.0.0.0/8\"")?;
+                    rule.address = Some(Cidr::parse(s)?);
+                }
+                "port" => {
+                    rule.port = Some(match raw {
+                        Raw::Int(n) => u16::try_from(n)
+                            .map(|p| PortRange { lo: p, hi: p })
+                            .map_err(|_| format!("`{n}` is not a port (0 to 65535)"))?,
+                        Raw::Str(s) => PortRange::parse(s)?,
+                        _ => return Err("must be a port or a range such as \"1000-2000\"".into()),
+                    })
+                }
+                _ => set_tunable(&mut rule.tunables, key, &raw)?,
             }
-            "role" => {
-                rule.role = Some(
-                    choice(&raw, &[("server", Role::Server), ("client", Role::Client)])
-                        .map_err(fail)?,
-                )
+            Ok(())
+        });
+        match set {
+            Ok(()) => {
+                r.spans.insert(path, k.span());
             }
-            "address" => {
-                let s =
-                    text.ok_or_else(|| fail("must be a string such as \"10.0.0.0/8\"".into()))?;
-                rule.address = Some(Cidr::parse(s).map_err(fail)?);
-            }
-            "port" => {
-                rule.port = Some(match raw {
-                    Raw::Int(n) => u16::try_from(n)
-                        .map(|p| PortRange { lo: p, hi: p })
-                        .map_err(|_| fail(format!("`{n}` is not a port (0 to 65535)")))?,
-                    Raw::Str(s) => PortRange::parse(s).map_err(fail)?,
-                    _ => {
-                        return Err(fail(
-                            "must be a port or a range such as \"1000-2000\"".into(),
-                        ));
-                    }
-                })
-            }
-            _ => set_tunable(&mut rule.tunables, key, &raw).map_err(|m| {
-                fail(if m.starts_with("unknown key") {
-                    format!("{m}, program, role, address, port")
-                } else {
-                    m
-                })
-            })?,
+            Err(m) => r.add(Some(v.span()), Some(path), m, None),
         }
     }
-    Ok(rule)
+    Some(rule)
 }
 
 #[cfg(test)]

@@ -9,8 +9,12 @@ fn conn<'a>(program: &'a str, role: Role, addr: &str, port: u16) -> Connection<'
     }
 }
 
-fn parse_err(text: &str) -> ConfigError {
-    Config::parse(text, "test.toml").unwrap_err()
+/// The first problem of `text`.
+fn parse_err(text: &str) -> Problem {
+    Config::parse(text, "test.toml")
+        .unwrap_err()
+        .first()
+        .clone()
 }
 
 #[test]
@@ -65,7 +69,7 @@ fn errors_name_file_line_and_key() {
     assert_eq!(e.line, Some(2));
     assert_eq!(e.key.as_deref(), Some("write_fault"));
     let s = e.to_string();
-    assert!(s.starts_with("test.toml:2: key `write_fault`:"), "{s}");
+    assert!(s.starts_with("test.toml:2:15: key `write_fault`:"), "{s}");
     assert!(s.contains("copy, block"), "{s}");
 
     let e = parse_err("[[rule]]\nprogram = \"x\"\n\n[[rule]]\nport = \"70000\"\n");
@@ -75,6 +79,7 @@ fn errors_name_file_line_and_key() {
     let e = parse_err("zcopy_treshold = 5\n");
     assert_eq!(e.key.as_deref(), Some("zcopy_treshold"));
     assert!(e.message.contains("unknown key"));
+    assert_eq!(e.help.as_deref(), Some("did you mean `zcopy_threshold`?"));
 
     let e = parse_err("[[rule]]\naddress = \"10.0.0.0/99\"\n");
     assert_eq!(
@@ -128,17 +133,33 @@ fn env_overrides_single_keys_and_reports_bad_ones() {
     assert_eq!(c.source.as_deref(), Some(file.as_path()));
 
     let e = Config::from_environment(Some(&file), vars(&[("AZSDP_ZCOPY_THRESHOLD", "lots")]))
-        .unwrap_err();
+        .unwrap_err()
+        .first()
+        .clone();
     assert_eq!(e.origin, "env AZSDP_ZCOPY_THRESHOLD");
     assert_eq!(e.key.as_deref(), Some("zcopy_threshold"));
 
-    let e =
-        Config::from_environment(Some(&file), vars(&[("AZSDP_ZCOPY_TRESHOLD", "1")])).unwrap_err();
-    assert!(e.message.contains("unknown key"));
+    let e = Config::from_environment(Some(&file), vars(&[("AZSDP_ZCOPY_TRESHOLD", "1")]))
+        .unwrap_err()
+        .first()
+        .clone();
+    assert!(e.message.contains("unknown variable"), "{e}");
+    assert_eq!(
+        e.help.as_deref(),
+        Some("did you mean AZSDP_ZCOPY_THRESHOLD?")
+    );
+    let e = Config::from_environment(Some(&file), vars(&[("AZSDP_LOGLEVEL", "info")]))
+        .unwrap_err()
+        .first()
+        .clone();
+    assert_eq!(e.origin, "env AZSDP_LOGLEVEL");
+    assert_eq!(e.help.as_deref(), Some("did you mean AZSDP_LOG_LEVEL?"));
 
     let missing = dir.join("missing.toml");
     let e = Config::from_environment(None, vars(&[("AZSDP_CONFIG", missing.to_str().unwrap())]))
-        .unwrap_err();
+        .unwrap_err()
+        .first()
+        .clone();
     assert!(e.message.contains("cannot read"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -191,7 +212,10 @@ fn the_environment_may_hold_any_bytes_but_ours_must_be_text() {
     )
     .unwrap();
     assert_eq!(c.global.poll, Duration::from_micros(5));
-    let e = Config::from_environment(None, vec![(OsString::from("AZSDP_POLL"), junk)]).unwrap_err();
+    let e = Config::from_environment(None, vec![(OsString::from("AZSDP_POLL"), junk)])
+        .unwrap_err()
+        .first()
+        .clone();
     assert_eq!(e.origin, "env AZSDP_POLL");
     assert!(e.message.contains("UTF-8"), "{e}");
 }
@@ -199,7 +223,10 @@ fn the_environment_may_hold_any_bytes_but_ours_must_be_text() {
 #[test]
 fn only_bounded_regular_files_are_read() {
     for special in ["/dev/zero", "/dev/null", "/"] {
-        let e = Config::load(std::path::Path::new(special)).unwrap_err();
+        let e = Config::load(std::path::Path::new(special))
+            .unwrap_err()
+            .first()
+            .clone();
         assert!(e.message.contains("not a regular file"), "{special}: {e}");
     }
     let dir = std::env::temp_dir().join(format!("azsdp-config-files-{}", std::process::id()));
@@ -208,12 +235,12 @@ fn only_bounded_regular_files_are_read() {
     let fifo = dir.join("fifo");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
     let t0 = std::time::Instant::now();
-    let e = Config::load(&fifo).unwrap_err();
+    let e = Config::load(&fifo).unwrap_err().first().clone();
     assert!(e.message.contains("not a regular file"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(1));
     let big = dir.join("big.toml");
     std::fs::write(&big, vec![b'#'; (MAX_FILE_BYTES + 1) as usize]).unwrap();
-    let e = Config::load(&big).unwrap_err();
+    let e = Config::load(&big).unwrap_err().first().clone();
     assert!(e.message.contains("more than"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -240,4 +267,102 @@ fn durations_have_sane_ranges_and_zero_means_never_where_documented() {
         .global
         .engine_config(Role::Client, Capabilities::ALL, LockRegion::UNSET);
     assert_eq!(e.peer_timeout, Duration::ZERO, "never");
+}
+
+#[test]
+fn every_problem_is_reported_at_once_in_file_order() {
+    let text = "\
+zcopy_treshold = 5
+write_fault = \"sometimes\"
+keepalive = \"40s\"
+peer_timeout = \"30s\"
+
+[[rule]]
+programme = \"redis\"
+port = 70000
+";
+    let e = Config::parse(text, "t.toml").unwrap_err();
+    let got: Vec<(Option<usize>, Option<&str>)> = e
+        .problems
+        .iter()
+        .map(|p| (p.line, p.key.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Some(1), Some("zcopy_treshold")),
+            (Some(2), Some("write_fault")),
+            // The cross-key problem points at the key to blame.
+            (Some(3), Some("keepalive")),
+            (Some(7), Some("rule[1].programme")),
+            (Some(8), Some("rule[1].port")),
+        ],
+        "{e}"
+    );
+    // The rule's unknown key is offered the rule's keys, not garbled.
+    assert_eq!(
+        e.problems[3].help.as_deref(),
+        Some("did you mean `program`?")
+    );
+    assert_eq!(e.to_string().lines().count(), 5);
+    // A rule that sets one of two conflicting keys is blamed at its line.
+    let e = Config::parse("[[rule]]\nport = 1\nkeepalive = \"1m\"\n", "t").unwrap_err();
+    assert_eq!(e.problems.len(), 1, "{e}");
+    assert_eq!(e.first().line, Some(3));
+    assert_eq!(e.first().key.as_deref(), Some("rule[1].keepalive"));
+    // A stranger gets the list of keys.
+    let e = parse_err("colour = 3\n");
+    let help = e.help.unwrap_or_default();
+    assert!(
+        help.contains("zcopy_threshold") && help.contains("rule"),
+        "{help}"
+    );
+}
+
+#[test]
+fn the_file_and_the_environment_are_reported_together() {
+    let dir = std::env::temp_dir().join(format!("azsdp-config-both-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("c.toml");
+    std::fs::write(&file, "poll = \"1h\"\n").unwrap();
+    let e = Config::from_environment(
+        Some(&file),
+        vec![
+            ("AZSDP_KEEPALIVE".into(), "50m".into()),
+            ("AZSDP_PEER_TIMEOUT".into(), "10s".into()),
+            ("AZSDP_STATDIR".into(), "/x".into()),
+        ],
+    )
+    .unwrap_err();
+    let origins: Vec<&str> = e.problems.iter().map(|p| p.origin.as_str()).collect();
+    let file_origin = file.display().to_string();
+    assert_eq!(
+        origins,
+        vec![
+            file_origin.as_str(),
+            "env AZSDP_STATDIR",
+            "env AZSDP_KEEPALIVE"
+        ],
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn settings_print_as_a_configuration_that_reads_back_the_same() {
+    let d = Settings::default();
+    let back = Config::parse(&d.to_toml(), "printed").unwrap();
+    assert_eq!(back.global, d);
+    let text = "write_fault = \"block\"\nzcopy_threshold = \"1MiB\"\npoll = \"5us\"\n\
+                protection = \"mprotect\"\nasync = false\nbsdp_slot = 4096\nlinger = \"0\"\n";
+    let c = Config::parse(text, "t").unwrap();
+    let printed = c.global.to_toml();
+    assert_eq!(Config::parse(&printed, "printed").unwrap().global, c.global);
+    assert!(
+        printed.contains("write_fault      = \"block\""),
+        "{printed}"
+    );
+    assert!(printed.contains("zcopy_threshold  = \"1MiB\""), "{printed}");
+    assert!(printed.contains("bsdp_slot        = \"4KiB\""), "{printed}");
+    assert_eq!(printed.lines().count(), TUNABLE_KEYS.len());
 }
