@@ -196,3 +196,38 @@ fn run_refuses_to_start_on_any_problem_unless_told_to() {
     assert!(marker.exists(), "--run-anyway did not start it");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn stat_watches_until_stopped_and_refuses_unknown_paths() {
+    let dir = std::env::temp_dir().join(format!("azsdp-cli-stat-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = azsdp()
+        .args(["stat", "--watch", "0.2"])
+        .env("AZSDP_STAT_DIR", &dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout
+            .matches("azsdp stat: 0 connection(s), every 0.2s")
+            .count()
+            >= 2,
+        "{stdout}"
+    );
+    let out = azsdp()
+        .args(["stat", "--path", "carrier-pigeon"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = azsdp()
+        .args(["stat", "--port", "1", "--json"])
+        .env("AZSDP_STAT_DIR", &dir)
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

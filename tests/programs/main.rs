@@ -318,7 +318,13 @@ fn python_waits_through_a_signal_storm() {
             s.under_azsdp("client", "python3", &[&script, "client", &p, style]),
             "python3 client",
         );
-        let both = || format!("{}\nthe server's log:\n{}", s.log("client"), s.log("server"));
+        let both = || {
+            format!(
+                "{}\nthe server's log:\n{}",
+                s.log("client"),
+                s.log("server")
+            )
+        };
         cli.expect_success(Duration::from_secs(120), both);
         srv.expect_success(Duration::from_secs(30), || s.log("server"));
         let log = s.log("server");
