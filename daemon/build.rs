@@ -15,6 +15,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo::rerun-if-env-changed=AZSDP_EMBED_SHIM");
+    write_commit();
     println!("cargo::rerun-if-changed=build.rs");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
     let dest = out.join("libazsdp.so");
@@ -49,6 +50,35 @@ fn main() {
     // environment of every program `cargo run` starts.)
     std::fs::write(out.join("libazsdp.hash"), format!("{:016x}", fnv1a(&bytes)))
         .expect("write the embedded shim's hash");
+}
+
+/// The commit this is built from (for the figures' footers), with
+/// `-dirty` if the tree has changes; "unknown" outside a git checkout.
+fn write_commit() {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("manifest dir"));
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .current_dir(&manifest)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = match git(&["rev-parse", "--short=12", "HEAD"]) {
+        Some(c) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
+                println!("cargo::rerun-if-changed={dir}/HEAD");
+                println!("cargo::rerun-if-changed={dir}/index");
+            }
+            format!("{c}{}", if dirty { "-dirty" } else { "" })
+        }
+        None => "unknown".into(),
+    };
+    std::fs::write(out.join("commit"), commit).expect("write the commit");
 }
 
 /// `cargo build -p azsdp-shim` in our profile and for our target; the

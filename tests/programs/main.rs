@@ -1003,6 +1003,44 @@ fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
     }
 }
 
+/// `report` opens in headless Chromium, and every one of its images (at
+/// least `figures`) loads: its script records how many did.
+fn report_renders_with_every_image(report: &std::path::Path, figures: usize) {
+    let html = std::fs::read_to_string(report).expect("report.html");
+    assert!(
+        html.contains("<table>") && html.contains("<img src="),
+        "{html}"
+    );
+    if !have(&["chromium"]) {
+        return;
+    }
+    let out = std::process::Command::new(need("chromium"))
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--allow-file-access-from-files",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+        ])
+        .arg(format!("file://{}", report.display()))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chromium");
+    let dom = String::from_utf8_lossy(&out.stdout);
+    let loaded = dom
+        .split("data-images-loaded=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap_or_default();
+    let (k, n) = loaded.split_once('/').unwrap_or(("0", "0"));
+    assert!(
+        k == n && n.parse::<usize>().unwrap_or(0) >= figures,
+        "images loaded: {loaded:?}; chromium said:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn bench_quick_and_tune_write_their_results() {
     let s = Scratch::new("bench");
@@ -1071,6 +1109,36 @@ fn bench_quick_and_tune_write_their_results() {
             && summary.contains("latency 64 B")
             && summary.contains(&format!("as configured ({})", tuned.display())),
         "{summary}"
+    );
+    // Each headline says whether its target was met, and the host's load
+    // is stated beside the figures.
+    let headlines: Vec<&str> = summary
+        .lines()
+        .filter(|l| {
+            ["| throughput 1 MiB", "| latency 64 B", "| overlap 1 MiB"]
+                .iter()
+                .any(|h| l.starts_with(h))
+        })
+        .collect();
+    assert_eq!(headlines.len(), 3, "{summary}");
+    for l in headlines {
+        assert!(l.contains("**met**") || l.contains("**missed**"), "{l}");
+    }
+    assert!(summary.contains("Load average "), "{summary}");
+    // Progress, one line per run (stderr is not a terminal here), with
+    // how many of how many.
+    report_renders_with_every_image(&out.join("report.html"), 5);
+    let log = s.log("bench");
+    let runs: Vec<&str> = log
+        .lines()
+        .filter(|l| l.starts_with("azsdp bench: ["))
+        .collect();
+    assert!(runs.len() > 20, "{log}");
+    let last = runs.last().copied().unwrap_or_default();
+    let total = last.split(['/', ']']).nth(1).unwrap_or_default().trim();
+    assert!(
+        last.starts_with(&format!("azsdp bench: [{total}/{total}]")),
+        "{last}"
     );
     for fig in [
         "fig6-latency-throughput.png",

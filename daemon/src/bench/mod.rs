@@ -11,8 +11,12 @@
 
 mod conns;
 mod plots;
+mod progress;
+mod report;
 
 use std::borrow::Cow;
+
+use progress::Progress;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -86,6 +90,7 @@ struct Bench {
     samples: Vec<(SampleKey, Vec<f64>)>,
     csv: std::fs::File,
     failures: usize,
+    progress: Progress,
 }
 
 /// Wait until something listens on `port` (without connecting to it).
@@ -324,6 +329,7 @@ fn setup(out: &Path, modes: &[Mode]) -> Result<Bench, ExitCode> {
         samples: Vec::new(),
         csv,
         failures: 0,
+        progress: Progress::counting("azsdp"),
     })
 }
 
@@ -384,6 +390,10 @@ impl Bench {
         args: &[String],
         pick: Pick,
     ) -> Option<(f64, &'static str)> {
+        let label = format!("{test} {} {}", mode.name, args.join(" "));
+        if !self.progress.step(&label) {
+            return None;
+        }
         let r = self.pair(mode, who.0, who.1, args);
         let v = self.ok(test, mode, r)?;
         Some(match pick {
@@ -446,6 +456,11 @@ impl Bench {
         at_once: usize,
         in_turn: usize,
     ) -> (Option<conns::Scale>, Option<conns::Scale>) {
+        if !self.progress.step(&format!(
+            "connections: {at_once} at once, {in_turn} in turn, tcp and azsdp"
+        )) {
+            return (None, None);
+        }
         let echo = match crate::locate::program("azsdp-echo") {
             Ok(p) => p,
             Err(e) => {
@@ -543,21 +558,14 @@ fn as_configured(config: Option<&Path>) -> Result<(Mode, String), ExitCode> {
     ))
 }
 
-pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
-    let (configured, configured_from) = match as_configured(config.as_deref()) {
-        Ok(m) => m,
-        Err(code) => return code,
-    };
-    let mut modes = MODES.to_vec();
-    modes.push(configured);
-    let mut b = match setup(&out, &modes) {
-        Ok(b) => b,
-        Err(code) => return code,
-    };
-    let t0 = Instant::now();
-    let pow = |from: u32, to: u32, step: usize| -> Vec<u64> {
-        (from..=to).step_by(step).map(|e| 1u64 << e).collect()
-    };
+/// Every measurement of a bench run, in order (a counting pass only
+/// counts them); the connection-cost results.
+fn schedule(
+    b: &mut Bench,
+    modes: &[Mode],
+    quick: bool,
+    budget: u64,
+) -> (Option<conns::Scale>, Option<conns::Scale>) {
     let lat_sizes = if quick {
         vec![64, 4096, 65536, 1 << 20]
     } else {
@@ -568,21 +576,6 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
     } else {
         [vec![1], pow(2, 22, 2)].concat()
     };
-    let budget: u64 = if quick { 64 << 20 } else { 512 << 20 };
-
-    let memcpy_1m = memcpy_gbps(1 << 20, true);
-    let memcpy_cold = memcpy_gbps(1 << 20, false);
-    for (parameter, value) in [(0, memcpy_1m), (1, memcpy_cold)] {
-        b.record(Row {
-            test: "memcpy",
-            mode: "memcpy",
-            size: 1 << 20,
-            parameter,
-            value,
-            unit: "GB/s",
-        });
-    }
-
     let sv = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
     // Long enough that a scheduling hiccup of a few milliseconds does not
     // decide the comparison (64 MiB at 4 GB/s is 16 ms).
@@ -590,13 +583,10 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
     for &size in &tput_sizes {
         let n = count_for(size, tput_budget, 64, 1 << 20);
         let args = sv(&["-l", &size.to_string(), "-n", &n.to_string()]);
-        b.throughput_round_robin(("throughput", &modes), (size, 0), &args, 5);
+        b.throughput_round_robin(("throughput", modes), (size, 0), &args, 5);
     }
-    eprintln!(
-        "azsdp bench: throughput done ({:.0} s)",
-        t0.elapsed().as_secs_f64()
-    );
-    for m in &modes {
+    b.progress.say("throughput done");
+    for m in modes {
         for &size in &lat_sizes {
             let n = count_for(size, budget / 8, 20, if quick { 2000 } else { 10000 });
             let args = sv(&[
@@ -608,11 +598,6 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
                 &n.to_string(),
             ]);
             b.measure(("latency", m), (1, 1), (size, 0), &args, Pick::FirstLatency);
-        }
-        if m.name == "azsdp" {
-            // As configured: only where the configuration decides (sizes).
-            eprintln!("azsdp bench: azsdp ({configured_from}) done");
-            continue;
         }
         let computes: &[u64] = if quick {
             &[0, 100, 150, 200, 400]
@@ -679,21 +664,75 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
             let args = sv(&["--test", kind, "-l", &mb.to_string(), "-n", &n.to_string()]);
             b.measure((test, m), (4, 4), (mb, 4), &args, Pick::TotalRate);
         }
-        eprintln!(
-            "azsdp bench: {} done ({:.0} s)",
-            m.name,
-            t0.elapsed().as_secs_f64()
-        );
+        b.progress.say(&format!("{} done", m.name));
     }
-    b.check_upgraded(&modes);
-    let (at_once, in_turn) = if quick { (200, 1000) } else { (1000, 10000) };
-    let scale = b.connections(at_once, in_turn);
-    eprintln!(
-        "azsdp bench: connections done ({:.0} s)",
-        t0.elapsed().as_secs_f64()
-    );
+    if !b.progress.is_counting() {
+        b.check_upgraded(modes);
+    }
+    let (at_once, in_turn) = connection_counts(quick);
+    b.connections(at_once, in_turn)
+}
+
+/// Connections held at once and made in turn for the cost table.
+fn connection_counts(quick: bool) -> (usize, usize) {
+    if quick { (200, 1000) } else { (1000, 10000) }
+}
+
+/// Powers of two from 2^from to 2^to, every `step`th.
+fn pow(from: u32, to: u32, step: usize) -> Vec<u64> {
+    (from..=to).step_by(step).map(|e| 1u64 << e).collect()
+}
+
+pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
+    let (configured, configured_from) = match as_configured(config.as_deref()) {
+        Ok(m) => m,
+        Err(code) => return code,
+    };
+    let mut modes = MODES.to_vec();
+    modes.push(configured);
+    let mut b = match setup(&out, &modes) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let t0 = Instant::now();
+    let load_at_start = load_average();
+    let budget: u64 = if quick { 64 << 20 } else { 512 << 20 };
+
+    let memcpy_1m = memcpy_gbps(1 << 20, true);
+    let memcpy_cold = memcpy_gbps(1 << 20, false);
+    for (parameter, value) in [(0, memcpy_1m), (1, memcpy_cold)] {
+        b.record(Row {
+            test: "memcpy",
+            mode: "memcpy",
+            size: 1 << 20,
+            parameter,
+            value,
+            unit: "GB/s",
+        });
+    }
+
+    // Counted first (nothing runs), so that progress can say how far.
+    b.progress = Progress::counting("azsdp bench");
+    schedule(&mut b, &modes, quick, budget);
+    b.progress = Progress::start("azsdp bench", b.progress.runs());
+    let scale = schedule(&mut b, &modes, quick, budget);
+    b.progress.finish();
+    let (at_once, in_turn) = connection_counts(quick);
     let names: Vec<&str> = modes.iter().map(|m| m.name).collect();
-    let figures = match plots::draw(&out, &b.rows, &names) {
+    let ctx = plots::Context {
+        footer: footer(quick, &configured_from),
+        ranges: b
+            .samples
+            .iter()
+            .filter_map(|((t, m, z), v)| {
+                Some((
+                    (t.to_string(), m.to_string(), *z),
+                    (*v.first()?, *v.last()?),
+                ))
+            })
+            .collect(),
+    };
+    let figures = match plots::draw(&out, &b.rows, &names, &ctx) {
         Ok(f) => f,
         Err(e) => {
             eprintln!("azsdp bench: figures: {e}");
@@ -706,6 +745,7 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
         (memcpy_1m, memcpy_cold),
         (quick, &configured_from),
         t0.elapsed(),
+        (load_at_start, load_average()),
     );
     summary += &conns::table(scale.0, scale.1, at_once, in_turn);
     if !figures.is_empty() {
@@ -716,8 +756,16 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
         }
     }
     let _ = std::fs::write(out.join("summary.md"), &summary);
+    if let Err(e) = report::write(&out, &summary) {
+        eprintln!("azsdp bench: report.html: {e}");
+        b.failures += 1;
+    }
     println!("{summary}");
-    println!("results: {}", out.join("results.csv").display());
+    println!(
+        "results: {} (figures and summary: {})",
+        out.join("results.csv").display(),
+        out.join("report.html").display()
+    );
     if b.failures > 0 {
         eprintln!(
             "azsdp bench: {} measurement(s) failed (logs in {})",
@@ -730,6 +778,71 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// Is `a` at least `k` times `b` (both measured)?
+fn at_least(a: Option<f64>, b: Option<f64>, k: f64) -> Option<bool> {
+    Some(a? >= k * b?)
+}
+
+/// "met", "missed (what)", or "not measured".
+fn verdict(checks: &[(&str, Option<bool>)]) -> String {
+    if checks.iter().any(|(_, c)| c.is_none()) {
+        return "not measured".into();
+    }
+    let missed: Vec<&str> = checks
+        .iter()
+        .filter(|(_, c)| *c == Some(false))
+        .map(|(what, _)| *what)
+        .collect();
+    if missed.is_empty() {
+        "**met**".into()
+    } else {
+        format!("**missed** ({})", missed.join(", "))
+    }
+}
+
+/// Where, when and how a run was made: host, kernel, cores, date, the
+/// build's commit, the configuration of the `azsdp` series, quick or full.
+fn footer(quick: bool, configured_from: &str) -> String {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
+    let host = read("/proc/sys/kernel/hostname").unwrap_or_else(|_| "?".into());
+    let kernel = read("/proc/sys/kernel/osrelease").unwrap_or_else(|_| "?".into());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!(
+        "{host}, Linux {kernel}, {cores} cores | {} | azsdp {} ({}) | azsdp series: {configured_from} | {} run",
+        utc(now),
+        env!("CARGO_PKG_VERSION"),
+        include_str!(concat!(env!("OUT_DIR"), "/commit")).trim(),
+        if quick { "quick" } else { "full" }
+    )
+}
+
+/// `secs` since the epoch as "YYYY-MM-DD HH:MM UTC" (civil from days).
+fn utc(secs: u64) -> String {
+    let days = (secs / 86400) as i64;
+    let (h, m) = ((secs % 86400) / 3600, (secs % 3600) / 60);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(mo <= 2);
+    format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02} UTC")
+}
+
+/// The host's 1-minute load average.
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 fn ratio(a: Option<f64>, b: Option<f64>) -> String {
     match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
@@ -737,15 +850,37 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
     }
 }
 
-fn best_azsdp(b: &Bench, test: &str, size: u64, parameter: u64, higher: bool) -> Option<f64> {
+/// The better of block- and copy-on-write at one point: its mode and
+/// figure (higher or lower is better, as `higher` says).
+fn best_azsdp_at(
+    b: &Bench,
+    test: &str,
+    size: u64,
+    parameter: u64,
+    higher: bool,
+) -> Option<(&'static str, f64)> {
     let v = ["azsdp-bow", "azsdp-cow"]
-        .iter()
-        .filter_map(|m| b.get(test, m, size, parameter));
+        .into_iter()
+        .filter_map(|m| Some((m, b.get(test, m, size, parameter)?)));
     if higher {
-        v.reduce(f64::max)
+        v.max_by(|x, y| x.1.total_cmp(&y.1))
     } else {
-        v.reduce(f64::min)
+        v.min_by(|x, y| x.1.total_cmp(&y.1))
     }
+}
+
+fn best_azsdp(b: &Bench, test: &str, size: u64, parameter: u64, higher: bool) -> Option<f64> {
+    best_azsdp_at(b, test, size, parameter, higher).map(|(_, v)| v)
+}
+
+fn best_azsdp_mode(
+    b: &Bench,
+    test: &str,
+    size: u64,
+    parameter: u64,
+    higher: bool,
+) -> Option<&'static str> {
+    best_azsdp_at(b, test, size, parameter, higher).map(|(m, _)| m)
 }
 
 fn summarize(
@@ -753,6 +888,7 @@ fn summarize(
     memcpy: (f64, f64),
     (quick, configured_from): (bool, &str),
     took: Duration,
+    load: (f64, f64),
 ) -> String {
     let (memcpy_1m, memcpy_cold) = memcpy;
     let mut s = String::new();
@@ -762,26 +898,79 @@ fn summarize(
         "Ran in {:.0} s on this host. AZ-SDP is the better of block- and copy-on-write.\n",
         took.as_secs_f64()
     );
-    let _ = writeln!(s, "| headline | azsdp | vs kernel TCP | vs ZSDP | target |");
-    let _ = writeln!(s, "|---|---|---|---|---|");
     let mb = 1u64 << 20;
-    let t_az = best_azsdp(b, "throughput", mb, 0, true);
+    // How much the host's noise moved kernel TCP's own runs.
+    let spread = |mode: &str, size: u64| -> Option<(f64, f64, f64)> {
+        let v = &b
+            .samples
+            .iter()
+            .find(|((t, m, z), _)| *t == "throughput" && *m == mode && *z == size)?
+            .1;
+        Some((*v.first()?, v[v.len() / 2], *v.last()?))
+    };
+    let tcp_spread = spread("tcp", mb).map(|(lo, med, hi)| (hi - lo) / med.max(1e-9));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    // Judged on the load before the run: the bench's own pairs load the
+    // host while it runs (the end's figure is shown, not judged).
+    let busy_load = load.0 > 0.5 * cores;
+    let noisy = tcp_spread.is_some_and(|sp| sp > 0.25);
     let _ = writeln!(
         s,
-        "| throughput 1 MiB | {:.2} GB/s ({} of memcpy {memcpy_1m:.1} GB/s with warm caches, {} of {memcpy_cold:.1} GB/s cold) | {} | {} | >= 2.5x TCP, >= 0.6x memcpy |",
+        "Load average {:.2} at the start, {:.2} at the end ({cores} cores); kernel TCP's 1 MiB runs spread {}.\n",
+        load.0,
+        load.1,
+        tcp_spread.map_or("-".into(), |sp| format!("{:.0}%", sp * 100.0)),
+    );
+    if busy_load || noisy {
+        let _ = writeln!(
+            s,
+            "> **Warning: the host was too busy to judge the targets** ({}). The ratios below \
+             compare runs that the host's load moved; run again on a quiet host.\n",
+            [
+                busy_load.then_some("load average above half the cores at the start"),
+                noisy.then_some("kernel TCP's own runs spread more than 25%"),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(", ")
+        );
+    }
+    let _ = writeln!(
+        s,
+        "| headline | azsdp | vs kernel TCP | vs ZSDP | target | verdict |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    let shown_range = |mode: &str, size: u64| {
+        spread(mode, size).map_or(String::new(), |(lo, _, hi)| format!(" [{lo:.2}-{hi:.2}]"))
+    };
+    let t_az = best_azsdp(b, "throughput", mb, 0, true);
+    let t_tcp = b.get("throughput", "tcp", mb, 0);
+    let _ = writeln!(
+        s,
+        "| throughput 1 MiB | {:.2} GB/s{} ({} of memcpy {memcpy_1m:.1} GB/s with warm caches, {} of {memcpy_cold:.1} GB/s cold) | {} (TCP {:.2}{}) | {} | >= 2.5x TCP, >= 0.6x memcpy | {} |",
         t_az.unwrap_or(0.0),
+        best_azsdp_mode(b, "throughput", mb, 0, true).map_or(String::new(), |m| shown_range(m, mb)),
         ratio(t_az, Some(memcpy_1m)),
         ratio(t_az, Some(memcpy_cold)),
-        ratio(t_az, b.get("throughput", "tcp", mb, 0)),
+        ratio(t_az, t_tcp),
+        t_tcp.unwrap_or(0.0),
+        shown_range("tcp", mb),
         ratio(t_az, b.get("throughput", "zsdp", mb, 0)),
+        verdict(&[
+            ("2.5x TCP", at_least(t_az, t_tcp, 2.5)),
+            ("0.6x memcpy", at_least(t_az, Some(memcpy_1m), 0.6)),
+        ]),
     );
     let l_az = best_azsdp(b, "latency", 64, 0, false);
+    let l_tcp = b.get("latency", "tcp", 64, 0);
     let _ = writeln!(
         s,
-        "| latency 64 B | {:.2} us | {} | {} | <= 0.2x TCP |",
+        "| latency 64 B | {:.2} µs | {} | {} | <= 0.2x TCP | {} |",
         l_az.unwrap_or(0.0),
-        ratio(l_az, b.get("latency", "tcp", 64, 0)),
+        ratio(l_az, l_tcp),
         ratio(l_az, b.get("latency", "zsdp", 64, 0)),
+        verdict(&[("0.2x TCP", at_least(l_tcp, l_az, 5.0))]),
     );
     // The paper's point of most overlap: compute about as long as ZSDP's
     // transfer of the message (measured here, with no compute).
@@ -797,12 +986,20 @@ fn summarize(
         .min_by_key(|&c| (c as f64 - transfer_us).abs() as u64)
         .unwrap_or(400);
     let o_az = best_azsdp(b, "overlap", mb, compute, true);
+    let (o_tcp, o_zsdp) = (
+        b.get("overlap", "tcp", mb, compute),
+        b.get("overlap", "zsdp", mb, compute),
+    );
     let _ = writeln!(
         s,
-        "| overlap 1 MiB, {compute} us compute (ZSDP's transfer: {transfer_us:.0} us) | {:.2} GB/s | {} | {} | >= 1.4x TCP, >= 1.6x ZSDP |",
+        "| overlap 1 MiB, {compute} µs compute (ZSDP's transfer: {transfer_us:.0} µs) | {:.2} GB/s | {} | {} | >= 1.4x TCP, >= 1.6x ZSDP | {} |",
         o_az.unwrap_or(0.0),
-        ratio(o_az, b.get("overlap", "tcp", mb, compute)),
-        ratio(o_az, b.get("overlap", "zsdp", mb, compute)),
+        ratio(o_az, o_tcp),
+        ratio(o_az, o_zsdp),
+        verdict(&[
+            ("1.4x TCP", at_least(o_az, o_tcp, 1.4)),
+            ("1.6x ZSDP", at_least(o_az, o_zsdp, 1.6)),
+        ]),
     );
     let _ = writeln!(s, "\n## Throughput (GB/s) by size\n");
     let names: Vec<&str> = MODES.iter().map(|m| m.name).chain(["azsdp"]).collect();
@@ -904,21 +1101,17 @@ fn crossover(wins: &[(u64, bool)]) -> Option<u64> {
 
 /// `azsdp tune`: measure this host's crossovers and write them as a
 /// configuration `azsdp run --config` accepts.
-pub fn tune(out_file: PathBuf) -> ExitCode {
-    let dir = std::env::temp_dir().join(format!("azsdp-tune-{}", std::process::id()));
-    // BSDP and AZ-SDP block- and copy-on-write, as `azsdp bench` runs them,
-    // and block-on-write with receive-side protection on.
-    let armed = Mode {
-        name: "azsdp-bow-armed",
-        config: Some(Cow::Borrowed(
-            "write_fault = \"block\"\nzcopy_threshold = 4096\nrecv_protect = \"on\"\n",
-        )),
-    };
-    let modes = [MODES[1].clone(), MODES[3].clone(), MODES[4].clone(), armed];
-    let mut b = match setup(&dir, &modes) {
-        Ok(b) => b,
-        Err(code) => return code,
-    };
+/// What `tune` measured: the throughput lines, the crossover size, and
+/// (block, copy) on write faults, (unarmed, armed) receives, in GB/s.
+struct TuneResults {
+    lines: Vec<String>,
+    threshold: Option<u64>,
+    fault: (f64, f64),
+    recv_protect: (f64, f64),
+}
+
+/// `tune`'s measurements, in order (a counting pass only counts them).
+fn tune_runs(b: &mut Bench, modes: &[Mode]) -> TuneResults {
     let budget = 128 << 20;
     // Where zero-copy starts to beat the copy through the rings.
     let sizes: Vec<u64> = (12..=21).map(|e| 1u64 << e).collect();
@@ -945,7 +1138,7 @@ pub fn tune(out_file: PathBuf) -> ExitCode {
         budget,
         3,
     );
-    let (bow, cow) = (v[0].unwrap_or(0.0), v[1].unwrap_or(0.0));
+    let fault = (v[0].unwrap_or(0.0), v[1].unwrap_or(0.0));
     // Receive-side protection: recv() may return before its data landed,
     // which pays only where GETs complete after the call could return.
     let v = b.throughput(
@@ -955,7 +1148,37 @@ pub fn tune(out_file: PathBuf) -> ExitCode {
         budget,
         3,
     );
-    let (unarmed, armed) = (v[0].unwrap_or(0.0), v[1].unwrap_or(0.0));
+    let recv_protect = (v[0].unwrap_or(0.0), v[1].unwrap_or(0.0));
+    TuneResults {
+        lines,
+        threshold,
+        fault,
+        recv_protect,
+    }
+}
+
+pub fn tune(out_file: PathBuf) -> ExitCode {
+    let dir = std::env::temp_dir().join(format!("azsdp-tune-{}", std::process::id()));
+    // BSDP and AZ-SDP block- and copy-on-write, as `azsdp bench` runs them,
+    // and block-on-write with receive-side protection on.
+    let armed = Mode {
+        name: "azsdp-bow-armed",
+        config: Some(Cow::Borrowed(
+            "write_fault = \"block\"\nzcopy_threshold = 4096\nrecv_protect = \"on\"\n",
+        )),
+    };
+    let modes = [MODES[1].clone(), MODES[3].clone(), MODES[4].clone(), armed];
+    let mut b = match setup(&dir, &modes) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    b.progress = Progress::counting("azsdp tune");
+    tune_runs(&mut b, &modes);
+    b.progress = Progress::start("azsdp tune", b.progress.runs());
+    let t = tune_runs(&mut b, &modes);
+    b.progress.finish();
+    let (lines, threshold, (bow, cow), (unarmed, armed)) =
+        (t.lines, t.threshold, t.fault, t.recv_protect);
     b.check_upgraded(&modes);
     if b.failures > 0 {
         eprintln!(
@@ -1012,6 +1235,13 @@ pub fn tune(out_file: PathBuf) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dates_are_civil() {
+        assert_eq!(utc(0), "1970-01-01 00:00 UTC");
+        assert_eq!(utc(1_795_450_000), "2026-11-23 16:06 UTC");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00 UTC");
+    }
 
     #[test]
     fn the_crossover_is_where_zero_copy_wins_for_good() {

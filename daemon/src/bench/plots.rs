@@ -71,8 +71,24 @@ struct Panel {
     series: Vec<(String, Vec<(f64, f64)>)>,
     /// Horizontal reference lines (memcpy bandwidth).
     references: Vec<(String, f64)>,
+    /// The range of each point's runs, where it had several: (mode,
+    /// [(x, lo, hi)]), drawn as error bars.
+    ranges: Vec<(String, Vec<(f64, f64, f64)>)>,
     bars: bool,
 }
+
+/// What every figure says beside its data.
+#[derive(Clone, Debug, Default)]
+pub struct Context {
+    /// Host, date, commit, configuration, quick or full.
+    pub footer: String,
+    /// (test, mode, size) -> (lowest, highest) of the runs behind a median.
+    pub ranges: std::collections::HashMap<(String, String, u64), (f64, f64)>,
+}
+
+/// Height of the strip under each chart that holds its legend (never
+/// drawn over the data).
+const LEGEND_H: u32 = 46;
 
 /// The modes in the order the legend shows them, each with its colour.
 fn colour(mode: &str) -> RGBColor {
@@ -118,12 +134,16 @@ fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
-fn draw_panel(area: &DrawingArea<BitMapBackend<'_>, Shift>, p: &Panel) -> DrawResult {
+fn draw_panel(whole: &DrawingArea<BitMapBackend<'_>, Shift>, p: &Panel) -> DrawResult {
+    let (_, h) = whole.dim_in_pixel();
+    let (area, legend) = whole.split_vertically(h.saturating_sub(LEGEND_H));
+    let area = &area;
     let pts = p.series.iter().flat_map(|(_, v)| v.iter());
     let ys: Vec<f64> = pts
         .clone()
         .map(|&(_, y)| y)
         .chain(p.references.iter().map(|r| r.1))
+        .chain(p.ranges.iter().flat_map(|(_, v)| v.iter().map(|r| r.2)))
         .collect();
     if ys.is_empty() {
         return Ok(());
@@ -204,11 +224,25 @@ fn draw_panel(area: &DrawingArea<BitMapBackend<'_>, Shift>, p: &Panel) -> DrawRe
             .collect();
         chart
             .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))
-            .map_err(err)?
-            .label(mode.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+            .map_err(err)?;
         chart
             .draw_series(line.into_iter().map(|pt| Circle::new(pt, 3, c.filled())))
+            .map_err(err)?;
+    }
+    // Error bars: the range of the runs behind each median.
+    for (mode, r) in &p.ranges {
+        let c = colour(mode);
+        chart
+            .draw_series(r.iter().map(|&(x, lo, hi)| {
+                ErrorBar::new_vertical(
+                    p.x.to_axis(x),
+                    p.y.to_axis(lo),
+                    p.y.to_axis((lo + hi) / 2.0),
+                    p.y.to_axis(hi),
+                    c.stroke_width(1),
+                    8,
+                )
+            }))
             .map_err(err)?;
     }
     for (i, (name, v)) in p.references.iter().enumerate() {
@@ -222,34 +256,90 @@ fn draw_panel(area: &DrawingArea<BitMapBackend<'_>, Shift>, p: &Panel) -> DrawRe
                 gap,
                 BLACK.stroke_width(1),
             ))
-            .map_err(err)?
-            .label(name.clone())
-            .legend(move |(x, y)| {
-                DashedPathElement::new(vec![(x, y), (x + 20, y)], dash, gap, BLACK)
-            });
+            .map_err(err)?;
+        let _ = name;
     }
     if !p.bars {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 13))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(err)?;
+        draw_legend(&legend, p)?;
     }
     Ok(())
 }
 
-/// One PNG of `panels` side by side.
-fn figure(path: &Path, panels: &[Panel]) -> DrawResult {
+/// The legend, in its own strip under the chart: a sample of each line and
+/// its name, left to right, wrapping to a second row when the strip is full.
+fn draw_legend(strip: &DrawingArea<BitMapBackend<'_>, Shift>, p: &Panel) -> DrawResult {
+    let style = ("sans-serif", 13).into_font().color(&BLACK);
+    let (width, _) = strip.dim_in_pixel();
+    let left = 70i32;
+    let (mut x, mut y) = (left, 10i32);
+    let entries = p
+        .series
+        .iter()
+        .map(|(mode, _)| (mode.clone(), Some(colour(mode)), 0))
+        .chain(
+            p.references
+                .iter()
+                .enumerate()
+                .map(|(i, (name, _))| (name.clone(), None, i)),
+        );
+    for (name, colour, i) in entries {
+        // 7 pixels a character at this size, the sample line and a gap.
+        let w = 40 + 7 * name.chars().count() as i32;
+        if x + w > width as i32 && x > left {
+            x = left;
+            y += 18;
+        }
+        match colour {
+            Some(c) => {
+                strip
+                    .draw(&PathElement::new(
+                        vec![(x, y), (x + 22, y)],
+                        c.stroke_width(2),
+                    ))
+                    .map_err(err)?;
+                strip
+                    .draw(&Circle::new((x + 11, y), 3, c.filled()))
+                    .map_err(err)?;
+            }
+            None => {
+                let (dash, gap) = if i == 0 { (10, 5) } else { (2, 4) };
+                strip
+                    .draw(&DashedPathElement::new(
+                        vec![(x, y), (x + 22, y)],
+                        dash,
+                        gap,
+                        BLACK,
+                    ))
+                    .map_err(err)?;
+            }
+        }
+        strip
+            .draw(&Text::new(name, (x + 27, y - 7), style.clone()))
+            .map_err(err)?;
+        x += w;
+    }
+    Ok(())
+}
+
+/// Height of the footer that says where and how the figure was made.
+const FOOTER_H: u32 = 24;
+
+/// One PNG of `panels` side by side, with `footer` under them.
+fn figure(path: &Path, panels: &[Panel], footer: &str) -> DrawResult {
     let width = 620 * panels.len().max(1) as u32;
-    let root = BitMapBackend::new(path, (width, 460)).into_drawing_area();
+    let root = BitMapBackend::new(path, (width, 460 + LEGEND_H + FOOTER_H)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
-    let areas = root.split_evenly((1, panels.len().max(1)));
+    let (charts, foot) = root.split_vertically(460 + LEGEND_H);
+    let areas = charts.split_evenly((1, panels.len().max(1)));
     for (a, p) in areas.iter().zip(panels) {
         draw_panel(a, p)?;
     }
+    foot.draw(&Text::new(
+        footer.to_string(),
+        (12, 4),
+        ("sans-serif", 12).into_font().color(&RGBColor(80, 80, 80)),
+    ))
+    .map_err(err)?;
     root.present().map_err(err)
 }
 
@@ -265,7 +355,12 @@ fn fonts() {
 }
 
 /// Draw every figure the rows allow into `dir`; the files written.
-pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, String> {
+pub fn draw(
+    dir: &Path,
+    rows: &[Row],
+    modes: &[&str],
+    ctx: &Context,
+) -> Result<Vec<PathBuf>, String> {
     fonts();
     let memcpy = |hot: u64| {
         rows.iter()
@@ -287,6 +382,7 @@ pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, St
         y,
         series: Vec::new(),
         references: Vec::new(),
+        ranges: Vec::new(),
         bars: test.is_empty(),
     };
     let mut figures: Vec<(&str, Vec<Panel>)> = Vec::new();
@@ -297,7 +393,7 @@ pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, St
         Scale::Bytes,
         "message size (bytes)",
         Scale::Log10,
-        "one-way latency (us)",
+        "one-way latency (µs)",
     );
     lat.series = curves(rows, modes, |r| r.test == "latency", |r| r.size as f64);
     let mut tput = lines(
@@ -309,6 +405,22 @@ pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, St
         "GB/s",
     );
     tput.series = curves(rows, modes, |r| r.test == "throughput", |r| r.size as f64);
+    tput.ranges = tput
+        .series
+        .iter()
+        .map(|(mode, pts)| {
+            let r = pts
+                .iter()
+                .filter_map(|&(x, _)| {
+                    let &(lo, hi) =
+                        ctx.ranges
+                            .get(&("throughput".into(), mode.clone(), x as u64))?;
+                    Some((x, lo, hi))
+                })
+                .collect();
+            (mode.clone(), r)
+        })
+        .collect();
     tput.references = references;
     figures.push(("fig6-latency-throughput.png", vec![lat, tput]));
 
@@ -322,7 +434,7 @@ pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, St
             title,
             "overlap",
             Scale::Linear,
-            "computation between sends (us)",
+            "computation between sends (µs)",
             Scale::Linear,
             "GB/s",
         );
@@ -359,7 +471,7 @@ pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, St
         Scale::Linear,
         "mode",
         Scale::Linear,
-        "worst client's latency (us)",
+        "worst client's latency (µs)",
     );
     hot.series = bars(rows, modes, "hot-spot");
     let mut streams = lines(
@@ -404,7 +516,7 @@ pub fn draw(dir: &Path, rows: &[Row], modes: &[&str]) -> Result<Vec<PathBuf>, St
             continue;
         }
         let path = dir.join(name);
-        figure(&path, &panels).map_err(|e| format!("{name}: {e}"))?;
+        figure(&path, &panels, &ctx.footer).map_err(|e| format!("{name}: {e}"))?;
         written.push(path);
     }
     Ok(written)
@@ -446,7 +558,16 @@ mod tests {
             rows.push(row("hot-spot", mode, 64, 4, 10.0 * k));
         }
         rows.push(row("memcpy", "memcpy", 1 << 20, 0, 40.0));
-        let files = draw(&dir, &rows, &["tcp", "azsdp-bow"]).unwrap();
+        let ctx = Context {
+            footer: "host test, 2026-11-23, commit abc, built-in defaults, quick".into(),
+            ranges: [(
+                ("throughput".to_string(), "tcp".to_string(), 4096),
+                (8.0, 16.0),
+            )]
+            .into_iter()
+            .collect(),
+        };
+        let files = draw(&dir, &rows, &["tcp", "azsdp-bow"], &ctx).unwrap();
         let names: Vec<String> = files
             .iter()
             .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
