@@ -73,9 +73,12 @@ struct Panel {
     references: Vec<(String, f64)>,
     /// The range of each point's runs, where it had several: (mode,
     /// [(x, lo, hi)]), drawn as error bars.
-    ranges: Vec<(String, Vec<(f64, f64, f64)>)>,
+    ranges: Vec<(String, Vec<ErrorRange>)>,
     bars: bool,
 }
+
+/// (x, lowest, highest) of one point's runs.
+type ErrorRange = (f64, f64, f64);
 
 /// What every figure says beside its data.
 #[derive(Clone, Debug, Default)]
