@@ -121,7 +121,8 @@ enum Command {
     /// Run azsdp-ttcp pairs under every mode (kernel TCP, BSDP, ZSDP,
     /// AZ-SDP block- and copy-on-write); write results.csv and summary.md.
     Bench {
-        /// The short sweep (a few minutes).
+        /// The short sweep (about a minute and a half on a 2-core host; the
+        /// full sweep takes about six).
         #[arg(long)]
         quick: bool,
         /// Output directory.
