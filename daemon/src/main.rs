@@ -37,17 +37,6 @@ struct Cli {
     command: Command,
 }
 
-/// `stat --watch`'s interval: seconds, from 0.1 to a day.
-fn parse_interval(s: &str) -> Result<std::time::Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !(0.1..=86400.0).contains(&secs) {
-        return Err(format!("`{s}`: from 0.1 to 86400 seconds"));
-    }
-    Ok(std::time::Duration::from_secs_f64(secs))
-}
-
 /// A write size for `demo`: a size that fits in memory.
 fn parse_buflen(s: &str) -> Result<usize, String> {
     let n = azsdp::config::parse_size(s)?;
@@ -141,29 +130,7 @@ enum Command {
         out: PathBuf,
     },
     /// List live azsdp connections on this host.
-    Stat {
-        /// One JSON object per connection, in an array (with --watch, one
-        /// array per line).
-        #[arg(long)]
-        json: bool,
-        /// Every counter, and whole program names.
-        #[arg(short, long)]
-        wide: bool,
-        /// Only this process's connections.
-        #[arg(short, long)]
-        pid: Option<u32>,
-        /// Only connections with this port at either end.
-        #[arg(long)]
-        port: Option<u16>,
-        /// Only connections on this path.
-        #[arg(long, value_parser = stat::PATHS)]
-        path: Option<String>,
-        /// Print again every SECONDS (default 1), with each connection's
-        /// send and receive rates over the interval.
-        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "1",
-              value_parser = parse_interval)]
-        watch: Option<std::time::Duration>,
-    },
+    Stat(stat::Options),
     /// Inspect the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -241,21 +208,7 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
             run_anyway,
             program,
         } => return Err(run_program(config, run_anyway, program)),
-        Command::Stat {
-            json,
-            wide,
-            pid,
-            port,
-            path,
-            watch,
-        } => stat::print(&stat::Options {
-            json,
-            wide,
-            pid,
-            port,
-            path,
-            watch,
-        }),
+        Command::Stat(o) => stat::print(&o),
         Command::Bench { quick, out, config } => return Err(bench::run(quick, out, config)),
         Command::Tune { out } => return Err(bench::tune(out)),
         Command::Demo {

@@ -12,18 +12,40 @@ use azsdp::stats::{ConnStat, dirs_to_read, read_dirs};
 use serde_json::json;
 
 /// What to show, from the command line.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, clap::Args)]
 pub struct Options {
+    /// One JSON object per connection, in an array (with --watch, one
+    /// array per line).
+    #[arg(long)]
     pub json: bool,
+    /// Every counter, and whole program names.
+    #[arg(short, long)]
     pub wide: bool,
     /// Only this process's connections.
+    #[arg(short, long)]
     pub pid: Option<u32>,
     /// Only connections with this port at either end.
+    #[arg(long)]
     pub port: Option<u16>,
-    /// Only connections on this path (`tcp`, `bsdp`, `zsdp`, `azsdp`).
+    /// Only connections on this path.
+    #[arg(long, value_parser = PATHS)]
     pub path: Option<String>,
-    /// Print again at this interval, with rates.
+    /// Print again every SECONDS (default 1), with each connection's send
+    /// and receive rates over the interval.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "1",
+          value_parser = parse_interval)]
     pub watch: Option<Duration>,
+}
+
+/// `stat --watch`'s interval: seconds, from 0.1 to a day.
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(0.1..=86400.0).contains(&secs) {
+        return Err(format!("`{s}`: from 0.1 to 86400 seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 /// The paths a connection can be on, as `--path` takes them.

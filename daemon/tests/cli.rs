@@ -8,22 +8,24 @@ fn azsdp() -> Command {
     c
 }
 
+/// Run `c`, which must succeed; its stdout.
+fn stdout_of(c: &mut Command) -> String {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn example() -> String {
     format!("{}/../docs/azsdp.example.toml", env!("CARGO_MANIFEST_DIR"))
 }
 
 #[test]
 fn config_check_accepts_the_example() {
-    let out = azsdp()
-        .args(["config", "check", &example()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = stdout_of(azsdp().args(["config", "check", &example()]));
     assert!(stdout.contains("ok, 3 rule(s)"), "{stdout}");
 }
 
@@ -126,11 +128,7 @@ fn run_names_a_missing_shim_and_starts_nothing() {
 
 #[test]
 fn config_check_prints_every_key_in_config_syntax() {
-    let out = azsdp()
-        .args(["config", "check", &example()])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = stdout_of(azsdp().args(["config", "check", &example()]));
     // What it prints is itself a configuration that checks.
     let dir = std::env::temp_dir().join(format!("azsdp-cli-print-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
