@@ -15,7 +15,7 @@ use azsdp::fabric::shm::ShmEndpoint;
 use azsdp::protect;
 use azsdp::stats::{ConnPath, StatFile, TcpReason};
 
-use crate::log::{debug, info};
+use crate::log::{debug, info, warning};
 
 type Engine = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
 
@@ -188,6 +188,10 @@ impl Conn {
             azsdp::conn::State::Aborted(r) => format!("reset ({r})"),
             _ => "closed".to_string(),
         };
+        if let Some(w) = self.engine.stalled() {
+            // A timeout is a stall somewhere: say where, whatever the level.
+            warning!("{} -> {}: timed out waiting: {w}", self.local, self.peer);
+        }
         info!(
             "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes, received zero-copy {} bsdp {} bytes; \
              gets {}, faults {}, copy-on-writes {}, fallbacks {}",

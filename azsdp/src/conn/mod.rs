@@ -217,6 +217,9 @@ pub struct Connection {
     aborted_after_eof: bool,
     /// Work waits for queued actions to run: `poll_timeout` says "now".
     repoll: bool,
+    /// What the connection was waiting for when it timed out (for the
+    /// log: a timeout is a stall somewhere, and this says where).
+    stalled: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -278,6 +281,7 @@ impl Connection {
             armed: RangeCounter::new(),
             rx_eof: false,
             rx_shut: false,
+            stalled: None,
             peer_left: false,
             tx_returned: 0,
             waiters: Vec::new(),
@@ -599,6 +603,48 @@ impl Connection {
             || !self.recv_calls.is_empty()
             || !self.waiters.is_empty()
             || self.app_closed
+    }
+
+    /// What this side is waiting for, in a line: calls, advertisements
+    /// both ways, operations in flight by kind, credits, fault waiters, and
+    /// how long since the peer last spoke.
+    pub fn describe_waits(&self) -> String {
+        let mut kinds: BTreeMap<&'static str, usize> = BTreeMap::new();
+        for k in self.ops.values() {
+            let name = match k {
+                OpKind::Prepare { .. } => "prepare",
+                OpKind::CowCas { .. } => "cow-cas",
+                OpKind::Copy { .. } => "copy",
+                OpKind::LockTake { .. } => "lock-take",
+                OpKind::LockRelease { .. } => "lock-release",
+                OpKind::Arm { .. } => "arm",
+                OpKind::Get { .. } => "get",
+            };
+            *kinds.entry(name).or_default() += 1;
+        }
+        let ops: Vec<String> = kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        format!(
+            "{:?}, {} send call(s), {} recv call(s), {} advertisement(s) out, {} in, \
+             ops in flight [{}], credits {} ({} in use), {} fault waiter(s), \
+             {} B buffered out, {} B buffered in, peer silent {:?}",
+            self.state,
+            self.send_calls.len(),
+            self.recv_calls.len(),
+            self.out_avails.len(),
+            self.in_avails.len(),
+            ops.join(", "),
+            self.credits,
+            self.credits_in_use,
+            self.waiters.len(),
+            self.txbuf.len(),
+            self.rxbuf.len(),
+            self.now.saturating_since(self.last_rx),
+        )
+    }
+
+    /// What it was waiting for when it timed out, if it did.
+    pub fn stalled(&self) -> Option<&str> {
+        self.stalled.as_deref()
     }
 
     // ----- small helpers ---------------------------------------------------
@@ -1155,6 +1201,12 @@ impl Connection {
     fn abort(&mut self, reason: AbortReason, code: Option<AbortCode>) {
         if self.is_aborted() {
             return;
+        }
+        if matches!(
+            reason,
+            AbortReason::PeerTimeout | AbortReason::LingerTimeout
+        ) {
+            self.stalled = Some(self.describe_waits());
         }
         self.aborted_after_eof = self.rx_eof;
         self.state = State::Aborted(reason);

@@ -662,3 +662,20 @@ fn a_peer_that_dies_owing_nothing_ends_with_eof() {
     z.pump();
     assert_eq!(*z.c[1].state(), State::Aborted(AbortReason::PeerGone));
 }
+
+#[test]
+fn a_timeout_says_what_the_connection_was_waiting_for() {
+    let mut p = Pair::new(cfg(Role::Client, 4), cfg(Role::Server, 4));
+    // Side 0 waits for data the silent peer never sends.
+    let r = p.recv(0, 0x200000, 100, RecvFlags::default());
+    p.run();
+    let timeout = p.c[0].cfg.peer_timeout;
+    let later = Timestamp::ZERO + timeout + std::time::Duration::from_millis(1);
+    p.c[0].handle_timeout(later, &mut p.mem[0]);
+    p.pump();
+    assert_eq!(p.result(r), Some(Err(CallError::TimedOut)));
+    let w = p.c[0].stalled().expect("a timeout says what it waited for");
+    assert!(w.contains("1 recv call(s)"), "{w}");
+    assert!(w.contains("peer silent"), "{w}");
+    assert_eq!(p.c[1].stalled(), None);
+}

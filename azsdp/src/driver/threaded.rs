@@ -543,6 +543,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.lock().connection().state().clone()
     }
 
+    /// What the connection was waiting for when it timed out, if it did.
+    pub fn stalled(&self) -> Option<String> {
+        if self.shared.orphaned() {
+            return None;
+        }
+        self.shared.lock().connection().stalled().map(String::from)
+    }
+
     /// Pages the connection holds write-protected now.
     pub fn protected_ranges(&self) -> Vec<Range<u64>> {
         if self.shared.orphaned() {
