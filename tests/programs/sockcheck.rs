@@ -1368,11 +1368,25 @@ fn local_pairs(server: bool, port: u16) -> R {
     const PAIRS: usize = 20;
     let want = data(100_000, 9);
     if server {
-        let l = listen_on(port)?;
+        // Our own pairs on a listener of their own (an ephemeral port),
+        // before the client is told to connect to the other.
+        let own = tcp_socket()?;
+        let mut a = addr(0);
+        let mut alen = std::mem::size_of_val(&a) as libc::socklen_t;
+        // SAFETY: bind/listen/getsockname on our socket and address.
+        unsafe {
+            check!(
+                libc::bind(own, (&raw const a).cast(), alen) == 0 && libc::listen(own, 4) == 0,
+                "own listener: {}",
+                err_name(errno())
+            );
+            libc::getsockname(own, (&raw mut a).cast(), &mut alen);
+        }
+        let own_port = u16::from_be(a.sin_port);
         let t = Instant::now();
         for i in 0..PAIRS {
-            let c = connect_to(port)?;
-            let a = accept_one(l)?;
+            let c = connect_to(own_port)?;
+            let a = accept_one(own)?;
             let b = data(1000, i as u32);
             send_all(c, &b)?;
             check!(recv_exact(a, b.len())? == b, "pair {i}: bytes differ");
@@ -1386,6 +1400,8 @@ fn local_pairs(server: bool, port: u16) -> R {
             "{PAIRS} connect+accept pairs in one thread took {:?}: a connect waited for an accept only it could make",
             t.elapsed()
         );
+        close(own);
+        let l = listen_on(port)?;
         let c = accept_one(l)?;
         check!(
             recv_exact(c, want.len())? == want,
