@@ -50,19 +50,13 @@ fn config_check_rejects_bad_files_with_line_and_key() {
 
 #[test]
 fn config_show_reports_the_deciding_rule_and_env_overrides() {
-    let out = azsdp()
-        .args(["config", "show", "--config", &example()])
-        .args(["--program", "/usr/bin/redis-server", "--role", "server"])
-        .args(["--addr", "10.1.1.1", "--port", "6379"])
-        .env("AZSDP_ASYNC", "false")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        azsdp()
+            .args(["config", "show", "--config", &example()])
+            .args(["--program", "/usr/bin/redis-server", "--role", "server"])
+            .args(["--addr", "10.1.1.1", "--port", "6379"])
+            .env("AZSDP_ASYNC", "false"),
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("rule 1 matches"), "{stdout}");
     assert!(stdout.contains("zcopy_threshold  = \"16KiB\""), "{stdout}");
     assert!(stdout.contains("async            = false"), "{stdout}");
@@ -134,16 +128,7 @@ fn config_check_prints_every_key_in_config_syntax() {
     std::fs::create_dir_all(&dir).unwrap();
     let printed = dir.join("printed.toml");
     std::fs::write(&printed, stdout.as_bytes()).unwrap();
-    let again = azsdp()
-        .args(["config", "check"])
-        .arg(&printed)
-        .output()
-        .unwrap();
-    assert!(
-        again.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&again.stderr)
-    );
+    stdout_of(azsdp().args(["config", "check"]).arg(&printed));
     for key in ["protection", "pair_timeout", "write_fault      = \"copy\""] {
         assert!(stdout.contains(key), "{key}: {stdout}");
     }
