@@ -16,13 +16,14 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::conn::{
-    Access, Action, CallError, CallId, Capabilities, Completion, Connection, DisarmOutcome,
-    EngineConfig, OpError, OpId, RecvFlags, RemoteBuf, SendFlags, State, Ticket, UserBuf,
-    UserMemory,
+    Access, Action, CallError, CallId, Capabilities, Completion, Connection, EngineConfig, OpError,
+    OpId, RecvFlags, RemoteBuf, SendFlags, State, Ticket, UserBuf, UserMemory,
 };
 use crate::fabric::{Fabric, FabricError, FabricEvent, OpResult};
 use crate::id_map::IdMap;
 use crate::time::Timestamp;
+
+pub use crate::protect::{NoProtection, Protector};
 
 pub mod standby;
 pub mod threaded;
@@ -46,91 +47,6 @@ impl UserMemory for ProcessMemory {
         // SAFETY: as for `read`; the destination is a receive buffer borrowed
         // mutably by the blocked call.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
-    }
-}
-
-/// Page protection for the driver: write-protect, arm, copy aside.
-pub trait Protector {
-    /// What this protector can do (merged into the engine's capabilities).
-    fn can_protect(&self) -> bool;
-    fn protect(&mut self, ranges: &[Range<u64>]) -> Result<(), OpError>;
-    fn unprotect(&mut self, range: Range<u64>);
-    /// Can receives be armed (receive-side protection)?
-    fn can_arm(&self) -> bool {
-        false
-    }
-    /// Can it protect shared memory together with all its aliases?
-    fn can_protect_aliases(&self) -> bool {
-        false
-    }
-    fn arm(&mut self, range: Range<u64>) -> Result<(), OpError>;
-    /// Where a GET into armed `range` must write (staging), if elsewhere.
-    fn staging(&self, _range: &Range<u64>) -> Option<u64> {
-        None
-    }
-    /// The GET into armed `range` finished: put its data in place.
-    fn land(&mut self, _range: &Range<u64>) -> Result<(), OpError> {
-        Ok(())
-    }
-    fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome);
-    /// Let threads faulting on `range` retry (their pages need nothing more).
-    fn wake(&mut self, range: Range<u64>);
-    /// `range` is being unmapped: forget any state kept for it.
-    fn forget(&mut self, _range: Range<u64>) {}
-}
-
-/// No page protection: sends are ZSDP, receives are synchronous.
-#[derive(Debug, Default)]
-pub struct NoProtection;
-
-impl Protector for NoProtection {
-    fn can_protect(&self) -> bool {
-        false
-    }
-    fn protect(&mut self, _: &[Range<u64>]) -> Result<(), OpError> {
-        Err(OpError::Local)
-    }
-    fn unprotect(&mut self, _: Range<u64>) {}
-    fn arm(&mut self, _: Range<u64>) -> Result<(), OpError> {
-        Err(OpError::Local)
-    }
-    fn disarm(&mut self, _: Range<u64>, _: DisarmOutcome) {}
-    fn wake(&mut self, _: Range<u64>) {}
-}
-
-impl Protector for Box<dyn Protector + Send> {
-    fn can_protect(&self) -> bool {
-        (**self).can_protect()
-    }
-    fn protect(&mut self, ranges: &[Range<u64>]) -> Result<(), OpError> {
-        (**self).protect(ranges)
-    }
-    fn unprotect(&mut self, range: Range<u64>) {
-        (**self).unprotect(range)
-    }
-    fn can_arm(&self) -> bool {
-        (**self).can_arm()
-    }
-    fn can_protect_aliases(&self) -> bool {
-        (**self).can_protect_aliases()
-    }
-    fn arm(&mut self, range: Range<u64>) -> Result<(), OpError> {
-        (**self).arm(range)
-    }
-    fn staging(&self, range: &Range<u64>) -> Option<u64> {
-        (**self).staging(range)
-    }
-    fn land(&mut self, range: &Range<u64>) -> Result<(), OpError> {
-        (**self).land(range)
-    }
-    fn disarm(&mut self, range: Range<u64>, outcome: DisarmOutcome) {
-        (**self).disarm(range, outcome)
-    }
-    fn wake(&mut self, range: Range<u64>) {
-        (**self).wake(range)
-    }
-    fn forget(&mut self, range: Range<u64>) {
-        (**self).forget(range)
     }
 }
 

@@ -20,7 +20,9 @@ use crate::sync::Lock;
 use std::ops::Range;
 use std::time::Duration;
 
-use crate::driver::{NoProtection, Protector};
+mod protector;
+
+pub use protector::{NoProtection, Protector};
 
 /// Why protection is not available, or failed.
 #[derive(Debug, thiserror::Error)]

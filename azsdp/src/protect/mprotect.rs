@@ -440,7 +440,7 @@ impl FaultSource for SignalFaults {
     }
 }
 
-impl crate::driver::Protector for MprotectProtect {
+impl super::Protector for MprotectProtect {
     fn can_protect(&self) -> bool {
         true
     }

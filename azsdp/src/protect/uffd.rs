@@ -833,7 +833,7 @@ impl super::FaultSource for FaultReader {
     }
 }
 
-impl crate::driver::Protector for UffdProtect {
+impl super::Protector for UffdProtect {
     fn can_protect(&self) -> bool {
         true
     }
