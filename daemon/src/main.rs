@@ -19,7 +19,7 @@ mod environment;
 mod locate;
 mod stat;
 
-use azsdp::config::{Config, Connection};
+use azsdp::config::{Config, RuleInput};
 use azsdp::conn::Role;
 
 #[derive(Parser, Debug)]
@@ -249,7 +249,7 @@ fn run(cli: Cli) -> Result<(), ExitCode> {
                 RoleArg::Server => Role::Server,
                 RoleArg::Client => Role::Client,
             };
-            let d = c.decide(&Connection {
+            let d = c.decide(&RuleInput {
                 program: &program,
                 role,
                 addr,

@@ -17,11 +17,13 @@ use azsdp::stats::{ConnPath, StatFile, TcpReason};
 
 use crate::log::{debug, info, warning};
 
-type Engine = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
+/// What runs one upgraded connection: the engine, its fabric endpoint and
+/// its page protection, with its progress and fault threads.
+type ConnDriver = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
 
 /// An upgraded connection.
 pub struct Conn {
-    pub engine: Engine,
+    pub driver: ConnDriver,
     /// The epoll sets watching this connection.
     pub watchers: Arc<crate::epoll::Watchers>,
     pub local: SocketAddr,
@@ -64,11 +66,11 @@ impl Conn {
             w.touched();
             crate::ready::notify();
         });
-        let engine = ThreadedDriver::start_with_notify(d, waiter, p.faults, Some(notify));
+        let driver = ThreadedDriver::start_with_notify(d, waiter, p.faults, Some(notify));
         // A forked child that takes the connection over protects its own
         // memory with its own userfaultfd.
         let mode = settings.protection;
-        engine.set_fork_protection(Box::new(move || {
+        driver.set_fork_protection(Box::new(move || {
             let p = protect::open(mode);
             (p.protector, p.faults)
         }));
@@ -79,7 +81,7 @@ impl Conn {
         });
         crate::runtime::ensure_exit_handler();
         let c = Arc::new(Conn {
-            engine,
+            driver,
             watchers,
             local,
             peer,
@@ -97,7 +99,7 @@ impl Conn {
 
     /// Copy the engine's counters into the stat file.
     pub fn publish(&self) {
-        let (counters, outstanding, mode) = self.engine.snapshot();
+        let (counters, outstanding, mode) = self.driver.snapshot();
         let path = match mode {
             TxMode::Async => ConnPath::Azsdp,
             TxMode::Sync => ConnPath::Zsdp,
@@ -118,7 +120,7 @@ impl Conn {
         }
         let mut stat = self.stat.lock();
         let me = std::process::id();
-        if stat.as_ref().is_some_and(|(f, _)| f.pid() != me) && self.engine.is_mine() {
+        if stat.as_ref().is_some_and(|(f, _)| f.pid() != me) && self.driver.is_mine() {
             // A forked child took the connection over: its own slot.
             let role = self.role;
             *stat = crate::runtime::stat_file().and_then(|f| {
@@ -137,7 +139,7 @@ impl Conn {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.engine.close_in_background(abort, self.linger);
+        self.driver.close_in_background(abort, self.linger);
         crate::runtime::closing(Arc::clone(self));
         self.touched();
     }
@@ -155,12 +157,12 @@ impl Conn {
 
     /// Wait (up to the linger time) for a background close to finish.
     pub fn join_closed(&self) {
-        self.engine
+        self.driver
             .join_closed(self.linger + Duration::from_millis(100));
     }
 
     pub fn finished(&self) -> bool {
-        let done = self.closed.load(Ordering::SeqCst) && self.engine.is_finished();
+        let done = self.closed.load(Ordering::SeqCst) && self.driver.is_finished();
         if done {
             self.report();
             self.close_slot();
@@ -179,8 +181,8 @@ impl Conn {
         if self.reported.swap(true, Ordering::SeqCst) {
             return;
         }
-        let (c, _, _) = self.engine.snapshot();
-        let end = match self.engine.state() {
+        let (c, _, _) = self.driver.snapshot();
+        let end = match self.driver.state() {
             azsdp::conn::State::Aborted(r) if c.bytes_unread_by_peer > 0 => format!(
                 "reset ({r}, {} sent bytes never read)",
                 c.bytes_unread_by_peer
@@ -188,7 +190,7 @@ impl Conn {
             azsdp::conn::State::Aborted(r) => format!("reset ({r})"),
             _ => "closed".to_string(),
         };
-        if let Some(w) = self.engine.stalled() {
+        if let Some(w) = self.driver.stalled() {
             // A timeout is a stall somewhere: say where, whatever the level.
             warning!("{} -> {}: timed out waiting: {w}", self.local, self.peer);
         }

@@ -291,7 +291,7 @@ fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
             continue;
         }
         let Some(c) = it.sock.conn() else { continue };
-        let r = c.engine.readiness();
+        let r = c.driver.readiness();
         let bits = epoll_bits(&r, it.events);
         // As the kernel's wake-ups: readers hear of arriving data, writers
         // of room made; nobody of other traffic (credits, acknowledgements).

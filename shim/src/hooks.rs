@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use azsdp::config::{Connection as RuleInput, Settings};
+use azsdp::config::{RuleInput, Settings};
 use azsdp::conn::{CallError, RecvFlags, Role as EngineRole, SendFlags, Shutdown};
 use azsdp::driver::threaded::CallLimits;
 use azsdp::stats::TcpReason;
@@ -393,7 +393,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
                 }
             };
             return guard(-1, || {
-                c.engine.shutdown(how);
+                c.driver.shutdown(how);
                 c.touched();
                 0
             });
@@ -453,7 +453,7 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
             protectable: true,
         };
         let r = if nonblocking {
-            c.engine.send(buf, flags)
+            c.driver.send(buf, flags)
         } else {
             let deadline = sock.opts().sndtimeo.map(|t| Instant::now() + t);
             let signals = signals::CallSignals::default();
@@ -461,7 +461,7 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
                 deadline,
                 on_signal: &|| signals.interrupted(),
             };
-            c.engine.send_bounded(buf, flags, &limits)
+            c.driver.send_bounded(buf, flags, &limits)
         };
         match r {
             Ok(n) => {
@@ -527,7 +527,7 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
             armable: true,
         };
         let r = if f.nonblocking {
-            c.engine.recv(buf, f)
+            c.driver.recv(buf, f)
         } else {
             let deadline = sock.opts().rcvtimeo.map(|t| Instant::now() + t);
             let signals = signals::CallSignals::default();
@@ -535,7 +535,7 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
                 deadline,
                 on_signal: &|| signals.interrupted(),
             };
-            c.engine.recv_bounded(buf, f, &limits)
+            c.driver.recv_bounded(buf, f, &limits)
         };
         match r {
             Ok(0) => break,
@@ -1257,7 +1257,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
         if let Some(sock) = fdtable::get(fd) {
             if req == libc::FIONREAD as c_ulong {
                 if let Some(c) = sock.conn() {
-                    let n = guard(0, || c.engine.readable_bytes());
+                    let n = guard(0, || c.driver.readable_bytes());
                     let n = n.min(c_int::MAX as u64) as c_int;
                     return match crate::user_mem::write(arg as *mut c_int, &[n]) {
                         Ok(()) => 0,
@@ -1392,7 +1392,7 @@ pub unsafe extern "C" fn getsockopt(
         if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
             if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
                 // The pending error, once, as the kernel's.
-                let err = match c.engine.take_error() {
+                let err = match c.driver.take_error() {
                     Some(CallError::TimedOut) => libc::ETIMEDOUT,
                     Some(_) => libc::ECONNRESET,
                     None => 0,

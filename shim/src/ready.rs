@@ -219,7 +219,7 @@ fn poll_upgraded(
         let mut ready = 0;
         for ((p, c), k) in fds.iter_mut().zip(conns).zip(kernel.iter_mut()) {
             if let Some(c) = c {
-                p.revents = poll_bits(&c.engine.readiness(), p.events);
+                p.revents = poll_bits(&c.driver.readiness(), p.events);
                 k.revents = 0;
                 if p.revents != 0 {
                     ready += 1;

@@ -312,7 +312,7 @@ pub struct Rule {
 
 /// What a connection is, for rule matching.
 #[derive(Clone, Debug)]
-pub struct Connection<'a> {
+pub struct RuleInput<'a> {
     /// Path or name of the program (matched by its last component, or whole
     /// if the pattern has a `/`).
     pub program: &'a str,
@@ -891,7 +891,7 @@ impl Config {
     }
 
     /// The settings for a connection: the first matching rule over the globals.
-    pub fn decide(&self, c: &Connection<'_>) -> Decision {
+    pub fn decide(&self, c: &RuleInput<'_>) -> Decision {
         let base = c.program.rsplit('/').next().unwrap_or(c.program);
         for r in &self.rules {
             let program_ok = r.program.as_ref().is_none_or(|g| {

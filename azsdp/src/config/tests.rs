@@ -1,7 +1,7 @@
 use super::*;
 
-fn conn<'a>(program: &'a str, role: Role, addr: &str, port: u16) -> Connection<'a> {
-    Connection {
+fn conn<'a>(program: &'a str, role: Role, addr: &str, port: u16) -> RuleInput<'a> {
+    RuleInput {
         program,
         role,
         addr: addr.parse().unwrap(),
