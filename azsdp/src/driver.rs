@@ -1,8 +1,9 @@
 //! A blocking driver: one [`Connection`] run over one [`Fabric`] inside a
-//! real process, for programs that own their sockets (examples, benchmarks,
-//! tests). It executes the engine's actions, pumps messages, and waits on the
-//! fabric between events. The preload shim will use the same pieces from its
-//! progress thread.
+//! real process. It executes the engine's actions, pumps messages, and waits
+//! on the fabric between events. Programs that own their sockets (examples,
+//! benchmarks, tests) call it directly; the preload shim runs it through
+//! [`threaded::ThreadedDriver`], with a progress and a fault thread per
+//! connection.
 //!
 //! Page protection comes from a [`Protector`]. Without one
 //! ([`NoProtection`]) the engine is told it cannot protect or arm pages, so

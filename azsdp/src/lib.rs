@@ -1,12 +1,17 @@
 //! azsdp: transparent, asynchronous, zero-copy sockets (AZ-SDP).
 //!
-//! This crate holds everything that is independent of the operating system:
+//! The protocol, and what runs it on Linux:
 //!
-//! - [`wire`]: the message formats, with strict `parse`/`emit`;
-//! - [`conn`]: the sans-IO connection engine (BSDP, ZSDP, AZ-SDP, copy-on-write);
-//! - [`fabric`]: the verbs-like transport trait and the deterministic `sim` provider;
-//! - [`sim`]: the simulation harness that drives two engines over the sim fabric
-//!   and checks the protocol's invariants;
+//! - sans-IO, no system calls: [`wire`] (message formats, strict
+//!   `parse`/`emit`), [`conn`] (the connection engine: BSDP, ZSDP, AZ-SDP,
+//!   copy-on-write), [`pages`], [`time`], [`fabric`]'s types with the
+//!   deterministic `sim` provider, and [`sim`] (the simulation harness that
+//!   checks the protocol's invariants);
+//! - the host: [`driver`] (runs a connection over a fabric in a process, and
+//!   its threaded form), [`fabric`]'s `shm` provider, [`protect`] (page
+//!   protection: userfaultfd, mprotect), [`memory_map`], [`process`] (live
+//!   connections, memory hooks, fork), [`pairing`], [`identity`] and
+//!   [`sock_diag`] (who the peer is, from the kernel), [`stats`], [`sync`];
 //! - [`config`]: the configuration file, environment overrides and rules.
 //!
 //! See `docs/architecture.md` and `docs/protocol.md` in the repository.

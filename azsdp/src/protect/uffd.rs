@@ -39,7 +39,7 @@
 //! (inboxes are bounded, preallocated channels) and touches no application
 //! memory.
 //!
-//! `unsafe` here: pre-touching pages by address, and the calls of [`sys`]
+//! `unsafe` here: pre-touching pages by address, and the calls of `sys`
 //! that change what our address space maps.
 
 use crate::sync::{Lock, LockGuard};
