@@ -72,11 +72,16 @@ pub fn need(program: &str) -> PathBuf {
     if program.contains('/') {
         return PathBuf::from(program);
     }
+    on_path(program)
+        .unwrap_or_else(|| panic!("`{program}` is not installed (the CI installs it with apt-get)"))
+}
+
+/// `program` in a directory of PATH.
+fn on_path(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .map(|d| d.join(program))
         .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("`{program}` is not installed (the CI installs it with apt-get)"))
 }
 
 /// Whether `programs` are all installed. A test that needs a missing one
@@ -85,11 +90,10 @@ pub fn need(program: &str) -> PathBuf {
 /// set, as CI services set it) a missing program fails the test instead,
 /// so nothing is skipped there unnoticed.
 pub fn have(programs: &[&str]) -> bool {
-    let path = std::env::var_os("PATH").unwrap_or_default();
     let missing: Vec<&str> = programs
         .iter()
         .copied()
-        .filter(|p| !std::env::split_paths(&path).any(|d| d.join(p).exists()))
+        .filter(|p| on_path(p).is_none())
         .collect();
     if missing.is_empty() {
         return true;

@@ -340,11 +340,14 @@ pub struct Decision {
     pub settings: Settings,
 }
 
+/// The `AZSDP_*` variables that are not keys, by their full names.
+fn reserved_env_names() -> impl Iterator<Item = String> {
+    RESERVED_ENV.iter().map(|r| format!("AZSDP_{r}"))
+}
+
 /// Every `AZSDP_*` variable azsdp reads.
 fn env_names() -> Vec<String> {
-    RESERVED_ENV
-        .iter()
-        .map(|r| format!("AZSDP_{r}"))
+    reserved_env_names()
         .chain(
             TUNABLE_KEYS
                 .iter()
@@ -860,11 +863,7 @@ impl Config {
                     Some(n) => format!("did you mean {n}?"),
                     None => format!(
                         "azsdp reads AZSDP_<KEY> for each configuration key and {}",
-                        RESERVED_ENV
-                            .iter()
-                            .map(|r| format!("AZSDP_{r}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                        reserved_env_names().collect::<Vec<_>>().join(", ")
                     ),
                 };
                 problems.push(env_problem(k, None, "unknown variable".into(), Some(help)));

@@ -49,9 +49,14 @@ fn inline(s: &str) -> String {
     out
 }
 
-fn cells(line: &str) -> Vec<&str> {
+/// A markdown table line as an HTML row of `tag` cells.
+fn row(line: &str, tag: &str) -> String {
     let t = line.trim().trim_start_matches('|').trim_end_matches('|');
-    t.split('|').map(str::trim).collect()
+    let cells: String = t
+        .split('|')
+        .map(|c| format!("<{tag}>{}</{tag}>", inline(c.trim())))
+        .collect();
+    format!("<tr>{cells}</tr>")
 }
 
 /// The summary's markdown as HTML.
@@ -92,14 +97,7 @@ pub fn markdown_to_html(md: &str) -> String {
         } else if t.starts_with('|') {
             flush(&mut para, &mut html);
             let _ = writeln!(html, "<table>");
-            let _ = writeln!(
-                html,
-                "<tr>{}</tr>",
-                cells(t)
-                    .iter()
-                    .map(|c| format!("<th>{}</th>", inline(c)))
-                    .collect::<String>()
-            );
+            let _ = writeln!(html, "{}", row(t, "th"));
             while let Some(next) = lines.peek().map(|l| l.trim()) {
                 if !next.starts_with('|') {
                     break;
@@ -108,14 +106,7 @@ pub fn markdown_to_html(md: &str) -> String {
                 if next.chars().all(|c| matches!(c, '|' | '-' | ':' | ' ')) {
                     continue;
                 }
-                let _ = writeln!(
-                    html,
-                    "<tr>{}</tr>",
-                    cells(next)
-                        .iter()
-                        .map(|c| format!("<td>{}</td>", inline(c)))
-                        .collect::<String>()
-                );
+                let _ = writeln!(html, "{}", row(next, "td"));
             }
             let _ = writeln!(html, "</table>");
         } else {
