@@ -2,13 +2,16 @@
 //!
 //! The protocol, and what runs it on Linux:
 //!
-//! - sans-IO, no system calls: [`wire`] (message formats, strict
+//! - sans-IO, no system calls, in the `azsdp-proto` crate (which depends on
+//!   no OS crate) and re-exported here: [`wire`] (message formats, strict
 //!   `parse`/`emit`), [`conn`] (the connection engine: BSDP, ZSDP, AZ-SDP,
-//!   copy-on-write), [`pages`], [`time`], [`fabric`]'s types with the
-//!   deterministic `sim` provider, and [`sim`] (the simulation harness that
-//!   checks the protocol's invariants);
-//! - the host: [`driver`] (runs a connection over a fabric in a process, and
-//!   its threaded form), [`fabric`]'s `shm` provider, [`protect`] (page
+//!   copy-on-write), the [`fabric`] contract with its deterministic `sim`
+//!   provider, the protection contract ([`protect::Protector`]), the one
+//!   driver ([`driver::Driver`]), [`pages`], [`time`], and [`sim`] (the
+//!   simulation that runs that driver and checks the protocol's
+//!   invariants);
+//! - the host: [`driver`]'s Linux host ([`driver::ProcessHost`]) and
+//!   threaded form, [`fabric`]'s `shm` provider, [`protect`] (page
 //!   protection: userfaultfd, mprotect), [`memory_map`], [`process`] (live
 //!   connections, memory hooks, fork), [`pairing`], [`identity`] and
 //!   [`sock_diag`] (who the peer is, from the kernel), [`stats`], [`sync`];
@@ -16,14 +19,14 @@
 //!
 //! See `docs/architecture.md` and `docs/protocol.md` in the repository.
 
+pub use azsdp_proto::{conn, id_map, sim, time, wire};
+
 pub mod config;
-pub mod conn;
 pub mod driver;
 pub mod fabric;
 pub mod file_size;
 pub mod fork_once;
 pub mod futex;
-pub mod id_map;
 pub mod identity;
 pub mod memory_map;
 pub mod notes;
@@ -31,10 +34,7 @@ pub mod pages;
 pub mod pairing;
 pub mod process;
 pub mod protect;
-pub mod sim;
 pub mod sock_diag;
 pub mod stats;
 pub mod sync;
 pub mod threads;
-pub mod time;
-pub mod wire;

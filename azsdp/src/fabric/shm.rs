@@ -52,8 +52,11 @@ use memmap2::{MmapMut, MmapOptions};
 use nix::sys::uio::{RemoteIoVec, process_vm_readv};
 use nix::unistd::Pid;
 
+use super::pool::Pool;
 use super::ring::{self, Ring, RingWatch};
-use super::{Departure, Fabric, FabricError, FabricEvent, OpResult, Ownership};
+use super::{
+    Departure, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, Ownership, RegAccess,
+};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use crate::identity::{self, IdentityError, PeerId};
 use crate::pairing::{INTRO_LEN, Intro, IntroKind};
@@ -71,6 +74,9 @@ const MAX_REG_SLOTS: u32 = 1 << KEY_SLOT_BITS;
 /// (never 0, so no key is 0 and a reused slot never revives an old key).
 const KEY_SLOT_BITS: u32 = 14;
 const KEY_SLOT_MASK: u32 = (1 << KEY_SLOT_BITS) - 1;
+/// The key of every local GET destination: `process_vm_readv` writes our
+/// own memory, so they need none (no table key is 0: generations start at 1).
+const LOCAL_KEY: u32 = 0;
 
 /// Segment header, at offset 0.
 #[repr(C, align(64))]
@@ -439,6 +445,8 @@ pub struct ShmEndpoint {
     params: ShmParams,
     completions: VecDeque<(OpId, OpResult)>,
     regs: Registrations,
+    /// Copies copy-on-write makes, for the peer to GET.
+    pool: Pool,
     gone_reported: bool,
     /// The peer wrote nonsense into the segment: the connection is over.
     corrupt: bool,
@@ -657,6 +665,7 @@ impl ShmEndpoint {
             no_get,
             params,
             completions: VecDeque::new(),
+            pool: Pool::default(),
             regs,
             gone_reported: false,
             corrupt: false,
@@ -879,6 +888,38 @@ impl ShmEndpoint {
     }
 }
 
+/// Registrations in the segment's table.
+impl ShmEndpoint {
+    /// Publish `[addr, addr+len)` in our table, for the peer's GETs (what
+    /// [`Fabric::post_register`] does for [`RegAccess::PeerRead`], at once).
+    pub fn register(&mut self, addr: u64, len: u64) -> Result<u32, OpError> {
+        let slot = self.regs.free.pop().ok_or(OpError::Local)?;
+        let g = &mut self.regs.generation[slot as usize];
+        *g = g.wrapping_add(1) & (u32::MAX >> KEY_SLOT_BITS);
+        if *g == 0 {
+            *g = 1;
+        }
+        let key = (*g << KEY_SLOT_BITS) | slot;
+        let e = self.seg.reg(self.side, slot).ok_or(OpError::Local)?;
+        e.addr.store(addr, Ordering::Relaxed);
+        e.len.store(len, Ordering::Relaxed);
+        e.key.store(u64::from(key), Ordering::Release);
+        Ok(key)
+    }
+
+    /// Withdraw a registration from our table.
+    fn withdraw(&mut self, key: u32) {
+        let slot = key & KEY_SLOT_MASK;
+        if let Some(e) = self.seg.reg(self.side, slot)
+            && e.key.load(Ordering::Relaxed) == u64::from(key)
+            && self.regs.generation.get(slot as usize) == Some(&(key >> KEY_SLOT_BITS))
+        {
+            e.key.store(0, Ordering::Release);
+            self.regs.free.push(slot);
+        }
+    }
+}
+
 impl Fabric for ShmEndpoint {
     fn ownership(&self) -> Ownership {
         let w = self.seg.hdr().owner[self.side].load(Ordering::Acquire);
@@ -954,36 +995,55 @@ impl Fabric for ShmEndpoint {
         }
     }
 
-    /// Publish `[addr, addr+len)` in our table, for the peer's GETs.
-    fn register(&mut self, addr: u64, len: u64) -> Result<u32, OpError> {
-        let slot = self.regs.free.pop().ok_or(OpError::Local)?;
-        let g = &mut self.regs.generation[slot as usize];
-        *g = g.wrapping_add(1) & (u32::MAX >> KEY_SLOT_BITS);
-        if *g == 0 {
-            *g = 1;
-        }
-        let key = (*g << KEY_SLOT_BITS) | slot;
-        let e = self.seg.reg(self.side, slot).ok_or(OpError::Local)?;
-        e.addr.store(addr, Ordering::Relaxed);
-        e.len.store(len, Ordering::Relaxed);
-        e.key.store(u64::from(key), Ordering::Release);
-        Ok(key)
+    /// Registration completes at once: local destinations need no key
+    /// (`process_vm_readv` writes our own memory), sources for the peer
+    /// go in our table.
+    fn post_register(
+        &mut self,
+        op: OpId,
+        addr: u64,
+        len: u64,
+        access: RegAccess,
+    ) -> Result<(), FabricError> {
+        let r = match access {
+            RegAccess::LocalWrite => Ok(LOCAL_KEY),
+            RegAccess::PeerRead => self.register(addr, len),
+        };
+        self.completions.push_back((op, OpResult::Registered(r)));
+        Ok(())
     }
 
     fn deregister(&mut self, key: u32) {
-        let slot = key & KEY_SLOT_MASK;
-        if let Some(e) = self.seg.reg(self.side, slot)
-            && e.key.load(Ordering::Relaxed) == u64::from(key)
-            && self.regs.generation.get(slot as usize) == Some(&(key >> KEY_SLOT_BITS))
-        {
-            e.key.store(0, Ordering::Release);
-            self.regs.free.push(slot);
+        if key != LOCAL_KEY {
+            self.withdraw(key);
         }
     }
 
-    fn send_credits(&self) -> usize {
-        // Messages of the largest size that surely fit now.
-        (self.tx.capacity() - self.tx.used()) / (self.tx.max_message() + 16)
+    fn has_room(&self, len: usize) -> bool {
+        if self.corrupt
+            || self.gone_reported
+            || self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0
+        {
+            // Broken: the post fails at once.
+            return true;
+        }
+        // A record may have to wrap: room for two is room for one anywhere.
+        let free = self.tx.capacity() - self.tx.used();
+        free >= 2 * (len + 16)
+    }
+
+    fn pool_alloc(&mut self, len: u64) -> Result<u64, OpError> {
+        self.pool.alloc(len)
+    }
+
+    fn pool_fill(&mut self, addr: u64, len: u64, fill: &mut dyn FnMut(&mut [u8])) {
+        if let Some(bytes) = self.pool.bytes(addr, len) {
+            fill(bytes);
+        }
+    }
+
+    fn pool_free(&mut self, addr: u64, _len: u64) {
+        self.pool.free(addr);
     }
 
     fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
@@ -1010,17 +1070,11 @@ impl Fabric for ShmEndpoint {
         &mut self,
         op: OpId,
         src: RemoteBuf,
-        dst: u64,
+        dst: LocalBuf,
         len: u64,
-        staged: bool,
     ) -> Result<(), FabricError> {
-        if staged {
-            // Armed destinations need the protection layer's staging and
-            // UFFDIO_MOVE; without it, receive-side protection is off.
-            return Err(FabricError::Unsupported);
-        }
         self.follow_peer();
-        let result = self.get(src, dst, len);
+        let result = self.get(src, dst.addr, len);
         self.completions.push_back((op, OpResult::Get(result)));
         Ok(())
     }

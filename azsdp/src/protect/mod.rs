@@ -20,9 +20,9 @@ use crate::sync::Lock;
 use std::ops::Range;
 use std::time::Duration;
 
-mod protector;
-
-pub use protector::{NoProtection, Protector};
+/// The contract (sans-IO, in `azsdp-proto`): what the driver asks of page
+/// protection.
+pub use azsdp_proto::protect::{NoProtection, Protector};
 
 /// Why protection is not available, or failed.
 #[derive(Debug, thiserror::Error)]

@@ -55,9 +55,11 @@ fn messages_gets_and_cas_within_one_process() {
             addr: src.as_ptr() as u64,
             key,
         },
-        dst.as_mut_ptr() as u64,
+        LocalBuf {
+            addr: dst.as_mut_ptr() as u64,
+            key: 0,
+        },
         src.len() as u64,
-        false,
     )
     .unwrap();
     assert!(matches!(
@@ -118,9 +120,11 @@ fn messages_gets_and_cas_within_one_process() {
             addr: src.as_ptr() as u64,
             key,
         },
-        dst.as_mut_ptr() as u64,
+        LocalBuf {
+            addr: dst.as_mut_ptr() as u64,
+            key: 0,
+        },
         8,
-        false,
     )
     .unwrap();
     assert!(matches!(
@@ -132,12 +136,6 @@ fn messages_gets_and_cas_within_one_process() {
         drain(&mut b)[..],
         [Got::Done(_, OpResult::Cas(Err(OpError::Unreachable)))]
     ));
-
-    // Staged GETs need the protection layer.
-    assert_eq!(
-        b.post_get(OpId(8), RemoteBuf { addr: 0, key }, 0, 8, true),
-        Err(FabricError::Unsupported)
-    );
 
     // A clean close is seen as the peer going away.
     a.close();
@@ -272,8 +270,16 @@ fn gets_are_checked_against_live_registrations() {
     };
     let get = |b: &mut ShmEndpoint, remote: RemoteBuf, len: u64| {
         let mut dst = vec![0u8; len as usize];
-        b.post_get(OpId(1), remote, dst.as_mut_ptr() as u64, len, false)
-            .unwrap();
+        b.post_get(
+            OpId(1),
+            remote,
+            LocalBuf {
+                addr: dst.as_mut_ptr() as u64,
+                key: 0,
+            },
+            len,
+        )
+        .unwrap();
         let r = match drain(b).pop() {
             Some(Got::Done(_, OpResult::Get(r))) => r,
             _ => panic!("no completion"),
@@ -339,8 +345,16 @@ fn a_rewritten_owner_word_is_not_followed() {
             addr: src.as_ptr() as u64,
             key,
         };
-        b.post_get(OpId(1), remote, dst.as_mut_ptr() as u64, 64, false)
-            .unwrap();
+        b.post_get(
+            OpId(1),
+            remote,
+            LocalBuf {
+                addr: dst.as_mut_ptr() as u64,
+                key: 0,
+            },
+            64,
+        )
+        .unwrap();
         assert!(matches!(
             drain(&mut b)[..],
             [Got::Done(_, OpResult::Get(Ok(())))]
@@ -402,9 +416,11 @@ fn two_processes_get_and_cas() {
                 e.post_get(
                     OpId(1),
                     RemoteBuf { addr, key },
-                    dst.as_mut_ptr() as u64,
+                    LocalBuf {
+                        addr: dst.as_mut_ptr() as u64,
+                        key: 0,
+                    },
                     len,
-                    false,
                 )
                 .unwrap();
                 let mut ok = false;

@@ -835,7 +835,7 @@ impl Connection {
                 a.copy_from = 0;
                 let (addr, len) = (a.addr, u64::from(a.len));
                 self.counters.cow_attempts += 1;
-                let op = self.op(OpKind::Copy { avail: id });
+                let op = self.op(OpKind::Copy { avail: id, len });
                 self.push(Action::CopyAside { op, addr, len });
             }
             AvailState::Posted if cow_ok => {
@@ -875,7 +875,7 @@ impl Connection {
             a.copy_from = off;
             let (addr, len) = (a.addr + u64::from(off), u64::from(a.len - off));
             a.copy = None;
-            let op = self.op(OpKind::Copy { avail: id });
+            let op = self.op(OpKind::Copy { avail: id, len });
             self.push(Action::CopyAside { op, addr, len });
         } else {
             // The sink holds it (or has finished): wait for its GET_COMPLETE.
@@ -885,12 +885,12 @@ impl Connection {
         Ok(())
     }
 
-    pub(super) fn on_copied(&mut self, id: u32, r: Result<RemoteBuf, OpError>) {
+    pub(super) fn on_copied(&mut self, id: u32, len: u64, r: Result<RemoteBuf, OpError>) {
         let aborted = self.is_aborted();
         let Some(a) = self.out_avails.get_mut(&id) else {
             if let Ok(buf) = r {
                 // The advertisement ended while copying: drop the copy.
-                self.push(Action::ReleaseCopy { buf, len: 0 });
+                self.push(Action::ReleaseCopy { buf, len });
             }
             return;
         };

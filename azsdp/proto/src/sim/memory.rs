@@ -2,8 +2,10 @@
 //! real system uses, so the simulator sees every fault the kernel would raise
 //! and every access the engine must never make.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::rc::Rc;
 
 use crate::conn::UserMemory;
 
@@ -23,6 +25,9 @@ pub enum Prot {
 pub struct Violation {
     pub what: String,
 }
+
+/// Both sides' memories, shared by the world, the fabric and the hosts.
+pub type SharedMems = Rc<RefCell<[SimMemory; 2]>>;
 
 /// One simulated address space.
 #[derive(Debug)]

@@ -19,15 +19,16 @@ mod fallback;
 pub mod lockword;
 mod rx;
 mod settings;
+mod timers;
 mod tx;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
-use std::time::Duration;
 
 pub use api::*;
 pub use counters::{Counters, FallbackReason};
 pub use settings::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect};
+pub use timers::Timer;
 
 use crate::pages::{self, RangeCounter};
 use crate::time::Timestamp;
@@ -100,6 +101,9 @@ enum OpKind {
     },
     Copy {
         avail: u32,
+        /// How long the copy is (for its release if the advertisement
+        /// is gone by the time it is done).
+        len: u64,
     },
     LockTake {
         avail: u32,
@@ -566,35 +570,6 @@ impl Connection {
         }
     }
 
-    /// When the driver should call [`Connection::handle_timeout`] next.
-    pub fn poll_timeout(&self) -> Option<Timestamp> {
-        if self.repoll {
-            return Some(self.now);
-        }
-        if matches!(self.state, State::Aborted(_)) {
-            return None;
-        }
-        let mut t: Option<Timestamp> = None;
-        let mut at = |x: Timestamp| t = Some(t.map_or(x, |y| y.min(x)));
-        if self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO {
-            at(self.last_rx + self.cfg.peer_timeout);
-            if !self.ping_outstanding && self.state == State::Established {
-                at(self.last_rx + self.cfg.keepalive);
-            }
-        }
-        if let Some(d) = self.linger_deadline
-            && !self.is_finished()
-        {
-            at(d);
-        }
-        if self.cfg.write_fault == FaultPolicy::Block {
-            for w in self.waiters.iter().filter(|w| !w.escalated) {
-                at(w.since + self.cfg.block_escalate);
-            }
-        }
-        t
-    }
-
     /// Is the peer expected to do something for us (so silence is suspicious)?
     fn owes_liveness(&self) -> bool {
         self.state == State::Handshake
@@ -958,8 +933,8 @@ impl Connection {
                 Ok(())
             }
             (OpKind::CowCas { avail }, Completion::Cas(r)) => self.on_cow_cas(avail, r),
-            (OpKind::Copy { avail }, Completion::Copied(r)) => {
-                self.on_copied(avail, r);
+            (OpKind::Copy { avail, len }, Completion::Copied(r)) => {
+                self.on_copied(avail, len, r);
                 Ok(())
             }
             (OpKind::LockTake { avail }, Completion::Cas(r)) => self.on_lock_taken(avail, r),
@@ -994,56 +969,6 @@ impl Connection {
         };
         if let Err(e) = r {
             self.abort(e, Some(AbortCode::ProtocolError));
-        }
-        self.progress(mem);
-    }
-
-    /// Time passed: keepalives, peer timeout, linger timeout, BOW escalation.
-    pub fn handle_timeout(&mut self, now: Timestamp, mem: &mut dyn UserMemory) {
-        self.now = now;
-        if std::mem::take(&mut self.repoll) {
-            self.progress(mem);
-        }
-        if self.is_aborted() {
-            return;
-        }
-        if let Some(d) = self.linger_deadline
-            && now >= d
-            && !self.is_finished()
-        {
-            self.abort(AbortReason::LingerTimeout, Some(AbortCode::Timeout));
-            return;
-        }
-        if self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO {
-            if now >= self.last_rx + self.cfg.peer_timeout {
-                self.abort(AbortReason::PeerTimeout, Some(AbortCode::Timeout));
-                return;
-            }
-            if now >= self.last_rx + self.cfg.keepalive
-                && !self.ping_outstanding
-                && self.state == State::Established
-            {
-                self.ping_outstanding = true;
-                self.out.push_back(OutMsg::Credit {
-                    ping: true,
-                    pong: false,
-                });
-            }
-        }
-        if self.cfg.write_fault == FaultPolicy::Block {
-            let due: Vec<Range<u64>> = self
-                .waiters
-                .iter_mut()
-                .filter(|w| !w.escalated && now >= w.since + self.cfg.block_escalate)
-                .map(|w| {
-                    w.escalated = true;
-                    w.range.clone()
-                })
-                .collect();
-            for r in due {
-                self.counters.block_escalations += 1;
-                self.evacuate_range(&r);
-            }
         }
         self.progress(mem);
     }

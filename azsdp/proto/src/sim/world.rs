@@ -1,41 +1,43 @@
-//! The simulated world: two processes, each with memory, an engine, a
-//! driver and application threads, joined by the sim fabric. One event loop
-//! in simulated time; every random choice comes from the seed.
+//! The simulated world: two processes, each with memory, the real
+//! [`Driver`] (engine, executor, flow control, staging) on a simulated host
+//! and protector, and application threads, joined by the sim fabric. One
+//! event loop in simulated time; every random choice comes from the seed.
 
+use std::cell::RefCell;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
-use std::ops::Range;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::rc::Rc;
 use std::time::Duration;
 
 use super::SimReport;
-use super::memory::{Prot, SimMemory};
+use super::host::{ProtectLog, SimClock, SimHost, SimProtector, Trace};
+use super::memory::{SharedMems, SimMemory};
 use super::rng::Rng;
 use super::scenario::{Injection, Scenario};
 use crate::conn::{
-    Access, Action, CallError, CallId, Completion, Connection, Counters, DisarmOutcome, Linger,
-    OpError, RecvFlags, RemoteBuf, SendFlags, Shutdown, State, Ticket, UserBuf,
+    Access, CallError, CallId, Counters, RecvFlags, SendFlags, Shutdown, State, Ticket,
 };
-use crate::fabric::sim::SimFabric;
-use crate::fabric::{Fabric, FabricEvent, OpResult};
+use crate::driver::Driver;
+use crate::fabric::sim::{SimEndpoint, SimFabric};
 use crate::time::Timestamp;
-use crate::wire;
+
+/// The driver each side runs: the real one, on simulated parts.
+type SimDriver = Driver<SimEndpoint, SimProtector, SimHost>;
 
 /// Produces the bytes an application write puts at a given offset.
 type Filler = dyn Fn(u64, &mut [u8]);
 
-/// Where each side's buffers and private copies live in simulated memory.
+/// Events after which a run counts as hung (a livelock at one instant
+/// included).
+const EVENT_LIMIT: u64 = 20_000_000;
+
+/// Where each side's buffers live in simulated memory.
 const BUF_BASE: u64 = 0x1000_0000;
 const BUF_STRIDE: u64 = 0x100_0000;
-const COPY_BASE: u64 = 0x4000_0000_0000;
 
 #[derive(Debug)]
 enum WEvent {
     Wake(usize),
-    Host {
-        side: usize,
-        op: crate::conn::OpId,
-        c: Completion,
-    },
     Timer(usize),
     Poll(usize),
     Kill(usize),
@@ -123,24 +125,21 @@ struct Thread {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Wait {
     Call(CallId),
-    Fault(Ticket),
+    /// Stopped in a fault on this page.
+    Fault(Ticket, u64),
+    /// In `free()`, until the engine settles the memory.
+    Evacuate(Ticket),
     Sleep,
 }
 
-/// One side's host: the sim driver's state.
+/// One side's process, as the world sees it.
 #[derive(Debug, Default)]
-struct Host {
+struct Proc {
     dead: bool,
     closed: bool,
     poll_at: Option<Timestamp>,
     timer_at: Option<Timestamp>,
-    /// Messages the engine produced that the fabric has no credit for yet.
-    outq: std::collections::VecDeque<Vec<u8>>,
-    msgs_posted: u64,
-    avails_posted: u64,
-    next_copy: u64,
     faults_raised: u64,
-    lost: Vec<Range<u64>>,
     busy: Vec<bool>,
     /// The process is stopped (SIGSTOP) during this interval.
     stalled: Option<(Timestamp, Timestamp)>,
@@ -149,20 +148,22 @@ struct Host {
 pub struct World {
     sc: Scenario,
     now: Timestamp,
+    clock: SimClock,
     rng: Rng,
-    fabric: SimFabric,
-    mems: [SimMemory; 2],
-    conns: [Connection; 2],
-    hosts: [Host; 2],
+    fabric: Rc<RefCell<SimFabric>>,
+    mems: SharedMems,
+    drivers: [SimDriver; 2],
+    protect: [Rc<RefCell<ProtectLog>>; 2],
+    procs: [Proc; 2],
     threads: Vec<Thread>,
     heap: BinaryHeap<Reverse<(Timestamp, u64)>>,
     events: HashMap<u64, WEvent>,
     seq: u64,
-    next_id: u64,
-    calls: HashMap<CallId, usize>,
-    tickets: HashMap<Ticket, usize>,
+    /// Blocked calls, by side (ordered: wake-ups are scheduled in a
+    /// deterministic order).
+    calls: BTreeMap<(usize, CallId), usize>,
     violations: Vec<String>,
-    trace: Option<Vec<String>>,
+    trace: Trace,
     events_run: u64,
 }
 
@@ -198,16 +199,32 @@ fn fill_poison(dir: usize, seed: u64, off: u64, out: &mut [u8]) {
 impl World {
     pub fn new(sc: Scenario, verbose: bool) -> World {
         let mut rng = Rng::new(sc.seed ^ 0x51_u64);
-        let mut fabric = SimFabric::new(sc.seed, sc.fabric.clone());
-        let mut cfg0 = sc.engine[0].clone();
-        let mut cfg1 = sc.engine[1].clone();
-        cfg0.lock_region = fabric.endpoint(0).lock_region();
-        cfg1.lock_region = fabric.endpoint(1).lock_region();
-        let conns = [
-            Connection::new(cfg0, Timestamp::ZERO),
-            Connection::new(cfg1, Timestamp::ZERO),
-        ];
-        let mems = [SimMemory::new(sc.page[0]), SimMemory::new(sc.page[1])];
+        let clock = SimClock::default();
+        let trace = Trace::new(verbose, clock.clone());
+        let mems: SharedMems = Rc::new(RefCell::new([
+            SimMemory::new(sc.page[0]),
+            SimMemory::new(sc.page[1]),
+        ]));
+        let mut params = sc.fabric.clone();
+        params.p_register_fail = sc.p_prepare_fail;
+        params.p_pool_fail = sc.p_copy_fail;
+        let fabric = SimFabric::new(
+            sc.seed,
+            params,
+            Rc::clone(&mems),
+            trace.clone(),
+            sc.injection,
+        )
+        .shared();
+        let side = |s: usize, rng: &mut Rng| {
+            let p = SimProtector::new(s, Rc::clone(&mems), rng.fork(), sc.p_arm_fail);
+            let log = Rc::clone(&p.log);
+            let host = SimHost::new(s, Rc::clone(&mems), clock.clone());
+            let ep = SimEndpoint::new(Rc::clone(&fabric), s);
+            (Driver::with_host(sc.engine[s].clone(), ep, p, host), log)
+        };
+        let (d0, log0) = side(0, &mut rng);
+        let (d1, log1) = side(1, &mut rng);
         let mut threads = Vec::new();
         for (dir, app) in sc.apps.iter().enumerate() {
             for (side, role) in [(dir, Role::Sender), (1 - dir, Role::Receiver)] {
@@ -231,32 +248,32 @@ impl World {
                 });
             }
         }
-        let hosts = [
-            Host {
+        let procs = [
+            Proc {
                 busy: vec![false; sc.buffers[0].len()],
-                ..Host::default()
+                ..Proc::default()
             },
-            Host {
+            Proc {
                 busy: vec![false; sc.buffers[1].len()],
-                ..Host::default()
+                ..Proc::default()
             },
         ];
         let mut w = World {
             now: Timestamp::ZERO,
+            clock,
             rng,
             fabric,
             mems,
-            conns,
-            hosts,
+            drivers: [d0, d1],
+            protect: [log0, log1],
+            procs,
             threads,
             heap: BinaryHeap::new(),
             events: HashMap::new(),
             seq: 0,
-            next_id: 1,
-            calls: HashMap::new(),
-            tickets: HashMap::new(),
+            calls: BTreeMap::new(),
             violations: Vec::new(),
-            trace: verbose.then(Vec::new),
+            trace,
             events_run: 0,
             sc,
         };
@@ -266,12 +283,12 @@ impl World {
         match w.sc.injection {
             Injection::Kill { side, at } => w.schedule(Timestamp::ZERO + at, WEvent::Kill(side)),
             Injection::Stall { side, at, dur } => {
-                w.hosts[side].stalled = Some((Timestamp::ZERO + at, Timestamp::ZERO + at + dur));
+                w.procs[side].stalled = Some((Timestamp::ZERO + at, Timestamp::ZERO + at + dur));
             }
             _ => {}
         }
-        w.drive(0);
-        w.drive(1);
+        w.settle(0);
+        w.settle(1);
         w
     }
 
@@ -281,15 +298,8 @@ impl World {
         self.events.insert(self.seq, ev);
     }
 
-    fn note(&mut self, s: impl FnOnce() -> String) {
-        if let Some(t) = self.trace.as_mut() {
-            t.push(format!("{:?} {}", self.now, s()));
-        }
-    }
-
-    fn fresh_id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
+    fn note(&self, s: impl FnOnce() -> String) {
+        self.trace.note(s);
     }
 
     fn buf_addr(side: usize, idx: usize) -> u64 {
@@ -299,8 +309,7 @@ impl World {
     fn side_of(ev: &WEvent, threads: &[Thread]) -> usize {
         match *ev {
             WEvent::Wake(t) => threads[t].side,
-            WEvent::Host { side, .. }
-            | WEvent::Timer(side)
+            WEvent::Timer(side)
             | WEvent::Poll(side)
             | WEvent::Kill(side)
             | WEvent::Cancel { side, .. } => side,
@@ -315,7 +324,7 @@ impl World {
                 break;
             }
             let tw = self.heap.peek().map(|Reverse((t, _))| *t);
-            let tf = self.fabric.next_event_time();
+            let tf = self.fabric.borrow().next_event_time();
             let next = match (tw, tf) {
                 (Some(a), Some(b)) => a.min(b),
                 (Some(a), None) | (None, Some(a)) => a,
@@ -325,22 +334,23 @@ impl World {
                     break;
                 }
             };
-            if next > limit || self.events_run > 20_000_000 {
+            if next > limit || self.events_run > EVENT_LIMIT {
                 self.violations
                     .push(format!("hang: still running at {:?}", self.now));
                 break;
             }
             self.now = self.now.max(next);
-            self.fabric.advance(self.now, &mut self.mems);
+            self.clock.set(self.now);
+            self.fabric.borrow_mut().advance(self.now);
             for side in 0..2 {
-                if self.fabric.has_ready(side)
-                    && self.hosts[side].poll_at.is_none()
-                    && !self.hosts[side].dead
+                if self.fabric.borrow().has_ready(side)
+                    && self.procs[side].poll_at.is_none()
+                    && !self.procs[side].dead
                 {
                     let (lo, hi) = self.sc.skew[side];
                     let d = lo + self.rng.below(hi - lo + 1);
                     let at = self.now + Duration::from_nanos(d);
-                    self.hosts[side].poll_at = Some(at);
+                    self.procs[side].poll_at = Some(at);
                     self.schedule(at, WEvent::Poll(side));
                 }
             }
@@ -353,7 +363,7 @@ impl World {
                     continue;
                 };
                 let side = Self::side_of(&ev, &self.threads);
-                if let Some((from, until)) = self.hosts[side].stalled
+                if let Some((from, until)) = self.procs[side].stalled
                     && self.now >= from
                     && self.now < until
                     && !matches!(ev, WEvent::Kill(_))
@@ -364,6 +374,9 @@ impl World {
                     continue;
                 }
                 self.events_run += 1;
+                if self.events_run > EVENT_LIMIT {
+                    break;
+                }
                 self.run_event(ev);
             }
         }
@@ -374,17 +387,17 @@ impl World {
         let threads_done = self
             .threads
             .iter()
-            .all(|t| matches!(t.phase, Phase::Done) || self.hosts[t.side].dead);
+            .all(|t| matches!(t.phase, Phase::Done) || self.procs[t.side].dead);
         threads_done
             && (0..2).all(|s| {
-                self.hosts[s].dead || (self.hosts[s].closed && self.conns[s].is_finished())
+                self.procs[s].dead || (self.procs[s].closed && self.drivers[s].is_finished())
             })
     }
 
     fn run_event(&mut self, ev: WEvent) {
         match ev {
             WEvent::Wake(t) => {
-                if self.hosts[self.threads[t].side].dead {
+                if self.procs[self.threads[t].side].dead {
                     return;
                 }
                 if self.threads[t].waiting == Some(Wait::Sleep) {
@@ -394,347 +407,82 @@ impl World {
                     self.step(t);
                 }
             }
-            WEvent::Host { side, op, c } => {
-                if self.hosts[side].dead {
-                    return;
-                }
-                self.note(|| format!("side {side}: {op:?} -> {c:?}"));
-                self.conns[side].handle_completion(self.now, op, c, &mut self.mems[side]);
-                self.drive(side);
-            }
             WEvent::Timer(side) => {
-                self.hosts[side].timer_at = None;
-                if self.hosts[side].dead {
+                self.procs[side].timer_at = None;
+                if self.procs[side].dead {
                     return;
                 }
-                if self.conns[side]
-                    .poll_timeout()
-                    .is_some_and(|t| t <= self.now)
-                {
-                    self.conns[side].handle_timeout(self.now, &mut self.mems[side]);
-                }
-                self.drive(side);
+                self.drivers[side].run_timers();
+                self.settle(side);
             }
             WEvent::Poll(side) => {
-                self.hosts[side].poll_at = None;
-                if self.hosts[side].dead {
+                self.procs[side].poll_at = None;
+                if self.procs[side].dead {
                     return;
                 }
-                self.poll_fabric(side);
+                self.drivers[side].turn();
+                self.settle(side);
+                // The peer may have been waiting for room in this side's ring.
+                if !self.procs[1 - side].dead {
+                    self.drivers[1 - side].drive();
+                    self.settle(1 - side);
+                }
             }
             WEvent::Cancel { side, call } => {
-                if !self.hosts[side].dead && self.calls.contains_key(&call) {
+                if !self.procs[side].dead && self.calls.contains_key(&(side, call)) {
                     self.note(|| format!("side {side}: signal interrupts {call:?}"));
-                    self.conns[side].cancel(self.now, call, &mut self.mems[side]);
-                    self.drive(side);
+                    self.drivers[side].cancel(call);
+                    self.settle(side);
                 }
             }
             WEvent::Kill(side) => {
                 self.note(|| format!("KILL side {side}"));
-                self.hosts[side].dead = true;
-                self.fabric.kill(side);
+                self.procs[side].dead = true;
+                self.fabric.borrow_mut().kill(side);
             }
         }
     }
 
-    fn poll_fabric(&mut self, side: usize) {
-        enum Ev {
-            Msg(Vec<u8>),
-            Done(crate::conn::OpId, OpResult),
-            Gone,
-        }
-        let mut evs = Vec::new();
-        self.fabric.endpoint(side).poll(&mut |e| {
-            evs.push(match e {
-                FabricEvent::Message(m) => Ev::Msg(m.to_vec()),
-                FabricEvent::Done { op, result } => Ev::Done(op, result),
-                FabricEvent::PeerGone { .. } => Ev::Gone,
-            })
-        });
-        for e in evs {
-            let now = self.now;
-            match e {
-                Ev::Msg(m) => {
-                    if self.trace.is_some() {
-                        let d = describe(&m);
-                        self.note(|| format!("side {side} <- {d}"));
-                    }
-                    self.conns[side].handle_message(now, &m, &mut self.mems[side]);
-                }
-                Ev::Done(op, r) => {
-                    let c = match r {
-                        OpResult::Get(r) => Completion::Get(r),
-                        OpResult::Cas(r) => Completion::Cas(r),
-                    };
-                    self.conns[side].handle_completion(now, op, c, &mut self.mems[side]);
-                }
-                Ev::Gone => {
-                    self.note(|| format!("side {side}: peer gone"));
-                    self.conns[side].handle_peer_gone(now);
-                }
-            }
-            self.drive(side);
-        }
-        // The peer may have been waiting for room in this side's ring.
-        if !self.hosts[1 - side].dead {
-            self.flush(1 - side);
-        }
-    }
-
-    /// Execute the engine's actions and post its messages.
-    fn drive(&mut self, side: usize) {
-        if self.hosts[side].dead {
+    /// After the driver of `side` ran: wake the threads whose calls ended,
+    /// whose faults were resolved or whose memory was settled, and set the
+    /// timer for the engine's next deadline.
+    fn settle(&mut self, side: usize) {
+        if self.procs[side].dead {
             return;
         }
-        loop {
-            let mut any = false;
-            while let Some(a) = self.conns[side].poll_action() {
-                any = true;
-                self.exec(side, a);
+        let ended: Vec<((usize, CallId), Result<u64, CallError>)> = self
+            .calls
+            .range((side, CallId(0))..=(side, CallId(u64::MAX)))
+            .filter_map(|(&k, _)| self.drivers[side].take_result(k.1).map(|r| (k, r)))
+            .collect();
+        for (k, result) in ended {
+            let t = self.calls.remove(&k).expect("a blocked call");
+            self.note(|| format!("side {side}: {:?} done: {result:?}", k.1));
+            self.threads[t].waiting = None;
+            self.threads[t].result = Some(result);
+            self.schedule(self.now, WEvent::Wake(t));
+        }
+        let woken = std::mem::take(&mut self.protect[side].borrow_mut().woken);
+        for t in 0..self.threads.len() {
+            if self.threads[t].side != side {
+                continue;
             }
-            let mut buf = vec![0u8; self.conns[side].max_message_len()];
-            while let Some(n) = self.conns[side].poll_transmit(&mut buf) {
-                any = true;
-                let msg = self.inject(side, buf[..n].to_vec());
-                self.hosts[side].outq.push_back(msg);
-            }
-            if !any {
-                break;
+            let go = match self.threads[t].waiting {
+                Some(Wait::Fault(_, page)) => woken.iter().any(|r| r.contains(&page)),
+                Some(Wait::Evacuate(ticket)) => self.drivers[side].resumed(ticket),
+                _ => false,
+            };
+            if go {
+                self.threads[t].waiting = None;
+                self.schedule(self.now, WEvent::Wake(t));
             }
         }
-        self.flush(side);
-        if let Some(t) = self.conns[side].poll_timeout()
-            && self.hosts[side].timer_at.is_none_or(|x| x > t)
+        if let Some(t) = self.drivers[side].next_deadline()
+            && self.procs[side].timer_at.is_none_or(|x| x > t)
         {
-            self.hosts[side].timer_at = Some(t);
+            self.procs[side].timer_at = Some(t);
             let at = t.max(self.now);
             self.schedule(at, WEvent::Timer(side));
-        }
-    }
-
-    fn flush(&mut self, side: usize) {
-        while let Some(m) = self.hosts[side].outq.front() {
-            let r = self.fabric.endpoint(side).post_message(m);
-            match r {
-                Ok(()) => {
-                    self.hosts[side].outq.pop_front();
-                }
-                // No transport credit: retried when the peer drains its ring.
-                Err(_) => break,
-            }
-        }
-    }
-
-    /// Apply the scenario's message injection to an outgoing message.
-    fn inject(&mut self, side: usize, mut msg: Vec<u8>) -> Vec<u8> {
-        let nth = self.hosts[side].msgs_posted;
-        self.hosts[side].msgs_posted += 1;
-        if self.trace.is_some() {
-            let d = describe(&msg);
-            self.note(|| format!("side {side} -> {d}"));
-        }
-        match self.sc.injection {
-            Injection::Garbage { side: s, nth: k } if s == side && k == nth => {
-                let kind = self.rng.below(3);
-                match kind {
-                    0 => {
-                        let n = self.rng.below(64) as usize;
-                        msg = (0..n).map(|_| self.rng.next_u32() as u8).collect();
-                    }
-                    1 => msg[0] ^= 0x80,  // version
-                    _ => msg[14] ^= 0x01, // reserved
-                }
-                self.note(|| format!("side {side}: garbage injected"));
-            }
-            Injection::Lie { side: s, nth: k } if s == side => {
-                if let Ok(f) = wire::parse(&msg)
-                    && let wire::Message::SrcAvail(mut a) = f.msg
-                {
-                    let this = self.hosts[side].avails_posted;
-                    self.hosts[side].avails_posted += 1;
-                    if this == k {
-                        if self.rng.chance(0.5) {
-                            a.key ^= 0x5555;
-                        } else {
-                            a.addr = a.addr.wrapping_add(1 << 30);
-                        }
-                        let frame = wire::Frame {
-                            msg: wire::Message::SrcAvail(a),
-                            ..f
-                        };
-                        let mut out = vec![0u8; frame.wire_len()];
-                        wire::emit(&frame, &mut out).expect("room");
-                        msg = out;
-                        self.note(|| format!("side {side}: SRC_AVAIL lies"));
-                    }
-                }
-            }
-            _ => {}
-        }
-        msg
-    }
-
-    fn host_done(&mut self, side: usize, op: crate::conn::OpId, c: Completion) {
-        // Host operations usually complete at once; sometimes a little later.
-        let delay = if self.rng.chance(0.7) {
-            0
-        } else {
-            self.rng.below(3_000)
-        };
-        let at = self.now + Duration::from_nanos(delay);
-        self.schedule(at, WEvent::Host { side, op, c });
-    }
-
-    fn exec(&mut self, side: usize, a: Action) {
-        match a {
-            Action::PrepareSource {
-                op,
-                addr,
-                len,
-                protect,
-            } => {
-                self.note(|| {
-                    format!("side {side}: prepare {op:?} {addr:#x}+{len} protect {protect:x?}")
-                });
-                if self.rng.chance(self.sc.p_prepare_fail) {
-                    self.host_done(side, op, Completion::Prepared(Err(OpError::Local)));
-                    return;
-                }
-                for r in protect {
-                    let wrong =
-                        self.mems[side].set_prot(r.clone(), Prot::None, Prot::WriteProtected);
-                    if !wrong.is_empty() {
-                        self.violations.push(format!(
-                            "side {side}: protect of {r:x?} found pages already protected: {wrong:x?}"
-                        ));
-                    }
-                }
-                let key = self
-                    .fabric
-                    .endpoint(side)
-                    .register(addr, len)
-                    .expect("sim register");
-                self.host_done(side, op, Completion::Prepared(Ok(key)));
-            }
-            Action::ReleaseSource { key, .. } => {
-                if !self.fabric.is_registered(side, key) {
-                    self.violations.push(format!(
-                        "side {side}: release of unregistered source key {key}"
-                    ));
-                }
-                self.fabric.endpoint(side).deregister(key);
-            }
-            Action::Unprotect { range } => {
-                let wrong =
-                    self.mems[side].set_prot(range.clone(), Prot::WriteProtected, Prot::None);
-                if !wrong.is_empty() {
-                    self.violations.push(format!(
-                        "side {side}: unprotect of {range:x?} found unprotected pages {wrong:x?}"
-                    ));
-                }
-            }
-            Action::Arm { op, range } => {
-                if self.rng.chance(self.sc.p_arm_fail) {
-                    self.host_done(side, op, Completion::Armed(Err(OpError::Local)));
-                    return;
-                }
-                let wrong = self.mems[side].set_prot(range.clone(), Prot::None, Prot::Armed);
-                if !wrong.is_empty() {
-                    self.violations.push(format!(
-                        "side {side}: arm of {range:x?} found protected pages {wrong:x?}"
-                    ));
-                }
-                self.host_done(side, op, Completion::Armed(Ok(())));
-            }
-            Action::Disarm { range, outcome } => {
-                let wrong = self.mems[side].set_prot(range.clone(), Prot::Armed, Prot::None);
-                if !wrong.is_empty() {
-                    self.violations.push(format!(
-                        "side {side}: disarm of {range:x?} found unarmed pages {wrong:x?}"
-                    ));
-                }
-                if outcome == DisarmOutcome::Lost {
-                    self.hosts[side].lost.push(range);
-                }
-            }
-            Action::Get {
-                op,
-                src,
-                dst,
-                len,
-                armed,
-            } => {
-                let _ = self
-                    .fabric
-                    .endpoint(side)
-                    .post_get(op, src, dst, len, armed);
-            }
-            Action::Cas {
-                op,
-                target,
-                expect,
-                new,
-            } => {
-                let _ = self.fabric.endpoint(side).post_cas(op, target, expect, new);
-            }
-            Action::CopyAside { op, addr, len } => {
-                if self.rng.chance(self.sc.p_copy_fail) {
-                    self.host_done(side, op, Completion::Copied(Err(OpError::Local)));
-                    return;
-                }
-                if self.mems[side].first_fault(addr, len, false).is_some() {
-                    self.violations.push(format!(
-                        "side {side}: copy-aside reads armed pages at {addr:#x}"
-                    ));
-                }
-                let dst = COPY_BASE + (side as u64) * 0x1000_0000_0000 + self.hosts[side].next_copy;
-                self.hosts[side].next_copy +=
-                    len.next_multiple_of(self.sc.page[side]) + self.sc.page[side];
-                let mut tmp = vec![0u8; len as usize];
-                self.mems[side].read_raw(addr, &mut tmp);
-                self.mems[side].write_raw(dst, &tmp);
-                let key = self
-                    .fabric
-                    .endpoint(side)
-                    .register(dst, len)
-                    .expect("sim register");
-                self.host_done(
-                    side,
-                    op,
-                    Completion::Copied(Ok(RemoteBuf { addr: dst, key })),
-                );
-            }
-            Action::ReleaseCopy { buf, len } => {
-                if !self.fabric.is_registered(side, buf.key) {
-                    self.violations.push(format!(
-                        "side {side}: release of unregistered copy key {}",
-                        buf.key
-                    ));
-                }
-                self.fabric.endpoint(side).deregister(buf.key);
-                self.mems[side].discard(buf.addr..buf.addr + len);
-            }
-            Action::RevokeAccess => self.fabric.endpoint(side).revoke_access(),
-            Action::CallDone { call, result } => {
-                self.note(|| format!("side {side}: {call:?} done: {result:?}"));
-                let Some(t) = self.calls.remove(&call) else {
-                    self.violations
-                        .push(format!("side {side}: CallDone for unknown {call:?}"));
-                    return;
-                };
-                self.threads[t].waiting = None;
-                self.threads[t].result = Some(result);
-                self.schedule(self.now, WEvent::Wake(t));
-            }
-            Action::Resume { ticket } => {
-                let Some(t) = self.tickets.remove(&ticket) else {
-                    self.violations
-                        .push(format!("side {side}: Resume for unknown {ticket:?}"));
-                    return;
-                };
-                self.threads[t].waiting = None;
-                self.schedule(self.now, WEvent::Wake(t));
-            }
         }
     }
 
@@ -756,25 +504,24 @@ impl World {
         while p < len {
             let a = addr + p;
             let k = (page - a % page).min(len - p);
-            if let Some(fp) = self.mems[side].first_fault(a, k, write.is_some()) {
-                let ticket = Ticket(self.fresh_id());
-                self.tickets.insert(ticket, t);
-                self.threads[t].waiting = Some(Wait::Fault(ticket));
-                self.hosts[side].faults_raised += 1;
+            let fault = self.mems.borrow()[side].first_fault(a, k, write.is_some());
+            if let Some(fp) = fault {
+                self.procs[side].faults_raised += 1;
                 let access = if write.is_some() {
                     Access::Write
                 } else {
                     Access::Read
                 };
                 self.note(|| format!("side {side}: fault {access:?} at {fp:#x}"));
-                self.conns[side].handle_fault(self.now, ticket, fp, access);
-                self.drive(side);
+                let ticket = self.drivers[side].submit_fault(fp, access);
+                self.threads[t].waiting = Some(Wait::Fault(ticket, fp & !(page - 1)));
+                self.settle(side);
                 return p;
             }
             if let Some(f) = write {
                 let mut tmp = vec![0u8; k as usize];
                 f(p, &mut tmp);
-                self.mems[side].write_raw(a, &tmp);
+                self.mems.borrow_mut()[side].write_raw(a, &tmp);
             }
             p += k;
         }
@@ -838,8 +585,8 @@ impl World {
         };
         let idx = (0..n)
             .map(|i| (first + i) % n)
-            .find(|&i| !self.hosts[side].busy[i])?;
-        self.hosts[side].busy[idx] = true;
+            .find(|&i| !self.procs[side].busy[i])?;
+        self.procs[side].busy[idx] = true;
         Some(idx)
     }
 
@@ -940,24 +687,15 @@ impl World {
                 let addr = Self::buf_addr(side, idx) + off + sent;
                 let protectable = self.sc.buffers[side][idx].1;
                 let nonblocking = self.threads[t].rng.chance(self.sc.apps[dir].p_nonblocking);
-                let call = CallId(self.fresh_id());
-                self.calls.insert(call, t);
-                self.threads[t].waiting = Some(Wait::Call(call));
+                let flags = SendFlags {
+                    nonblocking,
+                    protectable,
+                };
+                let call = self.drivers[side].submit_send(addr, len - sent, flags);
                 self.note(|| format!("side {side}: {call:?} send {addr:#x}+{} nonblocking {nonblocking} protectable {protectable}", len - sent));
-                self.conns[side].send(
-                    self.now,
-                    call,
-                    UserBuf {
-                        addr,
-                        len: len - sent,
-                    },
-                    SendFlags {
-                        nonblocking,
-                        protectable,
-                    },
-                    &mut self.mems[side],
-                );
-                self.drive(side);
+                self.calls.insert((side, call), t);
+                self.threads[t].waiting = Some(Wait::Call(call));
+                self.settle(side);
                 self.maybe_interrupt(t, call, nonblocking);
                 self.threads[t].phase = Phase::Send;
                 None
@@ -979,7 +717,7 @@ impl World {
                 let (moff, mlen) = self.threads[t].cur;
                 let addr = Self::buf_addr(side, self.threads[t].buf.expect("buffer")) + moff + off;
                 let mut got = vec![0u8; len as usize];
-                self.mems[side].read_raw(addr, &mut got);
+                self.mems.borrow_mut()[side].read_raw(addr, &mut got);
                 let mut want = vec![0u8; len as usize];
                 // The touched bytes were sent at stream offset pos - mlen + off.
                 fill_poison(dir, seed, self.threads[t].pos - mlen + off, &mut want);
@@ -999,12 +737,10 @@ impl World {
                 let cap = self.sc.buffers[side][idx].0;
                 let page = self.sc.page[side];
                 let range = addr..(addr + cap).next_multiple_of(page);
-                let ticket = Ticket(self.fresh_id());
-                self.tickets.insert(ticket, t);
-                self.threads[t].waiting = Some(Wait::Fault(ticket));
                 self.note(|| format!("side {side}: free {range:x?}"));
-                self.conns[side].evacuate(self.now, ticket, range, &mut self.mems[side]);
-                self.drive(side);
+                let ticket = self.drivers[side].submit_evacuate(range);
+                self.threads[t].waiting = Some(Wait::Evacuate(ticket));
+                self.settle(side);
                 self.threads[t].phase = Phase::Reuse;
                 None
             }
@@ -1013,18 +749,18 @@ impl World {
                 let idx = self.threads[t].buf.expect("buffer");
                 let addr = Self::buf_addr(side, idx);
                 let cap = self.sc.buffers[side][idx].0;
-                if let Some(p) = self.mems[side].first_fault(addr, cap, true) {
+                if let Some(p) = self.mems.borrow()[side].first_fault(addr, cap, true) {
                     self.violations.push(format!(
                         "side {side}: page {p:#x} still protected after free() was allowed to proceed"
                     ));
                 }
                 let junk = vec![0xeeu8; cap as usize];
-                self.mems[side].write_raw(addr, &junk);
+                self.mems.borrow_mut()[side].write_raw(addr, &junk);
                 Some(Phase::Release)
             }
             Phase::Release => {
                 let idx = self.threads[t].buf.take().expect("buffer");
-                self.hosts[side].busy[idx] = false;
+                self.procs[side].busy[idx] = false;
                 if self.compute(t) {
                     self.threads[t].phase = Phase::Pick;
                     return None;
@@ -1032,8 +768,8 @@ impl World {
                 Some(Phase::Pick)
             }
             Phase::Finish => {
-                self.conns[side].shutdown(self.now, Shutdown::Write, &mut self.mems[side]);
-                self.drive(side);
+                self.drivers[side].shutdown(Shutdown::Write);
+                self.settle(side);
                 self.maybe_close(side, t);
                 Some(Phase::Done)
             }
@@ -1048,10 +784,10 @@ impl World {
             .enumerate()
             .filter(|(i, th)| th.side == side && *i != finishing)
             .all(|(_, th)| matches!(th.phase, Phase::Done));
-        if others_done && !self.hosts[side].closed {
-            self.hosts[side].closed = true;
-            self.conns[side].close(self.now, Linger::Background, &mut self.mems[side]);
-            self.drive(side);
+        if others_done && !self.procs[side].closed {
+            self.procs[side].closed = true;
+            self.drivers[side].submit_close();
+            self.settle(side);
         }
     }
 
@@ -1128,17 +864,10 @@ impl World {
                     armable: self.sc.buffers[side][idx].1,
                 };
                 th.last_peek = flags.peek;
-                let call = CallId(self.fresh_id());
-                self.calls.insert(call, t);
+                let call = self.drivers[side].submit_recv(addr, len, flags);
+                self.calls.insert((side, call), t);
                 self.threads[t].waiting = Some(Wait::Call(call));
-                self.conns[side].recv(
-                    self.now,
-                    call,
-                    UserBuf { addr, len },
-                    flags,
-                    &mut self.mems[side],
-                );
-                self.drive(side);
+                self.settle(side);
                 self.threads[t].phase = Phase::Recv;
                 None
             }
@@ -1173,7 +902,8 @@ impl World {
             } => {
                 let (boff, _) = self.threads[t].cur;
                 let addr = Self::buf_addr(side, self.threads[t].buf.expect("buffer")) + boff;
-                if self.hosts[side]
+                if self.protect[side]
+                    .borrow()
                     .lost
                     .iter()
                     .any(|r| r.start < addr + n && addr < r.end)
@@ -1204,7 +934,7 @@ impl World {
             }
             Phase::Release => {
                 let idx = self.threads[t].buf.take().expect("buffer");
-                self.hosts[side].busy[idx] = false;
+                self.procs[side].busy[idx] = false;
                 let th = &self.threads[t];
                 if th.eof || th.error.is_some() || th.sigbus {
                     return Some(Phase::Finish);
@@ -1228,7 +958,7 @@ impl World {
         let dir = self.threads[t].dir;
         let start = self.threads[t].pos;
         let mut got = vec![0u8; n as usize];
-        self.mems[side].read_raw(addr, &mut got);
+        self.mems.borrow_mut()[side].read_raw(addr, &mut got);
         let mut want = vec![0u8; n as usize];
         fill_pattern(dir, self.sc.seed, start, &mut want);
         if let Some((off, len)) = touch {
@@ -1262,16 +992,21 @@ impl World {
     fn check_end(mut self) -> SimReport {
         let fatal = self.sc.injection.is_fatal();
         let aborted: Vec<bool> = (0..2)
-            .map(|s| matches!(self.conns[s].state(), State::Aborted(_)))
+            .map(|s| matches!(self.drivers[s].connection().state(), State::Aborted(_)))
             .collect();
+        self.violations
+            .append(&mut self.fabric.borrow_mut().violations);
+        for log in &self.protect {
+            self.violations.append(&mut log.borrow_mut().violations);
+        }
         for (s, &aborted_s) in aborted.iter().enumerate() {
-            if self.hosts[s].dead {
+            if self.procs[s].dead {
                 continue;
             }
-            for v in &self.mems[s].violations {
+            for v in &self.mems.borrow()[s].violations {
                 self.violations.push(format!("side {s}: {}", v.what));
             }
-            let left = self.mems[s].protected_pages();
+            let left = self.mems.borrow()[s].protected_pages();
             if !left.is_empty() {
                 self.violations.push(format!(
                     "side {s}: {} page(s) still protected at the end, first {:x?}",
@@ -1279,42 +1014,49 @@ impl World {
                     left[0]
                 ));
             }
-            if !self.conns[s].protected_ranges().is_empty()
-                || !self.conns[s].armed_ranges().is_empty()
+            if !self.drivers[s].connection().protected_ranges().is_empty()
+                || !self.drivers[s].connection().armed_ranges().is_empty()
             {
                 self.violations
                     .push(format!("side {s}: engine still holds protections"));
             }
-            if self.fabric.registrations(s) != 0 {
-                self.violations.push(format!(
-                    "side {s}: {} registration(s) leaked",
-                    self.fabric.registrations(s)
-                ));
+            let (regs, pool) = {
+                let f = self.fabric.borrow();
+                (f.registrations(s), f.pool_in_use(s))
+            };
+            if regs != 0 {
+                self.violations
+                    .push(format!("side {s}: {regs} registration(s) leaked"));
             }
-            if !self.hosts[s].lost.is_empty() && !aborted_s {
+            if pool != 0 {
+                self.violations
+                    .push(format!("side {s}: {pool} pool buffer(s) leaked"));
+            }
+            if !self.protect[s].borrow().lost.is_empty() && !aborted_s {
                 self.violations
                     .push(format!("side {s}: armed data lost on a healthy connection"));
             }
-            let c = self.conns[s].counters();
-            if c.gets != self.fabric.gets_posted[s] {
+            let c = self.drivers[s].connection().counters();
+            let posted = self.fabric.borrow().gets_posted[s];
+            if c.gets != posted {
                 self.violations.push(format!(
-                    "side {s}: counters say {} GETs, the fabric saw {}",
-                    c.gets, self.fabric.gets_posted[s]
+                    "side {s}: counters say {} GETs, the fabric saw {posted}",
+                    c.gets
                 ));
             }
             let faults = c.send_faults + c.recv_faults + c.spurious_faults;
-            if faults != self.hosts[s].faults_raised {
+            if faults != self.procs[s].faults_raised {
                 // A fault on a page both write-protected and armed counts twice.
-                if faults < self.hosts[s].faults_raised {
+                if faults < self.procs[s].faults_raised {
                     self.violations.push(format!(
                         "side {s}: counters say {faults} faults, the application took {}",
-                        self.hosts[s].faults_raised
+                        self.procs[s].faults_raised
                     ));
                 }
             }
         }
         for (i, th) in self.threads.iter().enumerate() {
-            if !matches!(th.phase, Phase::Done) && !self.hosts[th.side].dead {
+            if !matches!(th.phase, Phase::Done) && !self.procs[th.side].dead {
                 self.violations.push(format!(
                     "hang: thread {i} ({:?} on side {}) stuck in {:?} waiting {:?}",
                     th.role, th.side, th.phase, th.waiting
@@ -1330,8 +1072,8 @@ impl World {
             let (snd, rcv) = (dir, 1 - dir);
             // A killed sender's thread may not have seen its last send() return;
             // its engine's counters (frozen at death) say what it accepted.
-            let sent: u64 = if self.hosts[snd].dead {
-                self.conns[snd].counters().bytes_sent()
+            let sent: u64 = if self.procs[snd].dead {
+                self.drivers[snd].connection().counters().bytes_sent()
             } else {
                 self.threads
                     .iter()
@@ -1345,15 +1087,15 @@ impl World {
                 .filter(|t| t.dir == dir && t.role == Role::Receiver)
                 .map(|t| t.pos)
                 .sum();
-            let cs = self.conns[snd].counters().clone();
-            let cr = self.conns[rcv].counters().clone();
-            if !self.hosts[snd].dead && cs.bytes_sent() != sent {
+            let cs = self.drivers[snd].connection().counters().clone();
+            let cr = self.drivers[rcv].connection().counters().clone();
+            if !self.procs[snd].dead && cs.bytes_sent() != sent {
                 self.violations.push(format!(
                     "direction {dir}: sender counters say {} bytes, send() returned {sent}",
                     cs.bytes_sent()
                 ));
             }
-            if !self.hosts[rcv].dead && cr.bytes_received() != recvd {
+            if !self.procs[rcv].dead && cr.bytes_received() != recvd {
                 self.violations.push(format!(
                     "direction {dir}: receiver counters say {} bytes, recv() returned {recvd}",
                     cr.bytes_received()
@@ -1393,34 +1135,26 @@ impl World {
         if !fatal && (aborted[0] || aborted[1]) {
             self.violations.push(format!(
                 "healthy run aborted: {:?} / {:?}",
-                self.conns[0].state(),
-                self.conns[1].state()
+                self.drivers[0].connection().state(),
+                self.drivers[1].connection().state()
             ));
         }
         let counters: [Counters; 2] = [
-            self.conns[0].counters().clone(),
-            self.conns[1].counters().clone(),
+            self.drivers[0].connection().counters().clone(),
+            self.drivers[1].connection().counters().clone(),
         ];
         SimReport {
             seed: self.sc.seed,
             violations: self.violations,
             counters,
-            states: [self.conns[0].state().clone(), self.conns[1].state().clone()],
+            states: [
+                self.drivers[0].connection().state().clone(),
+                self.drivers[1].connection().state().clone(),
+            ],
             sim_time: self.now - Timestamp::ZERO,
             events: self.events_run,
-            trace: self.trace.unwrap_or_default(),
+            trace: self.trace.take(),
             scenario: self.sc,
         }
-    }
-}
-
-/// One line describing a wire message, for traces.
-fn describe(m: &[u8]) -> String {
-    match wire::parse(m) {
-        Ok(f) => match f.msg {
-            wire::Message::Data(p) => format!("#{} DATA {}B cr{}", f.seq, p.len(), f.credits),
-            msg => format!("#{} {:?} cr{}", f.seq, msg, f.credits),
-        },
-        Err(e) => format!("garbage ({e})"),
     }
 }

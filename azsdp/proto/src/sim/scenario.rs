@@ -8,7 +8,7 @@ use crate::conn::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProte
 use crate::fabric::sim::SimFabricParams;
 
 /// What goes wrong in this run.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Injection {
     None,
     /// Side dies at the given simulated time.
@@ -97,6 +97,9 @@ impl Scenario {
             ring_capacity: r.range(2, 64) as usize,
             death_detect: Duration::from_micros(r.range(10, 2_000)),
             lock_slots: r.range(1, 16) as u16,
+            // Set from the scenario's host failures below.
+            p_register_fail: 0.0,
+            p_pool_fail: 0.0,
         };
         let engine = [
             engine_config(&mut r, Role::Client, page[0], fabric.lock_slots),

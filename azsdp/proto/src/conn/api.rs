@@ -11,7 +11,8 @@ use crate::wire::{AbortCode, MsgType, WireError};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CallId(pub u64);
 
-/// A fabric or host operation the engine started, named by the engine.
+/// A fabric or host operation the engine started, named by the engine
+/// (counting up from 1; the driver names its own steps from 2^63).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OpId(pub u64);
 
@@ -101,8 +102,10 @@ pub enum DisarmOutcome {
 /// What the engine asks the driver to do. Drivers execute actions in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// Expose `[addr, addr+len)` for remote GET and write-protect the listed
-    /// ranges (whole pages). Answer with [`Completion::Prepared`].
+    /// Write-protect the listed ranges (whole pages), then register
+    /// `[addr, addr+len)` for the peer's GET. Answer with
+    /// [`Completion::Prepared`] and the key; a failure must leave nothing
+    /// protected.
     PrepareSource {
         op: OpId,
         addr: u64,
@@ -121,9 +124,10 @@ pub enum Action {
         range: Range<u64>,
         outcome: DisarmOutcome,
     },
-    /// One-sided read of `len` bytes from the peer into local memory. With
-    /// `armed`, the destination pages are armed: the driver lands the data in
-    /// staging pages and moves them into place when the read completes.
+    /// One-sided read of `len` bytes from the peer into local memory (the
+    /// driver registers the destination for it). With `armed`, the
+    /// destination pages are armed: the data lands in the protector's
+    /// staging pages, moved into place when the read completes.
     Get {
         op: OpId,
         src: RemoteBuf,
@@ -138,13 +142,16 @@ pub enum Action {
         expect: u64,
         new: u64,
     },
-    /// Copy `[addr, addr+len)` into private, GET-able memory (copy-on-write).
-    /// Answer with [`Completion::Copied`].
+    /// Copy `[addr, addr+len)` into memory the peer can GET (the fabric's
+    /// pool, registered for the peer): copy-on-write. Answer with
+    /// [`Completion::Copied`].
     CopyAside { op: OpId, addr: u64, len: u64 },
     /// A private copy made by `CopyAside` is no longer needed.
     ReleaseCopy { buf: RemoteBuf, len: u64 },
-    /// After this, no peer operation on this side's memory may succeed (QP to
-    /// error, shared "broken" flag): executed before an abort unprotects pages. Messages still flow.
+    /// After this, no peer operation on this side's memory may succeed: the
+    /// fabric invalidates every key this side handed out (in-flight
+    /// operations included). Executed before an abort unprotects pages.
+    /// Messages still flow.
     RevokeAccess,
     /// An application call finished.
     CallDone {

@@ -16,6 +16,7 @@
 //!
 //! The same seed replays the same run exactly.
 
+pub mod host;
 pub mod memory;
 pub mod rng;
 pub mod scenario;
@@ -23,6 +24,7 @@ mod world;
 
 use std::time::Duration;
 
+pub use host::Trace;
 pub use scenario::{Injection, Scenario};
 
 use crate::conn::{Counters, State};
@@ -137,36 +139,48 @@ fn add(total: &mut Counters, c: &Counters) {
 
 /// Run seeds `first..first+count` on `threads` threads.
 pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
-    use crate::sync::Lock;
     use std::sync::atomic::{AtomicU64, Ordering};
     let next = AtomicU64::new(first);
-    let summary = Lock::new(BatchSummary {
+    let mut summary = BatchSummary {
         seeds: count,
         ..BatchSummary::default()
-    });
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| {
-                loop {
-                    let seed = next.fetch_add(1, Ordering::Relaxed);
-                    if seed >= first + count {
-                        break;
+    };
+    // Each thread sums its own seeds; the parts are added at the end.
+    let parts: Vec<BatchSummary> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut sum = BatchSummary::default();
+                    loop {
+                        let seed = next.fetch_add(1, Ordering::Relaxed);
+                        if seed >= first + count {
+                            return sum;
+                        }
+                        let r = run_seed(seed, false);
+                        add(&mut sum.totals, &r.counters[0]);
+                        add(&mut sum.totals, &r.counters[1]);
+                        sum.injected += u64::from(r.scenario.injection.is_fatal());
+                        sum.aborted +=
+                            u64::from(r.states.iter().any(|s| matches!(s, State::Aborted(_))));
+                        if !r.passed() {
+                            sum.failures.push(r);
+                        }
                     }
-                    let r = run_seed(seed, false);
-                    let mut sum = summary.lock();
-                    add(&mut sum.totals, &r.counters[0]);
-                    add(&mut sum.totals, &r.counters[1]);
-                    sum.injected += u64::from(r.scenario.injection.is_fatal());
-                    sum.aborted +=
-                        u64::from(r.states.iter().any(|s| matches!(s, State::Aborted(_))));
-                    if !r.passed() {
-                        sum.failures.push(r);
-                    }
-                }
-            });
-        }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
     });
-    let mut sum = summary.into_inner();
+    for p in parts {
+        add(&mut summary.totals, &p.totals);
+        summary.injected += p.injected;
+        summary.aborted += p.aborted;
+        summary.failures.extend(p.failures);
+    }
+    let mut sum = summary;
     sum.failures.sort_by_key(|r| r.seed);
     sum
 }

@@ -1,0 +1,212 @@
+//! The fabric: the contract a transport implements for the driver.
+//!
+//! Shaped after verbs, so that an RDMA NIC implements it as directly as
+//! shared memory does:
+//!
+//! - **registration is posted and completed** ([`Fabric::post_register`],
+//!   [`OpResult::Registered`]), and every GET names a key on both sides: the
+//!   peer's for the source ([`RemoteBuf`]), ours for the destination
+//!   ([`LocalBuf`]);
+//! - **messages** are ordered, reliable and whole, with transport credits
+//!   ([`Fabric::send_credits`]): the driver posts only what they allow, so
+//!   a slow peer pushes back into the engine and from there to `send()`;
+//! - **one-sided** GET (RDMA READ) and 64-bit compare-and-swap on lock words;
+//! - a **pool** of fabric-owned memory that the peer can GET from, for the
+//!   copies copy-on-write makes ([`Fabric::pool_alloc`]);
+//! - **one waiter** for messages and completions alike ([`FabricWaiter`]),
+//!   which a reactor can sleep on with other connections' (`fd`);
+//! - **revocation** ([`Fabric::revoke_access`]): every key this side handed
+//!   out stops working at once, while messages still flow (a NIC
+//!   invalidates its rkeys or memory windows; it does not move the queue
+//!   pair to error, which would kill the messages too).
+//!
+//! Providers: [`sim`] (deterministic, seeded, for tests), `shm` in the
+//! `azsdp` crate (intra-host: rings in a memfd, GET = `process_vm_readv`);
+//! `verbs` (rdma-core) comes with the verbs issue.
+
+pub mod sim;
+
+pub use crate::conn::Departure;
+use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+use thiserror::Error;
+
+/// Local memory as a GET destination: an address and the key of the
+/// registration that covers it (for a NIC, the lkey).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalBuf {
+    pub addr: u64,
+    pub key: u32,
+}
+
+/// What a registration lets happen to the memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegAccess {
+    /// The peer may GET from it (its key goes to the peer: an rkey).
+    PeerRead,
+    /// Our own GETs may land in it (its key stays here: an lkey).
+    LocalWrite,
+}
+
+/// Why the fabric refused to start an operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum FabricError {
+    /// No transport credit: the peer's ring is full. Retry after [`Fabric::poll`].
+    #[error("no transport credit")]
+    NoCredits,
+    /// The message is larger than the peer's receive slot.
+    #[error("message too large")]
+    TooLarge,
+    /// The connection is broken.
+    #[error("fabric connection broken")]
+    Broken,
+    /// This provider cannot do that.
+    #[error("operation not supported by this fabric")]
+    Unsupported,
+}
+
+/// Result of a one-sided operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpResult {
+    /// A posted registration: its key, or why it failed.
+    Registered(Result<u32, OpError>),
+    Get(Result<(), OpError>),
+    Cas(Result<u64, OpError>),
+}
+
+/// Something the fabric reports.
+#[derive(Debug)]
+pub enum FabricEvent<'a> {
+    /// A message from the peer, valid for the duration of the callback.
+    Message(&'a [u8]),
+    /// A one-sided operation finished.
+    Done { op: OpId, result: OpResult },
+    /// The peer died or the link failed; nothing more will arrive. With
+    /// how far the peer's stream and ours had got when it left, if the
+    /// fabric knows: the engine can then tell a loss-free end (EOF, as
+    /// TCP's FIN) from one that lost data either way (a reset, as the RST
+    /// a TCP peer that dies with data unread sends).
+    PeerGone { left: Option<Departure> },
+}
+
+/// Waits for a fabric endpoint's events, messages and completions alike,
+/// without borrowing it, so that a thread can sleep while others use the
+/// endpoint (behind the driver's lock).
+///
+/// No wake-up is lost: take a ticket with [`FabricWaiter::prepare`] *before*
+/// checking whether there is anything to do, then [`FabricWaiter::wait`]
+/// with it returns at once if a message or a kick came in between.
+pub trait FabricWaiter: Send + Sync {
+    fn prepare(&self) -> u32;
+    /// Sleep until a message may have arrived or a kick was made since
+    /// `ticket`, or `timeout` passes (it may return early). With `spin`,
+    /// busy-poll for the provider's polling time first (for callers that
+    /// want latency; background threads should not burn a core).
+    fn wait(&self, ticket: u32, timeout: std::time::Duration, spin: bool);
+    /// Sleep until a message is published or a kick made after `ticket`,
+    /// or `timeout` passes, even if unread messages are waiting (another
+    /// thread is reading them).
+    fn sleep(&self, ticket: u32, timeout: std::time::Duration);
+    /// Wake this process's threads sleeping in [`FabricWaiter::wait`]: a
+    /// thread turned the engine for them (e.g. finished their call).
+    fn kick(&self);
+}
+
+/// A verbs-like fabric endpoint (one per connection).
+pub trait Fabric {
+    /// Where this side's lock words live, for the peer's compare-and-swap.
+    fn lock_region(&self) -> LockRegion;
+    /// Register `[addr, addr+len)` for `access`. Completes with
+    /// [`OpResult::Registered`] and the key (an rkey for
+    /// [`RegAccess::PeerRead`], an lkey for [`RegAccess::LocalWrite`]);
+    /// a provider may complete it before this returns (it then says so in
+    /// [`Fabric::completions_pending`]).
+    fn post_register(
+        &mut self,
+        op: OpId,
+        addr: u64,
+        len: u64,
+        access: RegAccess,
+    ) -> Result<(), FabricError>;
+    /// Withdraw a registration: from now on its key works no more.
+    fn deregister(&mut self, key: u32);
+    /// Transport credit: can a message of up to `len` bytes be posted now
+    /// without [`FabricError::NoCredits`]? (A broken fabric says yes: the
+    /// post then fails at once.)
+    fn has_room(&self, len: usize) -> bool;
+    /// Post a message; delivered whole, in order, exactly once, unless broken.
+    fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError>;
+    /// Read `len` bytes at `src` in the peer's memory into `dst`, which a
+    /// [`RegAccess::LocalWrite`] registration covers.
+    fn post_get(
+        &mut self,
+        op: OpId,
+        src: RemoteBuf,
+        dst: LocalBuf,
+        len: u64,
+    ) -> Result<(), FabricError>;
+    /// Atomic compare-and-swap on a lock word; the result is the old value.
+    fn post_cas(
+        &mut self,
+        op: OpId,
+        target: CasTarget,
+        expect: u64,
+        new: u64,
+    ) -> Result<(), FabricError>;
+    /// Memory the fabric owns and the peer can GET from once registered:
+    /// `len` bytes for a copy that copy-on-write makes. Returns its address.
+    fn pool_alloc(&mut self, len: u64) -> Result<u64, OpError>;
+    /// Fill `len` bytes of pool memory at `addr` (from [`Fabric::pool_alloc`]).
+    fn pool_fill(&mut self, addr: u64, len: u64, fill: &mut dyn FnMut(&mut [u8]));
+    /// Give pool memory back (its registration is withdrawn first).
+    fn pool_free(&mut self, addr: u64, len: u64);
+    /// Revocation: every key this side handed out stops working at once,
+    /// so no peer GET or compare-and-swap on this side's memory succeeds
+    /// from now on, including those in flight. Messages still flow.
+    fn revoke_access(&mut self);
+    /// Deliver what is ready; returns how many events were delivered.
+    fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
+    /// Block until something may be ready to poll, or `timeout` passes.
+    fn wait(&self, timeout: std::time::Duration);
+    /// Are completions of operations already posted waiting for
+    /// [`Fabric::poll`]? (A provider that completes some at once, as shm
+    /// does, says so: no message or interrupt will announce them.)
+    fn completions_pending(&self) -> bool {
+        false
+    }
+    /// Do GETs move data while the posting thread goes on (as a NIC's DMA
+    /// does)? If not, an armed receive has landed before `recv()` could
+    /// return, and arming is pure cost: `recv_protect = "auto"` stays off.
+    fn gets_async(&self) -> bool {
+        false
+    }
+    /// Which process runs this side of the connection. After `fork()` both
+    /// processes hold it: it is frozen ([`Ownership::Unclaimed`]) until one
+    /// of them [`Fabric::claim`]s it.
+    fn ownership(&self) -> Ownership {
+        Ownership::Mine
+    }
+    /// A fork is about to copy this side into a child: freeze it.
+    fn freeze(&self) {}
+    /// Take an unclaimed side for this process; whether it is ours now.
+    fn claim(&self) -> bool {
+        true
+    }
+    /// This side is done (its connection finished, or is dropped): nothing
+    /// more will come from it or be read by it, and the peer may learn so
+    /// at once.
+    fn finish(&self) {}
+    /// Record how far our `send()` and `recv()` calls have got (the peer
+    /// learns it with [`FabricEvent::PeerGone`] if we die).
+    fn publish_progress(&mut self, _progress: Departure) {}
+}
+
+/// Who runs one side of a connection (see [`Fabric::ownership`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ownership {
+    /// This process.
+    Mine,
+    /// Frozen since a fork; the first of the processes to claim it gets it.
+    Unclaimed,
+    /// Another process claimed it: this copy must not touch the fabric.
+    Other,
+}
