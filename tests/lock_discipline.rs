@@ -92,3 +92,56 @@ fn every_thread_is_started_with_signals_blocked() {
         found.join("\n")
     );
 }
+
+/// The sans-IO core may reach no operating system: its manifest names no
+/// OS crate, and its sources call none (a dependency added later, or a
+/// path reaching into one, fails here before it spreads).
+#[test]
+fn the_sans_io_crate_depends_on_nothing_of_the_os() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifest =
+        std::fs::read_to_string(root.join("azsdp/proto/Cargo.toml")).expect("proto manifest");
+    let deps: Vec<&str> = manifest
+        .split("[dependencies]")
+        .nth(1)
+        .expect("a [dependencies] table")
+        .split("\n[")
+        .next()
+        .unwrap_or("")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter_map(|l| l.split(['.', '=', ' ']).next())
+        .collect();
+    assert_eq!(deps, ["thiserror"], "azsdp-proto's dependencies");
+    let mut files = Vec::new();
+    sources(&root.join("azsdp/proto/src"), &mut files);
+    assert!(files.len() > 10, "found only {} files", files.len());
+    let os = [
+        "libc::",
+        "nix::",
+        "memmap2",
+        "linux_raw_sys",
+        "std::fs",
+        "std::net",
+        "std::process",
+        "std::os::",
+        "Instant::now",
+        "SystemTime",
+    ];
+    let mut found = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).expect("read source");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if os.iter().any(|w| code.contains(w)) {
+                found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the sans-IO crate reaches the OS:\n{}",
+        found.join("\n")
+    );
+}
