@@ -191,6 +191,21 @@ impl Ring {
         Ok((head, tail))
     }
 
+    /// Producer: would a message of `len` bytes (at most the largest this
+    /// ring carries) be pushed now? True too when the positions are corrupt:
+    /// the push then fails at once.
+    pub fn has_room(&self, len: usize) -> bool {
+        let Ok((head, tail)) = self.positions() else {
+            return true;
+        };
+        let used = tail.wrapping_sub(head) as usize;
+        let off = (tail as usize) & (self.cap - 1);
+        let rec = Self::record_len(len.min(self.max_message()));
+        let to_end = self.cap - off;
+        let need = if rec > to_end { to_end + rec } else { rec };
+        used + need <= self.cap
+    }
+
     /// Producer: copy `msg` in as one record. `Ok(false)` when there is no
     /// room now (retry after the consumer has made progress).
     pub fn push(&self, msg: &[u8]) -> Result<bool, RingError> {
@@ -417,6 +432,35 @@ mod tests {
         // SAFETY: as above: restore the true length.
         unsafe { p.data.cast::<u32>().write_unaligned(5) };
         assert_eq!(c.pop(|m| m.to_vec()), Ok(Some(b"hello".to_vec())));
+    }
+
+    /// The driver's credit check: `has_room` says yes exactly when a push
+    /// of that size would succeed, wraps included, so a ring whose largest
+    /// message is half of it is never stuck.
+    #[test]
+    fn has_room_agrees_with_push_at_every_position() {
+        let r = Region::new(256);
+        let (p, c) = (r.ring(), r.ring());
+        let max = p.max_message();
+        for step in 0..200usize {
+            let len = (step * 37) % (max + 1);
+            let room = p.has_room(len);
+            assert_eq!(
+                room,
+                p.push(&vec![7u8; len]).unwrap(),
+                "step {step}, {len} B"
+            );
+            if !room || step % 3 == 0 {
+                assert!(c.pop(|m| m.len()).unwrap().is_some());
+            }
+        }
+        // An empty ring takes the largest message wherever its tail is.
+        while c.pop(|_| ()).unwrap().is_some() {}
+        assert!(p.has_room(max) && p.has_room(usize::MAX));
+        // Corrupt positions: yes, and the push then fails.
+        p.h().tail.store(3, Ordering::Relaxed);
+        assert!(p.has_room(8));
+        assert_eq!(p.push(b"x"), Err(RingError::Corrupt));
     }
 
     #[test]

@@ -1027,9 +1027,7 @@ impl Fabric for ShmEndpoint {
             // Broken: the post fails at once.
             return true;
         }
-        // A record may have to wrap: room for two is room for one anywhere.
-        let free = self.tx.capacity() - self.tx.used();
-        free >= 2 * (len + 16)
+        self.tx.has_room(len)
     }
 
     fn pool_alloc(&mut self, len: u64) -> Result<u64, OpError> {
