@@ -123,6 +123,8 @@ pub struct Driver<F: Fabric, P: Protector, H: Host> {
     /// could not be moved back).
     arms_paused: bool,
     buf: Vec<u8>,
+    /// Completions taken from the fabric, kept to reuse its allocation.
+    completed: Vec<(OpId, OpResult)>,
     /// Longest single sleep while waiting.
     pub max_wait: Duration,
 }
@@ -159,6 +161,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             refused: None,
             arms_paused: false,
             buf: Vec::new(),
+            completed: Vec::new(),
             max_wait: Duration::from_millis(50),
         };
         d.drive();
@@ -457,25 +460,23 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     /// the fabric's buffer (no copy). Their actions are left for `drive`.
     fn deliver(&mut self) -> usize {
         let now = self.now();
-        let mut done: Vec<(OpId, OpResult)> = Vec::new();
+        let mut done = std::mem::take(&mut self.completed);
         let (conn, host) = (&mut self.conn, &mut self.host);
         let n = self.fabric.poll(&mut |e| match e {
             FabricEvent::Message(m) => conn.handle_message(now, m, host),
-            FabricEvent::Done {
-                op,
-                result: OpResult::Cas(r),
-            } => conn.handle_completion(now, op, Completion::Cas(r), host),
-            // These need the fabric or the protector, which `poll` holds.
+            // Completions need the fabric or the protector, which `poll`
+            // holds: taken after it, in the order they came.
             FabricEvent::Done { op, result } => done.push((op, result)),
             FabricEvent::PeerGone { left } => conn.handle_peer_left(now, left, host),
         });
-        for (op, result) in done {
+        for (op, result) in done.drain(..) {
             match result {
                 OpResult::Registered(r) => self.registered(op, r),
                 OpResult::Get(r) => self.got(op, r),
                 OpResult::Cas(r) => self.complete(op, Completion::Cas(r)),
             }
         }
+        self.completed = done;
         n
     }
 

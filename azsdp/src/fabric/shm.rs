@@ -888,6 +888,14 @@ impl ShmEndpoint {
     }
 }
 
+impl ShmEndpoint {
+    /// This side closed, or the peer corrupted the segment: no message
+    /// goes out any more.
+    fn cannot_post(&self) -> bool {
+        self.corrupt || self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0
+    }
+}
+
 /// Registrations in the segment's table.
 impl ShmEndpoint {
     /// Publish `[addr, addr+len)` in our table, for the peer's GETs (what
@@ -1020,14 +1028,8 @@ impl Fabric for ShmEndpoint {
     }
 
     fn has_room(&self, len: usize) -> bool {
-        if self.corrupt
-            || self.gone_reported
-            || self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0
-        {
-            // Broken: the post fails at once.
-            return true;
-        }
-        self.tx.has_room(len)
+        // Broken, or a full ring whose reader is gone: the post fails at once.
+        self.cannot_post() || self.gone_reported || self.tx.has_room(len)
     }
 
     fn pool_alloc(&mut self, len: u64) -> Result<u64, OpError> {
@@ -1045,7 +1047,7 @@ impl Fabric for ShmEndpoint {
     }
 
     fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
-        if self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0 || self.corrupt {
+        if self.cannot_post() {
             return Err(FabricError::Broken);
         }
         match self.tx.push(msg) {

@@ -44,31 +44,26 @@ impl Timer {
 impl Connection {
     /// When `timer` expires, if it is armed.
     pub fn deadline(&self, timer: Timer) -> Option<Timestamp> {
-        if timer == Timer::Repoll {
-            return self.repoll.then_some(self.now);
-        }
-        if self.is_aborted() {
-            return None;
-        }
-        let liveness = self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO;
+        let liveness = || self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO;
         match timer {
-            Timer::Repoll => None,
+            Timer::Repoll => self.repoll.then_some(self.now),
+            // An aborted connection waits for nothing more.
+            _ if self.is_aborted() => None,
             Timer::Linger => self.linger_deadline.filter(|_| !self.is_finished()),
-            Timer::PeerTimeout => liveness.then(|| self.last_rx + self.cfg.peer_timeout),
+            Timer::PeerTimeout => liveness().then(|| self.last_rx + self.cfg.peer_timeout),
             Timer::Keepalive => {
-                (liveness && !self.ping_outstanding && self.state == State::Established)
+                (!self.ping_outstanding && self.state == State::Established && liveness())
                     .then(|| self.last_rx + self.cfg.keepalive)
             }
-            Timer::BlockEscalate => {
-                if self.cfg.write_fault != FaultPolicy::Block {
-                    return None;
-                }
-                self.waiters
-                    .iter()
-                    .filter(|w| !w.escalated)
-                    .map(|w| w.since + self.cfg.block_escalate)
-                    .min()
-            }
+            Timer::BlockEscalate => (self.cfg.write_fault == FaultPolicy::Block)
+                .then(|| {
+                    self.waiters
+                        .iter()
+                        .filter(|w| !w.escalated)
+                        .map(|w| w.since + self.cfg.block_escalate)
+                        .min()
+                })
+                .flatten(),
         }
     }
 

@@ -425,12 +425,6 @@ impl SimFabric {
                 }
             }
             Event::Registered { side, op, result } => {
-                if let Ok(key) = result
-                    && self.sides[side].regions.contains_key(&key)
-                    && !self.sides[side].alive
-                {
-                    self.sides[side].regions.remove(&key);
-                }
                 if self.sides[side].alive {
                     self.sides[side]
                         .ready
