@@ -21,6 +21,9 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Weak};
+
+use crate::sync::Lock;
 
 use nix::sys::socket::{
     ControlMessage, ControlMessageOwned, MsgFlags, UnixCredentials, recvmsg, sendmsg, setsockopt,
@@ -30,13 +33,38 @@ use nix::sys::socket::{
 /// Most descriptors one identity message carries after the pidfd.
 pub const MAX_FDS: usize = 3;
 
-/// A peer process, verified by the kernel and pinned by a pidfd.
+/// A peer process, verified by the kernel and pinned by a pidfd. Every
+/// connection to one process shares one pidfd ([`PeerId::pidfd_shared`]):
+/// ten thousand connections to one peer hold one descriptor for it.
 #[derive(Debug)]
 pub struct PeerId {
     pid: u32,
     uid: u32,
     gid: u32,
-    pidfd: OwnedFd,
+    pidfd: Arc<OwnedFd>,
+}
+
+/// The pidfds of the peers this process knows (by pid), for sharing.
+static PIDFDS: Lock<Vec<(u32, Weak<OwnedFd>)>> = Lock::new(Vec::new());
+
+/// One pidfd per live process: `fresh` names `pid` (verified); if a pidfd
+/// of ours already pins `pid` and it is still alive, that process is this
+/// one (a live process's pid names no other), and its pidfd is shared.
+fn shared_pidfd(pid: u32, fresh: OwnedFd) -> Arc<OwnedFd> {
+    let mut known = PIDFDS.lock();
+    known.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(have) = known
+        .iter()
+        .filter(|(p, _)| *p == pid)
+        .find_map(|(_, w)| w.upgrade())
+        .filter(|fd| !pidfd_exited(fd.as_fd()))
+    {
+        return have;
+    }
+    let fd = Arc::new(fresh);
+    known.retain(|(p, _)| *p != pid);
+    known.push((pid, Arc::downgrade(&fd)));
+    fd
 }
 
 impl PeerId {
@@ -47,7 +75,7 @@ impl PeerId {
             pid,
             uid: nix::unistd::geteuid().as_raw(),
             gid: nix::unistd::getegid().as_raw(),
-            pidfd: pidfd_open(pid)?,
+            pidfd: Arc::new(pidfd_open(pid)?),
         })
     }
 
@@ -65,6 +93,12 @@ impl PeerId {
 
     pub fn pidfd(&self) -> BorrowedFd<'_> {
         self.pidfd.as_fd()
+    }
+
+    /// The pidfd, shared with every other connection to this process (it
+    /// polls readable once the process has exited).
+    pub fn pidfd_shared(&self) -> Arc<OwnedFd> {
+        Arc::clone(&self.pidfd)
     }
 
     /// Has the pinned process not exited? (A pidfd polls readable once it
@@ -97,6 +131,12 @@ pub enum IdentityError {
 
 fn os_err(e: nix::Error) -> std::io::Error {
     std::io::Error::from_raw_os_error(e as i32)
+}
+
+/// Have the kernel attach the sender's credentials to every message `sock`
+/// receives (for [`recv_with_credentials`]).
+pub fn pass_credentials(sock: BorrowedFd<'_>) -> std::io::Result<()> {
+    setsockopt(&sock, sockopt::PassCred, &true).map_err(os_err)
 }
 
 /// A pidfd for `pid`.
@@ -224,6 +264,16 @@ pub fn recv(
     nonblocking: bool,
 ) -> Result<Received, IdentityError> {
     setsockopt(&sock, sockopt::PassCred, &true).map_err(os_err)?;
+    recv_with_credentials(sock, buf, nonblocking)
+}
+
+/// [`recv`] on a socket that has `SO_PASSCRED` set already (see
+/// [`pass_credentials`]): one system call per message.
+pub fn recv_with_credentials(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    nonblocking: bool,
+) -> Result<Received, IdentityError> {
     let mut space = nix::cmsg_space!(libc::ucred, [RawFd; 1 + MAX_FDS]);
     let mut flags = MsgFlags::MSG_CMSG_CLOEXEC;
     if nonblocking {
@@ -287,7 +337,7 @@ pub fn recv(
             pid,
             uid: creds.uid(),
             gid: creds.gid(),
-            pidfd,
+            pidfd: shared_pidfd(pid, pidfd),
         },
         fds,
     })

@@ -1,5 +1,5 @@
 //! Where the core's rare messages go ("no userfaultfd: zero-copy sends are
-//! synchronous", "no progress thread: ...").
+//! synchronous", "no reactor: ...").
 //!
 //! Nowhere until someone says: the core runs inside other people's
 //! programs (preloaded), whose stderr may be a log file, a closed pipe or

@@ -410,6 +410,7 @@ extern "C" fn fork_prepare() {
             live().into_iter().map(|c| c.hold_for_fork()).collect();
         guards.extend(crate::memory_map::fork_guards());
         guards.extend(crate::protect::fork_guards());
+        guards.extend(crate::driver::reactor::fork_guards());
         let _ = HELD_OVER_FORK.try_with(|h| h.borrow_mut().extend(guards));
     });
     LIVE.acquire();

@@ -18,7 +18,7 @@ use azsdp::stats::{ConnPath, StatFile, TcpReason};
 use crate::log::{debug, info, warning};
 
 /// What runs one upgraded connection: the engine, its fabric endpoint and
-/// its page protection, with its progress and fault threads.
+/// its page protection, driven between calls by the process's reactor.
 type ConnDriver = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
 
 /// An upgraded connection.

@@ -204,8 +204,8 @@ fn await_answer(reg: BorrowedFd<'_>, deadline: Instant) -> Result<(Intro, Receiv
 /// Is the answer's socket the far end of our connection `fd`, as the
 /// kernel knows it?
 fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), String> {
-    let [accepted] = &answer.fds[..] else {
-        return Err("the answer carries no socket".into());
+    let [accepted, _bell] = &answer.fds[..] else {
+        return Err("the answer carries no socket or no bell".into());
     };
     if !sock_diag::is_tcp(accepted.as_fd()) {
         return Err("the answer's socket is not TCP".into());
@@ -340,7 +340,19 @@ pub fn connect(
             cookie,
         }),
     };
-    if let Err(e) = send_intro(reg.sock.as_fd(), &intro, &[offer.memfd()], true) {
+    let reactor = match azsdp::driver::reactor::Reactor::get() {
+        Ok(r) => r,
+        Err(e) => {
+            debug!("connect {dst}: no reactor: {e}");
+            return plain(TcpReason::SetupFailed);
+        }
+    };
+    if let Err(e) = send_intro(
+        reg.sock.as_fd(),
+        &intro,
+        &[offer.memfd(), reactor.bell()],
+        true,
+    ) {
         debug!("connect {dst}: offer not sent: {e}");
         return plain(TcpReason::SetupFailed);
     }
@@ -382,7 +394,14 @@ pub fn connect(
         return tcp_now(TcpReason::PairTimeout);
     }
     let peer_page = answer_intro.page_size;
-    match offer.into_endpoint(reg.sock, answer.peer, peer_page) {
+    let mut fds = answer.fds.into_iter();
+    let Some(bell) = fds.nth(1) else {
+        return broken(dst, offer);
+    };
+    // The pairing stream has done its work: the connection holds no
+    // descriptor of its own from here.
+    drop(reg.sock);
+    match offer.into_endpoint(bell, answer.peer, peer_page) {
         Ok(ep) => Outcome::Azsdp(Conn::start(ep, Role::Client, settings, local, dst)),
         Err(e) => {
             debug!("connect {dst}: {e}");

@@ -51,6 +51,8 @@ struct Offer {
     /// against that user's quota.
     uid: u32,
     memfd: OwnedFd,
+    /// The client process's bell (see `azsdp::driver::reactor`).
+    bell: OwnedFd,
     page_size: u32,
     dst: SocketAddr,
     since: Instant,
@@ -313,7 +315,7 @@ impl Listener {
         for w in std::mem::take(&mut p.waiting) {
             match recv_intro(w.stream.as_fd(), IntroKind::Offer, true) {
                 Ok((intro, r)) => {
-                    let (Some(target), [memfd]) = (intro.pair, &r.fds[..]) else {
+                    let (Some(target), [_, _]) = (intro.pair, &r.fds[..]) else {
                         debug!(
                             "listener {}: an offer without its connection or segment",
                             self.addr
@@ -327,13 +329,16 @@ impl Listener {
                         );
                         continue;
                     }
-                    let memfd = memfd.try_clone().ok();
-                    let Some(memfd) = memfd else { continue };
+                    let mut fds = r.fds.into_iter();
+                    let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
+                        continue;
+                    };
                     p.offers.entry(target.cookie).or_default().push(Offer {
                         stream: w.stream,
                         peer: r.peer,
                         uid: w.uid,
                         memfd,
+                        bell,
                         page_size: intro.page_size,
                         dst: target.dst,
                         since: w.since,
@@ -439,12 +444,23 @@ impl Listener {
         // the duration of this call.
         let accepted = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         let answer = Intro::new(IntroKind::Answer, azsdp::pages::system_page_size() as u32);
-        if let Err(e) = send_intro(offer.stream.as_fd(), &answer, &[accepted], true) {
+        let reactor = azsdp::driver::reactor::Reactor::get().map_err(|e| {
+            debug!("{local} <- {peer}: no reactor: {e}");
+            TcpReason::SetupFailed
+        })?;
+        if let Err(e) = send_intro(
+            offer.stream.as_fd(),
+            &answer,
+            &[accepted, reactor.bell()],
+            true,
+        ) {
             debug!("{local} <- {peer}: the client left before our answer ({e})");
             return Err(TcpReason::PairTimeout);
         }
+        // The pairing stream has done its work (dropped here): the
+        // connection holds no descriptor of its own.
         let ep = join
-            .into_endpoint(offer.stream, offer.peer, offer.page_size)
+            .into_endpoint(offer.bell, offer.peer, offer.page_size)
             .map_err(|e| {
                 debug!("{local} <- {peer}: {e}");
                 TcpReason::SetupFailed

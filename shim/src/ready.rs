@@ -53,8 +53,9 @@ impl Wakeup {
         if !self.asleep.swap(true, Ordering::SeqCst) {
             ARMED.fetch_add(1, Ordering::SeqCst);
         }
-        // Only progress threads see data arrive while we sleep: any on
-        // standby (the application was just calling) go back to watching.
+        // Only the reactor sees data arrive while we sleep: connections it
+        // left on standby (the application was just calling) go back to
+        // its watch.
         azsdp::driver::standby::end();
     }
 

@@ -309,6 +309,11 @@ fn listen_to(ep: &mut ShmEndpoint, t: Duration, r: &mut Report) -> (Option<Hello
     (got, gone)
 }
 
+/// This process's bell, which a well-formed offer or answer carries.
+fn bell() -> std::sync::Arc<azsdp::driver::reactor::Reactor> {
+    azsdp::driver::reactor::Reactor::get().unwrap_or_else(|e| die(e.to_string()))
+}
+
 /// Pair with the listener on `port` as an azsdp client would, but with
 /// whatever `tweak` does to the offer first. The TCP connection and our end.
 fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
@@ -317,7 +322,9 @@ fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
     let cookie = sock_diag::cookie_of(tcp.as_fd()).map_err(|e| e.to_string())?;
     let offer = ShmOffer::new(ShmParams::default()).map_err(|e| e.to_string())?;
     let intro = offer_intro(port, local_port, cookie);
-    send_intro(reg.as_fd(), &intro, &[offer.memfd()], false).map_err(|e| e.to_string())?;
+    let reactor = bell();
+    send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false)
+        .map_err(|e| e.to_string())?;
     let tcp = connect_tcp(tcp, port)?;
     if !wait_readable(reg.as_fd(), Duration::from_secs(5)) {
         return Err("no answer".into());
@@ -332,8 +339,13 @@ fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+    let their_bell = answer
+        .fds
+        .into_iter()
+        .nth(1)
+        .ok_or("the answer carries no bell")?;
     let ep = offer
-        .into_endpoint(reg, answer.peer, a.page_size)
+        .into_endpoint(their_bell, answer.peer, a.page_size)
         .map_err(|e| e.to_string())?;
     r.paired = true;
     Ok((tcp, ep))
@@ -358,12 +370,14 @@ fn offer_intro(port: u16, client_port: u16, cookie: u64) -> Intro {
 fn answer_and_commit(
     s: OwnedFd,
     join: ShmJoin,
-    peer: azsdp::identity::PeerId,
+    offer: azsdp::identity::Received,
     page_size: u32,
     proof: BorrowedFd<'_>,
 ) -> Option<ShmEndpoint> {
     let answer = Intro::new(IntroKind::Answer, page());
-    let _ = send_intro(s.as_fd(), &answer, &[proof], true);
+    let reactor = bell();
+    let _ = send_intro(s.as_fd(), &answer, &[proof, reactor.bell()], true);
+    let their_bell = offer.fds.into_iter().nth(1)?;
     let _ = join.agreement().compare_exchange(
         Agreement::UNDECIDED,
         Agreement::COMMITTED,
@@ -371,7 +385,8 @@ fn answer_and_commit(
         Ordering::Acquire,
     );
     azsdp::futex::wake_all(join.agreement());
-    join.into_endpoint(s, peer, page_size).ok()
+    drop(s);
+    join.into_endpoint(their_bell, offer.peer, page_size).ok()
 }
 
 /// Take in the DATA the peers of `ends` sent, into the report.
@@ -527,7 +542,12 @@ fn forged_identity(port: u16, pid: u32, r: &mut Report) {
     let mut b = [0u8; INTRO_LEN];
     intro.emit(&mut b);
     let theirs = azsdp::identity::pidfd_open(pid).unwrap_or_else(|e| die(e.to_string()));
-    let raw = [theirs.as_raw_fd(), offer.memfd().as_raw_fd()];
+    let reactor = bell();
+    let raw = [
+        theirs.as_raw_fd(),
+        offer.memfd().as_raw_fd(),
+        reactor.bell().as_raw_fd(),
+    ];
     let creds = UnixCredentials::new();
     let cmsgs = [
         ControlMessage::ScmCredentials(&creds),
@@ -572,7 +592,8 @@ fn bad_segment(port: u16, how: &str, r: &mut Report) {
         );
     }
     let intro = offer_intro(port, local_port, cookie);
-    let _ = send_intro(reg.as_fd(), &intro, &[memfd.as_fd()], false);
+    let reactor = bell();
+    let _ = send_intro(reg.as_fd(), &intro, &[memfd.as_fd(), reactor.bell()], false);
     plain_after(&reg, tcp, port, r);
 }
 
@@ -604,7 +625,7 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
             match recv_intro(s.as_fd(), IntroKind::Offer, true) {
                 Ok((intro, offer)) => {
                     r.offers += 1;
-                    let Some(memfd) = offer.fds.into_iter().next() else {
+                    let Some(Ok(memfd)) = offer.fds.first().map(|f| f.try_clone()) else {
                         continue;
                     };
                     let Ok(join) = ShmJoin::open(memfd, Duration::ZERO) else {
@@ -613,8 +634,7 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
                     // A fake proof: a TCP socket of our own.
                     let (fake, _) = bound_tcp();
                     let proof = fake.as_fd();
-                    if let Some(ep) = answer_and_commit(s, join, offer.peer, intro.page_size, proof)
-                    {
+                    if let Some(ep) = answer_and_commit(s, join, offer, intro.page_size, proof) {
                         r.paired = true;
                         ends.push(ep);
                     }
@@ -637,7 +657,9 @@ fn lie(port: u16, cookie: u64, secs: u64, r: &mut Report) {
     };
     let offer = ShmOffer::new(ShmParams::default()).unwrap_or_else(|e| die(e.to_string()));
     let intro = offer_intro(port, 1, cookie);
-    send_intro(reg.as_fd(), &intro, &[offer.memfd()], false).unwrap_or_else(|e| die(e.to_string()));
+    let reactor = bell();
+    send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false)
+        .unwrap_or_else(|e| die(e.to_string()));
     r.offers = 1;
     println!("ready");
     let _ = std::io::stdout().flush();
@@ -659,6 +681,7 @@ fn flood(port: u16, secs: u64, idle: usize, r: &mut Report) {
     }
     println!("ready {}", held.len());
     let _ = std::io::stdout().flush();
+    let reactor = bell();
     let deadline = Instant::now() + Duration::from_secs(secs);
     let mut k = 0u64;
     while Instant::now() < deadline {
@@ -674,7 +697,7 @@ fn flood(port: u16, secs: u64, idle: usize, r: &mut Report) {
         };
         k += 1;
         let intro = offer_intro(port, 1, k);
-        if send_intro(reg.as_fd(), &intro, &[offer.memfd()], false).is_ok() {
+        if send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false).is_ok() {
             r.offers += 1;
         }
         held.push(reg);
@@ -723,15 +746,14 @@ fn server(port: u16, attack: &str, secs: u64, r: &mut Report) {
             if let Some(i) = i {
                 let (s, intro, offer) = offers.swap_remove(i);
                 r.offers += 1;
-                let Some(memfd) = offer.fds.into_iter().next() else {
+                let Some(Ok(memfd)) = offer.fds.first().map(|f| f.try_clone()) else {
                     continue;
                 };
                 let Ok(join) = ShmJoin::open(memfd, Duration::ZERO) else {
                     continue;
                 };
                 let proof = tcp.as_fd();
-                if let Some(mut ep) = answer_and_commit(s, join, offer.peer, intro.page_size, proof)
-                {
+                if let Some(mut ep) = answer_and_commit(s, join, offer, intro.page_size, proof) {
                     r.paired = true;
                     let (h, _) = listen_to(&mut ep, Duration::from_secs(2), r);
                     let mut seq = 0;

@@ -125,6 +125,8 @@ pub struct Driver<F: Fabric, P: Protector, H: Host> {
     buf: Vec<u8>,
     /// Completions taken from the fabric, kept to reuse its allocation.
     completed: Vec<(OpId, OpResult)>,
+    /// The fabric reported the peer gone: nothing more comes from it.
+    peer_left: bool,
     /// Longest single sleep while waiting.
     pub max_wait: Duration,
 }
@@ -162,6 +164,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             arms_paused: false,
             buf: Vec::new(),
             completed: Vec::new(),
+            peer_left: false,
             max_wait: Duration::from_millis(50),
         };
         d.drive();
@@ -461,13 +464,16 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     fn deliver(&mut self) -> usize {
         let now = self.now();
         let mut done = std::mem::take(&mut self.completed);
-        let (conn, host) = (&mut self.conn, &mut self.host);
+        let (conn, host, left) = (&mut self.conn, &mut self.host, &mut self.peer_left);
         let n = self.fabric.poll(&mut |e| match e {
             FabricEvent::Message(m) => conn.handle_message(now, m, host),
             // Completions need the fabric or the protector, which `poll`
             // holds: taken after it, in the order they came.
             FabricEvent::Done { op, result } => done.push((op, result)),
-            FabricEvent::PeerGone { left } => conn.handle_peer_left(now, left, host),
+            FabricEvent::PeerGone { left: l } => {
+                *left = true;
+                conn.handle_peer_left(now, l, host);
+            }
         });
         for (op, result) in done.drain(..) {
             match result {
@@ -629,6 +635,12 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             }
             None => false,
         }
+    }
+
+    /// Has the fabric said the peer is gone? (Nothing more will come from
+    /// it: a reactor need not watch its waiter any more.)
+    pub fn peer_left(&self) -> bool {
+        self.peer_left
     }
 
     /// When the engine wants attention next (its timers), from now.

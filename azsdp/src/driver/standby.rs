@@ -1,31 +1,26 @@
-//! Progress threads on standby while the application drives a connection.
+//! The reactor on standby while the application drives a connection.
 //!
 //! A thread of the application that is inside a call (or was a moment ago)
-//! turns the engine itself and busy-polls the incoming ring. If the
-//! connection's progress thread slept on that ring's futex too, every
-//! message of the peer would have to wake it (a `futex_wake` on the peer's
-//! side, a context switch here, and on two cores a preempted poller) only
-//! for it to find the caller had taken the message already. So while calls
-//! come, the progress thread parks here instead, off the ring, and the peer
-//! posts without a system call. It comes back when calls stop (it looks
-//! again after a nap that doubles up to [`LONGEST_NAP`]), or at once when
-//! the application is about to sleep in `poll`/`epoll_wait`/`select` and
-//! needs it to watch for readiness, or waits in a write fault for a
-//! completion ([`end`]).
+//! turns the engine itself and busy-polls the incoming ring. If the reactor
+//! armed that connection's doorbell too, every message of the peer would
+//! ring it (a system call on the peer's side, a wake-up here, and on two
+//! cores a preempted poller) only for it to find the caller had taken the
+//! message already. So while calls come, the reactor *parks* the
+//! connection instead: it leaves the doorbell unarmed and looks again after
+//! a nap that doubles up to [`LONGEST_NAP`]. It comes back at once when the
+//! application is about to sleep in `poll`/`epoll_wait`/`select` and needs
+//! it to watch for readiness ([`end`]), or when a fault or a kick wakes the
+//! connection while no call is in it.
 //!
 //! `unsafe` here: `clock_gettime`.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Bumped (and its sleepers woken) by [`end`].
-static GENERATION: AtomicU32 = AtomicU32::new(0);
-/// Progress threads parked now.
-static PARKED: AtomicU32 = AtomicU32::new(0);
 /// When [`end`] was last called ([`now_ns`]).
 static ENDED_AT: AtomicU64 = AtomicU64::new(0);
 
-/// Calls ended less than this long ago keep the progress thread parked.
+/// Calls ended less than this long ago keep the connection parked.
 pub const RECENT: Duration = Duration::from_micros(200);
 /// The longest park between looks: when calls stop, the connection goes
 /// unwatched at most this long (unless [`end`] comes first).
@@ -44,7 +39,7 @@ pub fn now_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Should a progress thread stand by? Yes while a caller is in a call
+/// Should the reactor stand by? Yes while a caller is in a call
 /// (`in_calls`), or one ended within [`RECENT`] (`last_exit` from
 /// [`now_ns`], 0 when none ever did) and no [`end`] came since.
 pub fn wanted(in_calls: usize, last_exit: &AtomicU64) -> bool {
@@ -57,52 +52,22 @@ pub fn wanted(in_calls: usize, last_exit: &AtomicU64) -> bool {
         && now_ns().saturating_sub(at) < RECENT.as_nanos() as u64
 }
 
-/// Park the calling progress thread for at most `nap`, or until [`end`],
-/// if `still_wanted` (looked at once this thread counts as parked, so an
-/// [`end`] racing with the decision is never missed).
-pub fn park(nap: Duration, still_wanted: impl Fn() -> bool) {
-    PARKED.fetch_add(1, Ordering::SeqCst);
-    let generation = GENERATION.load(Ordering::SeqCst);
-    if still_wanted() {
-        crate::futex::wait(&GENERATION, generation, nap);
-    }
-    PARKED.fetch_sub(1, Ordering::SeqCst);
-}
-
-/// Send every parked progress thread back to its ring (one load when none
-/// is parked): the application is about to sleep waiting for readiness,
-/// which only progress threads can see arrive.
+/// Send every parked connection back to the reactor's watch (nothing when
+/// none is parked): the application is about to sleep waiting for
+/// readiness, which only the reactor can see arrive.
 pub fn end() {
     ENDED_AT.store(now_ns(), Ordering::SeqCst);
-    if PARKED.load(Ordering::SeqCst) != 0 {
-        GENERATION.fetch_add(1, Ordering::SeqCst);
-        crate::futex::wake_all(&GENERATION);
-    }
+    super::reactor::unpark_all();
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
 
     // One test: end() is process-wide, parallel tests would see each other's.
     #[test]
     fn standby_is_wanted_around_calls_and_ended_by_end() {
         wanted_while_calls_run_or_just_ended_and_not_after_end();
-        a_parked_thread_returns_on_end_long_before_its_nap();
-    }
-
-    fn a_parked_thread_returns_on_end_long_before_its_nap() {
-        let t0 = Instant::now();
-        let h = std::thread::spawn(|| park(Duration::from_secs(30), || true));
-        while PARKED.load(Ordering::SeqCst) == 0 {
-            std::thread::yield_now();
-        }
-        // Until the thread sleeps, an end() is seen by its wait instead.
-        std::thread::sleep(Duration::from_millis(10));
-        end();
-        h.join().unwrap();
-        assert!(t0.elapsed() < Duration::from_secs(10));
     }
 
     fn wanted_while_calls_run_or_just_ended_and_not_after_end() {

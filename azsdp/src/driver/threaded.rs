@@ -1,61 +1,66 @@
-//! A [`Driver`] shared by the application's threads, a progress thread and
-//! a fault thread.
+//! A [`Driver`] shared by the application's threads and the process's
+//! reactor.
 //!
 //! A thread that faults on a protected page is stopped in the kernel until
-//! someone resolves the fault, so it cannot run the engine itself. Here the
-//! fault thread reads faults from the userfaultfd and hands them to the
-//! engine. All engine work happens under one mutex, which no thread holds
+//! someone resolves the fault, so it cannot run the engine itself: the
+//! fault goes to the connection's fault source, whose waker asks the
+//! reactor ([`super::reactor`]) and any thread blocked in a call to take
+//! it. All engine work happens under one mutex, which no thread holds
 //! while it may fault (the engine never touches pages it has protected) or
 //! while it sleeps.
 //!
-//! Waiting: whoever waits for the fabric turns the engine itself when it
-//! wakes. An application thread blocked in a call sleeps on the fabric (one
-//! wake-up from the peer's message to the thread that needs it, which is
-//! what latency wants), and the progress thread steps aside while one does
-//! (it only `try_lock`s). When a thread turns the engine and delivers events
-//! that may concern other blocked threads, it kicks the waiter so they look.
-//! The progress thread keeps things moving when no call is blocked: the
-//! GET_COMPLETEs that unprotect an AZ-SDP sender's pages, credits, timers.
+//! Waiting: a thread blocked in a call turns the engine itself (one wake-up
+//! from the peer's message to the thread that needs it, which is what
+//! latency wants), and the reactor stays off the connection meanwhile (see
+//! [`standby`]): the engine touches application memory only for calls in
+//! progress, so the reactor never does. When a thread turns the engine and
+//! delivers events that may concern other blocked threads, it kicks the
+//! waiter so they look. The reactor keeps things moving when no call is
+//! blocked: the GET_COMPLETEs that unprotect an AZ-SDP sender's pages,
+//! credits, faults, timers, the close that `close()` left behind.
 
 use crate::sync::{Lock, LockGuard};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::reactor::{self, Next, Reactor, Registration, Serviced, Wake};
 use super::{Driver, Protector, standby};
 use crate::conn::{
     Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
 };
-use crate::fabric::{Fabric, FabricWaiter, Ownership};
+use crate::fabric::{Armed, FabricWaiter, Ownership, Watched as Fabric};
 use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
 
 /// Longest sleep of a caller's thread between looks (bounds how long a
 /// blocked call takes to see its peer die without a word).
 const MAX_NAP: Duration = Duration::from_millis(20);
-/// Longest sleep of an idle progress thread: it wakes for messages, kicks
-/// and timers anyway; this bounds how late a connection nobody is calling
-/// on sees its peer die silently (and tells poll/epoll waiters). Short
-/// naps for a thousand idle connections were fifty thousand wake-ups a
-/// second.
-const IDLE_NAP: Duration = Duration::from_millis(200);
-/// Longest sleep of a fault thread whose source can be woken to stop.
-const FAULT_NAP: Duration = Duration::from_secs(5);
 
 struct Shared<F: Fabric, P: Protector> {
+    /// The connection's place in the reactor; dropped (its descriptors no
+    /// longer watched) before the driver, which owns them.
+    registration: Lock<Option<Registration>>,
     driver: Lock<Driver<F, P>>,
-    waiter: Box<dyn FabricWaiter>,
+    waiter: Arc<dyn FabricWaiter>,
+    /// Where the connection's faults come from (the protector's).
+    faults: Lock<Option<Box<dyn FaultSource>>>,
     stop: AtomicBool,
-    /// Application threads blocked in a call (sleeping on the fabric).
+    /// The reactor is done with the connection (closed, or taken by
+    /// another process).
+    released: AtomicBool,
+    /// Application threads in a call (they drive the connection).
     in_calls: AtomicUsize,
     /// When the last call ended ([`standby::now_ns`]; 0: none yet).
     last_exit: AtomicU64,
-    /// The process that runs the threads; in a forked child this driver is
-    /// the parent's copy, inert until the child adopts it.
+    /// The reactor left the connection to callers: its next look backs off.
+    standby_nap: Lock<Duration>,
+    /// The reactor found the lock taken: whoever holds it wakes it.
+    wanted: AtomicBool,
+    /// The process that runs the connection; in a forked child this driver
+    /// is the parent's copy, inert until the child adopts it.
     owner: AtomicU32,
-    threads: Lock<Vec<JoinHandle<()>>>,
     /// Makes a protector for a forked child that adopts the connection
     /// (the parent's is bound to the parent's memory).
     refresh: Lock<Option<Refresh<P>>>,
@@ -68,11 +73,17 @@ struct Shared<F: Fabric, P: Protector> {
     notify: Option<Notify>,
     /// Where the connection holds pages (for the memory hooks).
     held: Arc<HeldBounds>,
-    /// `close()` was called: the progress thread ends once the connection
-    /// is finished or this deadline passes.
+    /// `close()` was called: the reactor lets go once the connection is
+    /// finished or this deadline passes.
     closing: Lock<Option<Instant>>,
-    /// Wakes the fault thread's wait, to stop it.
-    fault_stopper: Lock<Option<Box<dyn Fn() + Send + Sync>>>,
+    /// The peer's exit descriptor the reactor watches for us.
+    peer_exit: Lock<Option<Arc<std::os::fd::OwnedFd>>>,
+    /// Mail and news the reactor brought while the lock was taken: handed
+    /// over at the next turn.
+    mail: Lock<Vec<reactor::Mail>>,
+    suspect: AtomicBool,
+    /// `mail` or `suspect` has something.
+    news: AtomicBool,
 }
 
 /// Bounds of a blocking call (see [`ThreadedDriver::send_bounded`]).
@@ -118,20 +129,28 @@ pub type Notify = Arc<dyn Fn() + Send + Sync>;
 /// The driver, locked, with the thread marked as inside azsdp (so memory
 /// hooks let its own frees pass instead of asking this very driver).
 struct Locked<'a, F: Fabric, P: Protector> {
-    guard: LockGuard<'a, Driver<F, P>>,
-    held: &'a HeldBounds,
-    waiter: &'a dyn FabricWaiter,
+    guard: Option<LockGuard<'a, Driver<F, P>>>,
+    shared: &'a Shared<F, P>,
     _inside: Inside,
 }
 
 impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
     fn drop(&mut self) {
+        let Some(guard) = self.guard.take() else {
+            return;
+        };
         // Publish where pages are held for the memory hooks' lock-free look.
-        self.held.set(self.guard.connection().held_bounds());
+        self.shared.held.set(guard.connection().held_bounds());
         // Completions this thread's actions produced but did not deliver
         // would wake nobody (they are not messages): whoever waits, look.
-        if self.guard.fabric().completions_pending() {
-            self.waiter.kick();
+        let pending = guard.fabric().completions_pending();
+        drop(guard);
+        if pending {
+            self.shared.waiter.kick();
+        }
+        // The reactor found the lock taken while we held it.
+        if pending || self.shared.wanted.swap(false, Ordering::SeqCst) {
+            self.shared.wake_reactor();
         }
     }
 }
@@ -139,13 +158,22 @@ impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
 impl<F: Fabric, P: Protector> std::ops::Deref for Locked<'_, F, P> {
     type Target = Driver<F, P>;
     fn deref(&self) -> &Driver<F, P> {
-        &self.guard
+        self.guard.as_ref().expect("held until dropped")
     }
 }
 
 impl<F: Fabric, P: Protector> std::ops::DerefMut for Locked<'_, F, P> {
     fn deref_mut(&mut self) -> &mut Driver<F, P> {
-        &mut self.guard
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl<F: Fabric, P: Protector> Shared<F, P> {
+    /// Ask the reactor to look at the connection soon.
+    fn wake_reactor(&self) {
+        if let Some(r) = self.registration.lock().as_ref() {
+            r.wake();
+        }
     }
 }
 
@@ -155,9 +183,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         // A panic elsewhere must not wedge the connection: keep going.
         let guard = self.driver.lock();
         Locked {
-            guard,
-            held: &self.held,
-            waiter: self.waiter.as_ref(),
+            guard: Some(guard),
+            shared: self,
             _inside,
         }
     }
@@ -166,11 +193,80 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         let _inside = Inside::enter();
         let guard = self.driver.try_lock()?;
         Some(Locked {
-            guard,
-            held: &self.held,
-            waiter: self.waiter.as_ref(),
+            guard: Some(guard),
+            shared: self,
             _inside,
         })
+    }
+
+    /// Have the reactor watch the peer's exit descriptor (again, if the
+    /// peer changed after a fork).
+    fn watch_peer_exit(&self, d: &Driver<F, P>, reg: &Registration) {
+        let now = d.fabric().peer_exit_fd();
+        let mut watched = self.peer_exit.lock();
+        let same = match (&*watched, &now) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        if let Some(old) = watched.take() {
+            reg.unwatch_shared(&old);
+        }
+        if let Some(fd) = now {
+            match reg.watch_shared(Arc::clone(&fd)) {
+                Ok(()) => *watched = Some(fd),
+                Err(e) => crate::protect::log_once(&format!("reactor: {e}")),
+            }
+        }
+    }
+
+    /// Drive the connection from the reactor, watching its waiter and
+    /// fault descriptors; faults wake it (and callers) as they come.
+    fn attach(self: &Arc<Self>) {
+        let reactor = match Reactor::get() {
+            Ok(r) => r,
+            Err(e) => {
+                crate::protect::log_once(&format!("no reactor: {e}"));
+                return;
+            }
+        };
+        let mut fds: Vec<i32> = self.waiter.fd().into_iter().collect();
+        let weak: Weak<dyn Serviced> = Arc::downgrade(self) as Weak<dyn Serviced>;
+        // Locked until the peer knows how to ring us: the reactor's first
+        // look (which arms the fabric) waits for it.
+        let mut d = self.lock();
+        let reg = match reactor.register(weak, &fds) {
+            Ok(r) => r,
+            Err(e) => {
+                crate::protect::log_once(&format!("reactor: {e}"));
+                return;
+            }
+        };
+        d.fabric_mut().set_bell(reg.token(), reactor.bell());
+        self.watch_peer_exit(&d, &reg);
+        if let Some(f) = self.faults.lock().as_ref() {
+            let (wake, waiter) = (reg.waker(), Arc::clone(&self.waiter));
+            let waker: crate::protect::FaultWaker = Arc::new(move || {
+                wake();
+                waiter.kick();
+            });
+            fds.clear();
+            if let Some(fd) = f.watch(waker) {
+                fds.push(fd);
+            }
+        }
+        for fd in fds {
+            if let Err(e) = reg.watch(fd) {
+                crate::protect::log_once(&format!("reactor: {e}"));
+            }
+        }
+        // In place before the lock goes: a look the reactor tried meanwhile
+        // is asked for again when it does (see `Locked::drop`).
+        *self.registration.lock() = Some(reg);
+        drop(d);
     }
 
     /// In a forked child, before adopting: the threads are the parent's.
@@ -228,12 +324,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         self.owner.store(crate::process::pid(), Ordering::SeqCst);
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
-        let mut threads = self.threads.lock();
-        // The parent's threads do not exist here: nothing to join or detach.
-        for t in threads.drain(..) {
-            std::mem::forget(t);
-        }
-        *threads = spawn_threads(&me, faults);
+        self.released.store(false, Ordering::SeqCst);
+        // The parent's registration is dropped without touching its reactor.
+        drop(self.registration.lock().take());
+        *self.faults.lock() = faults;
+        me.attach();
     }
 
     /// Wait until `ready` finds what it looks for, or `deadline` passes;
@@ -242,13 +337,32 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     fn wait_until<T>(
         &self,
         deadline: Option<Instant>,
-        mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
+        ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
     ) -> Option<T> {
         if !self.make_mine() {
             return None;
         }
+        let _call = self.enter_call();
+        self.wait_in_call(deadline, ready)
+    }
+
+    /// Count the calling thread as in a call (the reactor stays off the
+    /// connection: the engine may touch this call's memory) until dropped.
+    fn enter_call(&self) -> InCall<'_> {
         self.in_calls.fetch_add(1, Ordering::SeqCst);
-        let r = loop {
+        InCall {
+            in_calls: &self.in_calls,
+            last_exit: &self.last_exit,
+        }
+    }
+
+    /// [`Shared::wait_until`] for a thread already counted in a call.
+    fn wait_in_call<T>(
+        &self,
+        deadline: Option<Instant>,
+        mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
+    ) -> Option<T> {
+        loop {
             if self.frozen() && !self.make_mine() {
                 break None;
             }
@@ -256,17 +370,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             let nap = {
                 let mut d = self.lock();
                 if let Some(r) = ready(&mut d) {
-                    break Some(r);
+                    return Some(r);
                 }
                 if self.turn_all(&mut d, 1) > 0 {
                     if let Some(r) = ready(&mut d) {
-                        break Some(r);
+                        return Some(r);
                     }
                     continue;
                 }
                 let now = Instant::now();
                 if deadline.is_some_and(|t| t <= now) {
-                    break None;
+                    return None;
                 }
                 let mut nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
                 if let Some(t) = deadline {
@@ -275,25 +389,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 nap
             };
             self.waiter.wait(ticket, nap, true);
-        };
-        self.last_exit
-            .store(standby::now_ns().max(1), Ordering::SeqCst);
-        self.in_calls.fetch_sub(1, Ordering::SeqCst);
-        r
+        }
     }
 
-    /// The progress thread is needed now, though calls ran a moment ago:
-    /// off standby (see [`standby`]) until the next call.
+    /// The reactor is needed now, though calls ran a moment ago: off
+    /// standby (see [`standby`]) until the next call.
     fn end_standby(&self) {
         self.last_exit.store(0, Ordering::SeqCst);
-        standby::end();
-    }
-
-    /// Wake the fault thread so that it sees `stop`.
-    fn stop_faults(&self) {
-        if let Some(f) = self.fault_stopper.lock().as_ref() {
-            f();
-        }
+        self.wake_reactor();
     }
 
     /// Has a fork frozen the connection (and no one claimed it yet)?
@@ -301,11 +404,49 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         self.frozen_since.lock().is_some()
     }
 
+    /// Hand the faults that wait to the engine: completions already
+    /// delivered may have settled their pages, and what a fault starts may
+    /// complete at once (a compare-and-swap on shared memory), which the
+    /// turn that follows delivers.
+    /// Hand the fabric what the reactor brought for it: mail, and news
+    /// that the peer's process may have exited.
+    fn take_news(&self, d: &mut Driver<F, P>) {
+        if !self.news.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        let mail = std::mem::take(&mut *self.mail.lock());
+        for m in mail {
+            d.fabric_mut().take_mail(m);
+        }
+        if self.suspect.swap(false, Ordering::SeqCst) {
+            d.fabric_mut().peer_suspect();
+        }
+    }
+
+    fn take_faults(&self, d: &mut Driver<F, P>) -> usize {
+        let faults = self.faults.lock();
+        let Some(src) = faults.as_ref() else {
+            return 0;
+        };
+        let mut n = 0;
+        while let Some(f) = src.try_next() {
+            if n == 0 {
+                // Completions already in the ring may have settled the page.
+                while d.turn() > 0 {}
+            }
+            let access = if f.write { Access::Write } else { Access::Read };
+            d.submit_fault(f.addr, access);
+            n += 1;
+        }
+        n
+    }
+
     /// Turn until nothing more arrives; kick sleeping callers if anything
     /// did and `others` of them may be waiting for it.
     fn turn_all(&self, d: &mut Driver<F, P>, others: usize) -> usize {
         let before = d.connection().readiness();
-        let mut total = 0;
+        self.take_news(d);
+        let mut total = self.take_faults(d);
         loop {
             let n = d.turn();
             total += n;
@@ -326,7 +467,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     }
 }
 
-/// The threads and the shared driver. Dropping it stops the threads.
+/// The driver shared by callers and the reactor. Dropping it stops driving
+/// the connection.
 pub struct ThreadedDriver<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
     shared: Arc<Shared<F, P>>,
 }
@@ -342,8 +484,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
 }
 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F, P> {
-    /// Start the progress thread (which sleeps on `waiter` between turns)
-    /// and, given a fault reader, the fault thread.
+    /// Hand the connection to the process's reactor, which watches
+    /// `waiter` and `faults` for it when no call drives it.
     pub fn start(
         driver: Driver<F, P>,
         waiter: impl FabricWaiter + 'static,
@@ -361,13 +503,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         notify: Option<Notify>,
     ) -> Self {
         let shared = Arc::new_cyclic(|this| Shared {
+            registration: Lock::new(None),
             driver: Lock::new(driver),
-            waiter: Box::new(waiter),
+            waiter: Arc::new(waiter),
+            faults: Lock::new(faults),
             stop: AtomicBool::new(false),
+            released: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
             last_exit: AtomicU64::new(0),
+            standby_nap: Lock::new(standby::RECENT),
+            wanted: AtomicBool::new(false),
             owner: AtomicU32::new(crate::process::pid()),
-            threads: Lock::new(Vec::new()),
             refresh: Lock::new(None),
             frozen_since: Lock::new(None),
             close_pending: Lock::new(None),
@@ -375,11 +521,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             notify,
             held: Arc::new(HeldBounds::default()),
             closing: Lock::new(None),
-            fault_stopper: Lock::new(None),
+            peer_exit: Lock::new(None),
+            mail: Lock::new(Vec::new()),
+            suspect: AtomicBool::new(false),
+            news: AtomicBool::new(false),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
-        *shared.threads.lock() = spawn_threads(&shared, faults);
+        shared.attach();
         ThreadedDriver { shared }
     }
 
@@ -405,9 +554,20 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// restart, it is cancelled (it then ends with what it moved, or with
     /// `WouldBlock` for a deadline and `Interrupted` for a signal, as
     /// SO_RCVTIMEO/SO_SNDTIMEO and EINTR).
-    fn wait_bounded(&self, call: CallId, limits: &CallLimits<'_>) -> Result<u64, CallError> {
+    fn wait_bounded(
+        &self,
+        submit: impl FnOnce(&mut Driver<F, P>) -> CallId,
+        limits: &CallLimits<'_>,
+    ) -> Result<u64, CallError> {
+        if !self.shared.make_mine() {
+            return Err(CallError::ConnReset);
+        }
+        // Counted before the call is submitted: from then on the engine may
+        // touch its memory, which only this thread may do.
+        let _call = self.shared.enter_call();
+        let call = submit(&mut self.shared.lock());
         let mut cut: Option<CallError> = None;
-        let r = self.shared.wait_until(None, |d| {
+        let r = self.shared.wait_in_call(None, |d| {
             if let Some(r) = d.take_result(call) {
                 return Some(r);
             }
@@ -437,14 +597,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         flags: SendFlags,
         limits: &CallLimits<'_>,
     ) -> Result<u64, CallError> {
-        if !self.shared.make_mine() {
-            return Err(CallError::ConnReset);
-        }
-        let call = self
-            .shared
-            .lock()
-            .submit_send(buf.as_ptr() as u64, buf.len() as u64, flags);
-        self.wait_bounded(call, limits)
+        self.wait_bounded(
+            |d| d.submit_send(buf.as_ptr() as u64, buf.len() as u64, flags),
+            limits,
+        )
     }
 
     /// `recv()` that a deadline or a signal may cut short.
@@ -454,14 +610,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         flags: RecvFlags,
         limits: &CallLimits<'_>,
     ) -> Result<u64, CallError> {
-        if !self.shared.make_mine() {
-            return Err(CallError::ConnReset);
-        }
-        let call = self
-            .shared
-            .lock()
-            .submit_recv(buf.as_mut_ptr() as u64, buf.len() as u64, flags);
-        self.wait_bounded(call, limits)
+        self.wait_bounded(
+            |d| d.submit_recv(buf.as_mut_ptr() as u64, buf.len() as u64, flags),
+            limits,
+        )
     }
 
     /// Blocking `send()`; returns when the engine says the buffer is
@@ -532,6 +684,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         if self.shared.make_mine() {
             self.shared.lock().shutdown(how);
             self.shared.waiter.kick();
+            self.shared.wake_reactor();
         }
     }
 
@@ -577,8 +730,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// `close()` as a program sees it: returns at once (SO_LINGER off, or
-    /// `abort` for {on, 0}); the progress thread finishes the connection in
-    /// the background and ends once it is finished or `linger` passed.
+    /// `abort` for {on, 0}); the reactor finishes the connection in the
+    /// background and lets go once it is finished or `linger` passed.
     /// [`ThreadedDriver::join_closed`] waits for that.
     pub fn close_in_background(&self, abort: bool, linger: Duration) {
         if self.shared.orphaned() {
@@ -597,7 +750,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                     }
                 }
                 // Frozen by a fork: the child may take it over; if it does
-                // not, the progress thread reclaims and closes it.
+                // not, the reactor reclaims and closes it.
                 Ownership::Unclaimed => {
                     *self.shared.close_pending.lock() = Some(abort);
                 }
@@ -606,20 +759,21 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         *self.shared.closing.lock() = Some(Instant::now() + FORK_GRACE + linger);
         self.shared.waiter.kick();
-        // The progress thread finishes the close.
+        // The reactor finishes the close.
         self.shared.end_standby();
     }
 
     /// After [`ThreadedDriver::close_in_background`]: wait until the
-    /// progress thread is done (or `timeout`); whether it finished.
+    /// reactor is done with the connection (or `timeout`); whether it is.
     pub fn join_closed(&self, timeout: Duration) -> bool {
         if self.shared.orphaned() {
             return true;
         }
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            let done = self.shared.threads.lock().iter().all(|t| t.is_finished());
-            if done || self.shared.stop.load(Ordering::SeqCst) {
+            if self.shared.released.load(Ordering::SeqCst)
+                || self.shared.stop.load(Ordering::SeqCst)
+            {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -641,7 +795,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
-    /// passes; stops the threads. Returns whether it finished cleanly.
+    /// passes; stops driving it. Returns whether it finished cleanly.
     pub fn close(self, timeout: Duration) -> (bool, Counters) {
         let (clean, counters, _) = self.close_report(timeout);
         (clean, counters)
@@ -668,24 +822,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     fn stop(&mut self) {
-        let threads = std::mem::take(&mut *self.shared.threads.lock());
-        if self.shared.orphaned() {
-            // The threads are the parent's; nothing here to stop or join.
-            threads.into_iter().for_each(std::mem::forget);
-            return;
-        }
-        self.shared.stop.store(true, Ordering::Relaxed);
-        self.shared.waiter.kick();
-        self.shared.stop_faults();
-        standby::end();
-        if crate::sync::held_here() > 0 {
-            // Joining here could wait on a thread that a fork barrier
-            // holds back until this one lets go: they end on their own.
-            return;
-        }
-        for t in threads {
-            let _ = t.join();
-        }
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Its descriptors are watched no more from here (a forked child's
+        // copy of the parent's registration is dropped without a word).
+        drop(self.shared.registration.lock().take());
     }
 }
 
@@ -696,140 +836,185 @@ struct ForkHold<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
     _shared: Arc<Shared<F, P>>,
 }
 
-/// The progress thread and, given a fault reader, the fault thread.
-fn spawn_threads<F: Fabric + Send + 'static, P: Protector + Send + 'static>(
-    shared: &Arc<Shared<F, P>>,
-    faults: Option<Box<dyn FaultSource>>,
-) -> Vec<JoinHandle<()>> {
-    let mut threads = Vec::new();
-    let s = Arc::clone(shared);
-    match crate::threads::spawn("azsdp-progress", move || progress(&s)) {
-        Ok(t) => threads.push(t),
-        Err(e) => crate::protect::log_once(&format!("no progress thread: {e}")),
-    }
-    if let Some(reader) = faults {
-        let s = Arc::clone(shared);
-        let stopper = reader.stopper();
-        let nap = if stopper.is_some() {
-            FAULT_NAP
-        } else {
-            MAX_NAP
-        };
-        *shared.fault_stopper.lock() = stopper;
-        let r = crate::threads::spawn("azsdp-faults", move || {
-            while !s.stop.load(Ordering::Relaxed) {
-                let Some(f) = reader.next_timeout(nap) else {
-                    continue;
-                };
-                let access = if f.write { Access::Write } else { Access::Read };
-                let mut d = s.lock();
-                // Completions already in the ring may have
-                // settled the page: deliver them first.
-                s.turn_all(&mut d, 0);
-                d.submit_fault(f.addr, access);
-                // What the fault started may have completed at once
-                // (a compare-and-swap on shared memory): deliver it
-                // here, no other thread would be woken for it.
-                s.turn_all(&mut d, 0);
-                drop(d);
-                if let Some(n) = &s.notify {
-                    n();
-                }
-                if s.in_calls.load(Ordering::SeqCst) > 0 {
-                    s.waiter.kick();
-                } else {
-                    // The writer waits in its fault, not in a call: the
-                    // progress thread must watch for the completion
-                    // that releases it.
-                    s.end_standby();
-                }
-            }
-        });
-        match r {
-            Ok(t) => threads.push(t),
-            Err(e) => crate::protect::log_once(&format!("no fault thread: {e}")),
-        }
-    }
-    threads
+/// Keeps a thread counted in a call (see [`Shared::enter_call`]).
+struct InCall<'a> {
+    in_calls: &'a AtomicUsize,
+    last_exit: &'a AtomicU64,
 }
 
-/// The progress thread: turn, then sleep on the fabric until something
-/// comes or a timer is due. While a caller is blocked it only turns when
-/// the lock is free (that caller turns for itself).
-fn progress<F: Fabric + Send + 'static, P: Protector + Send + 'static>(s: &Shared<F, P>) {
-    let wanted = || standby::wanted(s.in_calls.load(Ordering::SeqCst), &s.last_exit);
-    let mut nap = standby::RECENT;
-    while !s.stop.load(Ordering::Relaxed) {
-        // The application drives the connection now: keep off the ring
-        // (see `standby`), looking again after a nap that doubles.
-        if wanted() {
-            standby::park(nap, wanted);
-            nap = (nap * 2).min(standby::LONGEST_NAP);
-            continue;
+impl Drop for InCall<'_> {
+    fn drop(&mut self) {
+        self.last_exit
+            .store(standby::now_ns().max(1), Ordering::SeqCst);
+        self.in_calls.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Shared<F, P> {
+    /// What a progress thread of the connection's own used to do, once:
+    /// stand by while calls drive it, follow a fork's ownership, finish a
+    /// background close, turn the engine, then arm the fabric's waiter and
+    /// say when to look next.
+    fn service(&self, wake: Wake) -> Next {
+        let Wake {
+            fired,
+            woken,
+            shared_fired,
+            mail,
+        } = wake;
+        // Handed to the fabric by whoever turns the engine next.
+        self.keep_mail(mail, shared_fired);
+        if self.stop.load(Ordering::SeqCst) || self.orphaned() {
+            return Next {
+                done: true,
+                ..Next::default()
+            };
         }
-        nap = standby::RECENT;
-        let ticket = s.waiter.prepare();
-        let guard = if s.in_calls.load(Ordering::SeqCst) > 0 {
-            s.try_lock()
-        } else {
-            Some(s.lock())
+        let now = Instant::now();
+        // The application drives the connection now: keep off it (see
+        // `standby`), looking again after a nap that doubles. A fault or a
+        // kick while no call is in it cuts the standby short.
+        let urgent = woken && self.in_calls.load(Ordering::SeqCst) == 0;
+        if !urgent && standby::wanted(self.in_calls.load(Ordering::SeqCst), &self.last_exit) {
+            let mut nap = self.standby_nap.lock();
+            let at = now + *nap;
+            *nap = (*nap * 2).min(standby::LONGEST_NAP);
+            return Next {
+                at: Some(at),
+                parked: true,
+                ..Next::default()
+            };
+        }
+        *self.standby_nap.lock() = standby::RECENT;
+        let Some(d) = self.try_lock() else {
+            // Whoever holds it wakes us when it lets go (or, if it let go
+            // meanwhile, the second try gets it).
+            self.wanted.store(true, Ordering::SeqCst);
+            match self.try_lock() {
+                Some(d) => {
+                    self.wanted.store(false, Ordering::SeqCst);
+                    return self.service_locked(d, fired, now);
+                }
+                // The holder wakes us when it lets go (the backstop look
+                // is only for what nothing announces).
+                None => {
+                    return Next {
+                        at: Some(now + reactor::IDLE_LOOK),
+                        ..Next::default()
+                    };
+                }
+            }
         };
-        let Some(mut d) = guard else {
-            // A caller holds the lock and reads the ring itself: sleep until
-            // something new arrives, not while what it is reading is there.
-            s.waiter.sleep(ticket, MAX_NAP);
-            continue;
-        };
+        // A call may have started since the look above: it drives now.
+        if self.in_calls.load(Ordering::SeqCst) > 0 {
+            drop(d);
+            return Next {
+                at: Some(now + standby::LONGEST_NAP),
+                ..Next::default()
+            };
+        }
+        self.service_locked(d, fired, now)
+    }
+}
+
+impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
+    fn keep_mail(&self, mail: Vec<reactor::Mail>, shared_fired: bool) {
+        if mail.is_empty() && !shared_fired {
+            return;
+        }
+        if !mail.is_empty() {
+            self.mail.lock().extend(mail);
+        }
+        if shared_fired {
+            self.suspect.store(true, Ordering::SeqCst);
+        }
+        self.news.store(true, Ordering::SeqCst);
+        // A caller asleep in a call takes it at once.
+        self.waiter.kick();
+    }
+
+    fn service_locked(&self, mut d: Locked<'_, F, P>, fired: bool, now: Instant) -> Next {
+        self.take_news(&mut d);
+        if let Some(reg) = self.registration.lock().as_ref() {
+            self.watch_peer_exit(&d, reg);
+        }
         match d.fabric().ownership() {
             Ownership::Mine => {}
             // A forked child took the connection: this copy is done.
             Ownership::Other => {
-                s.stop.store(true, Ordering::SeqCst);
-                break;
+                self.stop.store(true, Ordering::SeqCst);
+                self.released.store(true, Ordering::SeqCst);
+                return Next {
+                    done: true,
+                    ..Next::default()
+                };
             }
             // Frozen by a fork: wait for a claim; after the grace, take it
             // back (the child did not want it).
             Ownership::Unclaimed => {
-                let since = *s.frozen_since.lock().get_or_insert_with(Instant::now);
-                if since.elapsed() < FORK_GRACE || !d.fabric().claim() {
-                    drop(d);
-                    std::thread::sleep(MAX_NAP);
-                    continue;
+                let since = *self.frozen_since.lock().get_or_insert(now);
+                if now.duration_since(since) < FORK_GRACE || !d.fabric().claim() {
+                    return Next {
+                        at: Some(now + MAX_NAP),
+                        ..Next::default()
+                    };
                 }
-                *s.frozen_since.lock() = None;
+                *self.frozen_since.lock() = None;
             }
         }
-        if let Some(abort) = s.close_pending.lock().take() {
+        if let Some(abort) = self.close_pending.lock().take() {
             if abort {
                 d.abort();
             } else {
                 d.submit_close();
             }
         }
-        let closing = *s.closing.lock();
-        if let Some(deadline) = closing {
-            if d.is_finished() || Instant::now() >= deadline {
+        let closing = *self.closing.lock();
+        let mut fired = fired;
+        // A fabric that keeps saying "ready" gets a few turns, then a timer.
+        for _ in 0..4 {
+            self.turn_all(&mut d, 0);
+            if let Some(deadline) = closing
+                && (d.is_finished() || Instant::now() >= deadline)
+            {
                 if !d.is_finished() {
                     d.abort();
                 }
                 // The peer learns at once that this side is done.
                 d.fabric().finish();
-                drop(d);
-                // The fault thread ends with it.
-                s.stop.store(true, Ordering::SeqCst);
-                s.stop_faults();
-                break;
+                self.stop.store(true, Ordering::SeqCst);
+                self.released.store(true, Ordering::SeqCst);
+                return Next {
+                    done: true,
+                    ..Next::default()
+                };
             }
+            let armed = if d.peer_left() {
+                // Nothing more comes from the fabric: timers only.
+                Armed::Deaf
+            } else {
+                d.fabric_mut().arm(std::mem::take(&mut fired))
+            };
+            if armed == Armed::Ready {
+                continue;
+            }
+            let mut at = now
+                + d.next_timeout()
+                    .unwrap_or(reactor::IDLE_LOOK)
+                    .min(reactor::IDLE_LOOK);
+            if let Some(deadline) = closing {
+                at = at.min(deadline);
+            }
+            return Next {
+                at: Some(at),
+                watch: armed == Armed::Sleep,
+                ..Next::default()
+            };
         }
-        if s.turn_all(&mut d, 0) > 0 {
-            continue;
+        Next {
+            at: Some(Instant::now() + Duration::from_millis(1)),
+            ..Next::default()
         }
-        let mut nap = d.next_timeout().unwrap_or(IDLE_NAP).min(IDLE_NAP);
-        if let Some(deadline) = closing {
-            nap = nap.min(deadline.saturating_duration_since(Instant::now()));
-        }
-        drop(d);
-        s.waiter.wait(ticket, nap, false);
     }
 }
 

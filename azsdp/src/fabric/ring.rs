@@ -39,7 +39,10 @@ struct Header {
     head: AtomicU64,
     /// Consumer threads about to sleep; the producer wakes them.
     sleeping: AtomicU32,
-    _pad2: [u8; 52],
+    /// The consumer's reactor watches its doorbell: the producer that
+    /// takes this from 1 to 0 rings it (see `ShmEndpoint::arm`).
+    armed: AtomicU32,
+    _pad2: [u8; 48],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
@@ -100,6 +103,11 @@ impl RingWatch {
     pub fn wait_words(&self) -> (&AtomicU32, &AtomicU32) {
         let h = self.h();
         (&h.published, &h.sleeping)
+    }
+
+    /// The consumer's doorbell flag (1: ring it on the next message).
+    pub fn armed(&self) -> &AtomicU32 {
+        &self.h().armed
     }
 }
 
@@ -306,6 +314,11 @@ impl Ring {
     pub fn wait_words(&self) -> (&AtomicU32, &AtomicU32) {
         let h = self.h();
         (&h.published, &h.sleeping)
+    }
+
+    /// The consumer's doorbell flag (see [`RingWatch::armed`]).
+    pub fn armed(&self) -> &AtomicU32 {
+        &self.h().armed
     }
 }
 

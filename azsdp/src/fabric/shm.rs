@@ -15,11 +15,11 @@
 //! [`ShmJoin::open`], and the segment is sealed against shrinking (a peer
 //! could otherwise truncate it under us). Who the peer *is* comes only from
 //! the kernel ([`crate::identity`]): the process whose memory GETs read is
-//! the one whose credentials and pidfd came with its side-channel message,
+//! the one whose credentials and pidfd came with its pairing message,
 //! pinned by that pidfd; a process that takes the peer's side over after a
-//! fork is followed only when it says so over the side channel with its own
-//! kernel identity ([`IntroKind::Claim`]), never because a word in the
-//! segment names it.
+//! fork is followed only when it says so on our bell with its own kernel
+//! identity ([`IntroKind::Claim`]), never because a word in the segment
+//! names it.
 //!
 //! **Keys.** Every GET names a key, and the reader checks it against the
 //! owner's registration table in the segment, as an RNIC checks an rkey: the
@@ -27,13 +27,26 @@
 //! read and still after it (a registration withdrawn meanwhile voids the
 //! read, as does the pinned process having exited, which could have freed
 //! its pid for another). A peer can only make us read its own memory; one
-//! of another user is never read at all ([`NoGet::OtherUser`]).
+//! of another user is never read at all ([`NoGet::OtherUser`]). While the
+//! owner word says another process took the peer's side and its claim has
+//! not come, GETs wait for it (then fail): neither process is read.
 //!
-//! Bootstrap runs over a connected Unix socket, which stays open for the
-//! connection's life as its control channel (claims after fork): the side
-//! that makes the segment ([`ShmOffer`]) sends it with an
-//! [`IntroKind::Offer`]; the other ([`ShmJoin`]) maps it and answers. Both
-//! messages carry the sender's kernel identity. [`ShmEndpoint::offer`] and
+//! **Waking.** A side that waits busy-polls, then sleeps on a futex in the
+//! segment; a side no call waits on is its process's reactor's
+//! ([`crate::driver::reactor`]), which *arms* the ring (a flag in it) and
+//! sleeps. The peer that posts to an armed ring takes the flag and rings the
+//! reactor's bell with the token that side published in the header: one
+//! datagram on a socket every peer of that process holds. So a connection
+//! holds no descriptor of its own: one bell per process, one pidfd and one
+//! bell per peer process, shared by all connections to it.
+//!
+//! Bootstrap runs over a connected Unix socket: the side that makes the
+//! segment ([`ShmOffer`]) sends it with an [`IntroKind::Offer`] and its
+//! process's bell; the other ([`ShmJoin`]) maps it and answers with its own
+//! bell. Both messages carry the sender's kernel identity, and the socket
+//! is done with after them. A process that takes a side over after a fork
+//! says so on the peer's bell, as mail with its own kernel identity and
+//! bell ([`IntroKind::Claim`]). [`ShmEndpoint::offer`] and
 //! [`ShmEndpoint::accept`] do the whole exchange for programs that own both
 //! ends' setup; the preload shim runs the same steps inside `connect()` and
 //! `accept()` with its own checks between them.
@@ -44,8 +57,8 @@
 use std::collections::VecDeque;
 use std::io::IoSliceMut;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapMut, MmapOptions};
@@ -55,14 +68,16 @@ use nix::unistd::Pid;
 use super::pool::Pool;
 use super::ring::{self, Ring, RingWatch};
 use super::{
-    Departure, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, Ownership, RegAccess,
+    Armed, Departure, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, Ownership, RegAccess,
 };
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+use crate::driver::reactor::{self, Mail, Reactor};
 use crate::identity::{self, IdentityError, PeerId};
 use crate::pairing::{INTRO_LEN, Intro, IntroKind};
+use crate::sync::Lock;
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const HEADER_LEN: usize = 4096;
 /// Largest ring a segment may have (a peer's segment asking for more is
 /// refused rather than mapped).
@@ -102,11 +117,15 @@ struct SegHeader {
     /// Per side: the pid of the process running that side, with
     /// [`FROZEN`] set from a fork until a process claims it. Each side
     /// reads its own to know whether it runs the connection; the peer's
-    /// is only a hint that a claim may be waiting on the side channel.
+    /// is only a hint that a claim is on its way to our bell.
     owner: [AtomicU32; 2],
     /// Free for whoever set the pair up to agree on it (the preload shim's
     /// commit-or-withdraw word, see [`ShmEndpoint::agreement`]).
     agreement: AtomicU32,
+    /// Per side: the token that side's reactor answers to on its process's
+    /// bell (0: none yet). The peer rings it; a false one only makes some
+    /// connection of ours look for nothing.
+    bell: [AtomicU64; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<SegHeader>() <= HEADER_LEN);
@@ -438,8 +457,10 @@ pub struct ShmEndpoint {
     side: usize,
     /// The process running the peer side, verified and pinned.
     peer: PeerId,
-    /// The side channel: claims after fork come over it.
-    control: OwnedFd,
+    /// The bell of the process running the peer side (shared by every
+    /// connection to that process): rung when we post to an armed ring,
+    /// and where a claim after our fork goes.
+    peer_bell: Arc<OwnedFd>,
     peer_page_size: u32,
     no_get: Option<NoGet>,
     params: ShmParams,
@@ -453,6 +474,7 @@ pub struct ShmEndpoint {
     /// When the peer process was last seen alive: an idle poll asks the
     /// kernel (a system call) at most once per [`ALIVE_EVERY`].
     alive_at: Option<Instant>,
+    held_gets: VecDeque<HeldGet>,
 }
 
 /// An endpoint this process runs and lets go of says so in the segment:
@@ -464,6 +486,22 @@ impl Drop for ShmEndpoint {
     fn drop(&mut self) {
         self.finish();
     }
+}
+
+/// How long a GET waits for the claim of a process that took the peer side
+/// over. A true claim is on our bell before anything the new process
+/// posts, and reaches the endpoint within microseconds; a word rewritten
+/// without one fails the GET (and holds up a call on it) no longer.
+const CLAIM_WAIT: Duration = Duration::from_millis(200);
+
+/// A GET held until a claim comes (see `ShmEndpoint::claim_pending`).
+#[derive(Debug)]
+struct HeldGet {
+    op: OpId,
+    src: RemoteBuf,
+    dst: u64,
+    len: u64,
+    since: Instant,
 }
 
 /// How often an idle endpoint asks whether the peer process still exists
@@ -573,14 +611,15 @@ impl ShmOffer {
         }
     }
 
-    /// The peer joined (its answer named it): run side 0 over `control`.
+    /// The peer joined (its answer named it, and passed its process's
+    /// `bell`): run side 0.
     pub fn into_endpoint(
         self,
-        control: OwnedFd,
+        bell: OwnedFd,
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
-        ShmEndpoint::new(self.seg, 0, control, peer, peer_page_size, self.params)
+        ShmEndpoint::new(self.seg, 0, bell, peer, peer_page_size, self.params)
     }
 }
 
@@ -608,15 +647,36 @@ impl ShmJoin {
         &self.seg.hdr().agreement
     }
 
-    /// Run side 1 over `control`, with the offering `peer`.
+    /// Run side 1, with the offering `peer` and its process's `bell`.
     pub fn into_endpoint(
         self,
-        control: OwnedFd,
+        bell: OwnedFd,
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
-        ShmEndpoint::new(self.seg, 1, control, peer, peer_page_size, self.params)
+        ShmEndpoint::new(self.seg, 1, bell, peer, peer_page_size, self.params)
     }
+}
+
+/// Bells this process rings, one per peer process (by its shared pidfd):
+/// a peer's later connections pass the same bell again, and keep none.
+static BELLS: Lock<Vec<(Weak<OwnedFd>, Weak<OwnedFd>)>> = Lock::new(Vec::new());
+
+/// The bell of `peer`'s process: the one we hold already, or `fresh`.
+fn shared_bell(peer: &PeerId, fresh: OwnedFd) -> Arc<OwnedFd> {
+    let pidfd = peer.pidfd_shared();
+    let mut bells = BELLS.lock();
+    bells.retain(|(p, b)| p.strong_count() > 0 && b.strong_count() > 0);
+    if let Some(b) = bells
+        .iter()
+        .filter(|(p, _)| std::ptr::eq(p.as_ptr(), Arc::as_ptr(&pidfd)))
+        .find_map(|(_, b)| b.upgrade())
+    {
+        return b;
+    }
+    let b = Arc::new(fresh);
+    bells.push((Arc::downgrade(&pidfd), Arc::downgrade(&b)));
+    b
 }
 
 /// Read `len` bytes at `src` in process `pid` into `dst`, all or nothing.
@@ -645,7 +705,7 @@ impl ShmEndpoint {
     fn new(
         seg: Segment,
         side: usize,
-        control: OwnedFd,
+        peer_bell: OwnedFd,
         peer: PeerId,
         peer_page_size: u32,
         params: ShmParams,
@@ -659,8 +719,8 @@ impl ShmEndpoint {
             rx,
             seg: Arc::new(seg),
             side,
+            peer_bell: shared_bell(&peer, peer_bell),
             peer,
-            control,
             peer_page_size,
             no_get,
             params,
@@ -670,38 +730,50 @@ impl ShmEndpoint {
             gone_reported: false,
             corrupt: false,
             alive_at: None,
+            held_gets: VecDeque::new(),
         })
     }
 
     /// Bootstrap over a connected Unix socket as the side that makes the
-    /// segment (side 0). The socket (a duplicate of it) stays the
-    /// connection's control channel.
+    /// segment (side 0): the offer carries the segment and this process's
+    /// bell, the answer the peer's bell. `sock` stays the caller's.
     pub fn offer(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
         let offer = ShmOffer::new(params)?;
+        let reactor = Reactor::get()?;
         let fd = sock.as_fd();
         send_intro(
             fd,
             &Intro::new(IntroKind::Offer, page_size()),
-            &[offer.memfd()],
+            &[offer.memfd(), reactor.bell()],
             false,
         )?;
         let (intro, answer) = recv_intro(fd, IntroKind::Answer, false)?;
-        offer.into_endpoint(fd.try_clone_to_owned()?, answer.peer, intro.page_size)
+        let bell = answer
+            .fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| bad("the answer carries no bell"))?;
+        offer.into_endpoint(bell, answer.peer, intro.page_size)
     }
 
     /// Bootstrap over a connected Unix socket as the side that maps the
     /// peer's segment (side 1).
     pub fn accept(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        let reactor = Reactor::get()?;
         let fd = sock.as_fd();
         let (intro, offer) = recv_intro(fd, IntroKind::Offer, false)?;
-        let memfd = offer
-            .fds
-            .into_iter()
-            .next()
-            .ok_or_else(|| bad("the peer sent no segment"))?;
+        let mut fds = offer.fds.into_iter();
+        let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
+            return Err(bad("the offer carries no segment or no bell"));
+        };
         let join = ShmJoin::open(memfd, params.poll)?;
-        send_intro(fd, &Intro::new(IntroKind::Answer, page_size()), &[], false)?;
-        join.into_endpoint(fd.try_clone_to_owned()?, offer.peer, intro.page_size)
+        send_intro(
+            fd,
+            &Intro::new(IntroKind::Answer, page_size()),
+            &[reactor.bell()],
+            false,
+        )?;
+        join.into_endpoint(bell, offer.peer, intro.page_size)
     }
 
     /// A waiter for this endpoint's incoming messages (it only looks).
@@ -754,10 +826,29 @@ impl ShmEndpoint {
         self.wake_peer(true);
     }
 
+    /// Wake the peer's threads sleeping on the ring, and ring its
+    /// reactor's doorbell if it is armed (`force`: whatever they do).
     fn wake_peer(&self, force: bool) {
         let (published, sleeping) = self.tx.wait_words();
         if force || sleeping.load(Ordering::Acquire) != 0 {
             crate::futex::wake_all(published);
+        }
+        // Pairs with the fence in `arm`: either the peer's reactor sees
+        // what we published, or we see it armed.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let armed = self.tx.armed();
+        if (force || armed.load(Ordering::Relaxed) != 0) && armed.swap(0, Ordering::AcqRel) != 0 {
+            self.ring_doorbell();
+        }
+    }
+
+    /// The peer's token on its process's bell. A bell that is full (or a
+    /// peer with no token yet) leaves the ring armed: the next message
+    /// rings again, and the peer's reactor looks at least once a second.
+    fn ring_doorbell(&self) {
+        let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
+        if token == 0 || !reactor::ring(self.peer_bell.as_fd(), token) {
+            self.tx.armed().store(1, Ordering::Release);
         }
     }
 
@@ -765,29 +856,40 @@ impl ShmEndpoint {
         self.seg.hdr().closed[1 - self.side].load(Ordering::Acquire) != 0
     }
 
-    /// Follow the peer side to the process that runs it now. The owner
-    /// word in the segment only says that a claim may be waiting: the
-    /// claim itself comes over the side channel with the claimer's kernel
-    /// identity, and only a claimer of the peer's user is followed.
-    fn follow_peer(&mut self) {
+    /// Does the owner word say another process took the peer side, whose
+    /// claim (with its kernel identity) has not reached us yet?
+    fn claim_pending(&self) -> bool {
         let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
-        if w == 0 || w == self.peer.pid() {
+        w != 0 && w != self.peer.pid()
+    }
+
+    /// GETs held for a claim: run once it came, failed if it never does.
+    fn release_held_gets(&mut self) {
+        while let Some(g) = self.held_gets.front() {
+            let result = if !self.claim_pending() {
+                self.get(g.src, g.dst, g.len)
+            } else if g.since.elapsed() >= CLAIM_WAIT {
+                Err(OpError::Unreachable)
+            } else {
+                return;
+            };
+            let op = g.op;
+            self.held_gets.pop_front();
+            self.completions.push_back((op, OpResult::Get(result)));
+        }
+    }
+
+    /// Tell the peer, with our kernel identity and our process's bell, that
+    /// this process runs our side now (after a fork).
+    fn send_claim(&self) {
+        let Ok(reactor) = Reactor::get() else {
             return;
-        }
-        loop {
-            match recv_intro(self.control.as_fd(), IntroKind::Claim, true) {
-                Ok((_, claim)) => {
-                    if claim.peer.uid() == self.peer.uid() {
-                        self.peer = claim.peer;
-                        self.no_get = get_permission(&self.peer);
-                    }
-                }
-                Err(e) if e.would_block() => return,
-                Err(IntroError::Identity(IdentityError::Closed)) => return,
-                // A refused message: skip it, look at the next.
-                Err(_) => {}
-            }
-        }
+        };
+        let mut body = [0u8; reactor::MAIL_LEN];
+        Intro::new(IntroKind::Claim, page_size()).emit(&mut body);
+        let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
+        // A peer that is gone needs no claim.
+        let _ = reactor::send_mail(self.peer_bell.as_fd(), token, &body, &[reactor.bell()]);
     }
 
     fn peer_alive(&mut self) -> bool {
@@ -798,7 +900,6 @@ impl ShmEndpoint {
         if self.alive_at.is_some_and(|t| now < t + ALIVE_EVERY) {
             return true;
         }
-        self.follow_peer();
         let alive = self.peer.alive();
         self.alive_at = alive.then_some(now);
         alive
@@ -984,9 +1085,7 @@ impl Fabric for ShmEndpoint {
             match word.compare_exchange(w, me, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(was) => {
                     if was & !FROZEN != me {
-                        let claim = Intro::new(IntroKind::Claim, page_size());
-                        // A peer that is gone needs no claim.
-                        let _ = send_intro(self.control.as_fd(), &claim, &[], true);
+                        self.send_claim();
                     }
                     return true;
                 }
@@ -1073,7 +1172,18 @@ impl Fabric for ShmEndpoint {
         dst: LocalBuf,
         len: u64,
     ) -> Result<(), FabricError> {
-        self.follow_peer();
+        if self.claim_pending() {
+            // The peer side moved to a process whose claim is still on its
+            // way: its memory is not the one to read yet.
+            self.held_gets.push_back(HeldGet {
+                op,
+                src,
+                dst: dst.addr,
+                len,
+                since: Instant::now(),
+            });
+            return Ok(());
+        }
         let result = self.get(src, dst.addr, len);
         self.completions.push_back((op, OpResult::Get(result)));
         Ok(())
@@ -1099,6 +1209,22 @@ impl Fabric for ShmEndpoint {
         !self.completions.is_empty()
     }
 
+    /// Set the incoming ring's doorbell flag: the peer's next message rings
+    /// our token on this process's bell.
+    fn arm(&mut self, _fired: bool) -> Armed {
+        self.rx.armed().store(1, Ordering::Relaxed);
+        // Pairs with the fence in `wake_peer`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let ready = !self.completions.is_empty()
+            || !self.rx.is_empty()
+            || (self.peer_closed() && !self.gone_reported);
+        if ready { Armed::Ready } else { Armed::Sleep }
+    }
+
+    fn disarm(&mut self) {
+        self.rx.armed().store(0, Ordering::Relaxed);
+    }
+
     /// Wait until a message may be ready or `timeout` passes: busy-poll for
     /// `params.poll`, then sleep on the futex. Completions of this side's own
     /// operations are synchronous, so they never need a wait.
@@ -1118,6 +1244,9 @@ impl Fabric for ShmEndpoint {
     }
 
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        if !self.held_gets.is_empty() {
+            self.release_held_gets();
+        }
         let mut n = 0;
         while let Some((op, result)) = self.completions.pop_front() {
             on_event(FabricEvent::Done { op, result });
@@ -1150,6 +1279,44 @@ impl Fabric for ShmEndpoint {
             n += 1;
         }
         n
+    }
+}
+
+impl super::Watched for ShmEndpoint {
+    fn set_bell(&mut self, token: u64, _bell: BorrowedFd<'_>) {
+        self.seg.hdr().bell[self.side].store(token, Ordering::Release);
+    }
+
+    fn peer_exit_fd(&self) -> Option<Arc<OwnedFd>> {
+        Some(self.peer.pidfd_shared())
+    }
+
+    /// A claim: the peer side runs in the sender's process now. Only a
+    /// claimer of the peer's user whose pid the segment's owner word names
+    /// is followed (so one that maps the segment: the peer or a process it
+    /// forked; any peer of ours can ring our bell), with the bell it passed.
+    fn take_mail(&mut self, mail: Mail) {
+        let Ok(intro) = Intro::parse(&mail.body) else {
+            return;
+        };
+        let owner = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
+        if intro.kind != IntroKind::Claim
+            || mail.from.peer.uid() != self.peer.uid()
+            || mail.from.peer.pid() != owner
+        {
+            return;
+        }
+        let Some(bell) = mail.from.fds.into_iter().next() else {
+            return;
+        };
+        self.peer = mail.from.peer;
+        self.peer_bell = shared_bell(&self.peer, bell);
+        self.no_get = get_permission(&self.peer);
+        self.alive_at = None;
+    }
+
+    fn peer_suspect(&mut self) {
+        self.alive_at = None;
     }
 }
 

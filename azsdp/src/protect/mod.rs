@@ -48,16 +48,21 @@ pub struct Fault {
     pub wp: bool,
 }
 
-/// Where a fault thread reads faults from.
-pub trait FaultSource: Send {
-    /// The next fault, waiting at most `timeout`.
+/// Called, by whichever thread learns of it, when a fault waits; it must
+/// not block.
+pub type FaultWaker = std::sync::Arc<dyn Fn() + Send + Sync>;
+
+/// Where a connection's faults come from.
+pub trait FaultSource: Send + Sync {
+    /// The next fault waiting, if any (never blocks).
+    fn try_next(&self) -> Option<Fault>;
+    /// The next fault, waiting at most `timeout` (for a thread of its own:
+    /// tests and examples).
     fn next_timeout(&self, timeout: Duration) -> Option<Fault>;
-    /// Something that makes a waiting [`FaultSource::next_timeout`] return
-    /// at once (so a fault thread can block for long, and still stop when
-    /// told to). `None`: the thread must poll with short timeouts.
-    fn stopper(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
-        None
-    }
+    /// How a reactor learns that faults wait: a descriptor that polls
+    /// readable while they do (`Some`), or else `waker`, called when one
+    /// arrives.
+    fn watch(&self, waker: FaultWaker) -> Option<i32>;
 }
 
 /// The `protection` setting: which mechanism guards in-flight pages.

@@ -297,7 +297,7 @@ impl MprotectProtect {
         })
     }
 
-    /// A reader for the fault thread.
+    /// This connection's faults (the reactor polls the pipe).
     pub fn faults(&self) -> SignalFaults {
         SignalFaults {
             read_end: std::sync::Arc::clone(&self.read_end),
@@ -416,8 +416,9 @@ impl Drop for MprotectProtect {
     }
 }
 
-impl FaultSource for SignalFaults {
-    fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
+impl SignalFaults {
+    /// Wait up to `timeout` (0: only look) for a record, and read it.
+    fn read(&self, timeout: Duration) -> Option<Fault> {
         let mut p = libc::pollfd {
             fd: self.read_end.as_raw_fd(),
             events: libc::POLLIN,
@@ -437,6 +438,22 @@ impl FaultSource for SignalFaults {
             write: rec[8] != 0,
             wp: true,
         })
+    }
+}
+
+impl FaultSource for SignalFaults {
+    fn try_next(&self) -> Option<Fault> {
+        self.read(Duration::ZERO)
+    }
+
+    fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
+        self.read(timeout)
+    }
+
+    /// The pipe the signal handler writes records to (a handler can call
+    /// nothing but `write`).
+    fn watch(&self, _waker: super::FaultWaker) -> Option<i32> {
+        Some(self.read_end.as_raw_fd())
     }
 }
 

@@ -89,6 +89,8 @@ struct State {
     held: Vec<Held>,
     /// Each owner's fault inbox.
     inboxes: HashMap<u32, Sender<Fault>>,
+    /// Each owner's waker, called once its inbox has a fault.
+    wakers: HashMap<u32, super::FaultWaker>,
     next_owner: u32,
 }
 
@@ -204,7 +206,11 @@ impl Process {
                     // Reported where the owner knows the page (an alias's
                     // fault at the address the owner protected).
                     let addr = h.known_as + (f.addr - h.pages.start);
-                    told |= tx.try_send(Fault { addr, ..f }).is_ok();
+                    let sent = tx.try_send(Fault { addr, ..f }).is_ok();
+                    if sent && let Some(w) = st.wakers.get(&h.owner) {
+                        w();
+                    }
+                    told |= sent;
                 }
             }
             drop(st);
@@ -302,7 +308,6 @@ pub struct UffdProtect {
     proc: Arc<Process>,
     owner: u32,
     inbox: Receiver<Fault>,
-    wake: Sender<Fault>,
     page: u64,
     /// Armed ranges (by start) and the staging pages holding their data.
     armed: HashMap<u64, Staging>,
@@ -334,27 +339,27 @@ struct Staging {
 /// Most bytes of spare staging kept mapped, per connection.
 const SPARE_STAGING: u64 = 64 << 20;
 
-/// One connection's faults (for its fault thread).
-#[derive(Debug, Clone)]
+/// One connection's faults.
+#[derive(Clone)]
 pub struct FaultReader {
     inbox: Receiver<Fault>,
-    /// To wake the reader with [`WAKE`] (see [`super::FaultSource::stopper`]).
-    wake: Sender<Fault>,
+    proc: Arc<Process>,
+    owner: u32,
 }
 
-/// Not a fault: a reader told to look up from its inbox.
-const WAKE: Fault = Fault {
-    addr: u64::MAX,
-    write: false,
-    wp: false,
-};
+impl std::fmt::Debug for FaultReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultReader")
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
 
 impl UffdProtect {
     /// Page protection on the process's full userfaultfd.
     pub fn new() -> Result<UffdProtect, ProtectError> {
         let proc = Process::get()?;
         let (tx, inbox) = crossbeam_channel::bounded(INBOX);
-        let wake = tx.clone();
         let owner = {
             let mut st = proc.lock();
             st.next_owner += 1;
@@ -367,7 +372,6 @@ impl UffdProtect {
             proc,
             owner,
             inbox,
-            wake,
             page,
             armed: HashMap::new(),
             spare: Vec::new(),
@@ -399,11 +403,12 @@ impl UffdProtect {
         self.page
     }
 
-    /// This connection's faults, for its fault thread.
+    /// This connection's faults (the reactor takes them).
     pub fn faults(&self) -> FaultReader {
         FaultReader {
             inbox: self.inbox.clone(),
-            wake: self.wake.clone(),
+            proc: Arc::clone(&self.proc),
+            owner: self.owner,
         }
     }
 
@@ -783,6 +788,7 @@ impl Drop for UffdProtect {
         }
         let mut st = proc.lock();
         st.inboxes.remove(&self.owner);
+        st.wakers.remove(&self.owner);
         // Whatever this connection still holds is released.
         let mine: Vec<Range<u64>> = st
             .held
@@ -810,26 +816,34 @@ impl Drop for UffdProtect {
 impl FaultReader {
     /// The next fault on this connection's pages, waiting at most `timeout`.
     pub fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
-        self.inbox.recv_timeout(timeout).ok().filter(|f| *f != WAKE)
+        self.inbox.recv_timeout(timeout).ok()
     }
 
     /// Wait for the next fault, however long it takes.
     pub fn next(&self) -> Option<Fault> {
-        self.inbox.recv().ok().filter(|f| *f != WAKE)
+        self.inbox.recv().ok()
     }
 }
 
 impl super::FaultSource for FaultReader {
+    fn try_next(&self) -> Option<Fault> {
+        self.inbox.try_recv().ok()
+    }
+
     fn next_timeout(&self, timeout: Duration) -> Option<Fault> {
         FaultReader::next_timeout(self, timeout)
     }
 
-    fn stopper(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
-        let wake = self.wake.clone();
-        // A full inbox wakes the reader anyway.
-        Some(Box::new(move || {
-            let _ = wake.try_send(WAKE);
-        }))
+    /// The dispatcher calls `waker` after each fault it puts in the inbox.
+    fn watch(&self, waker: super::FaultWaker) -> Option<i32> {
+        self.proc.lock().wakers.insert(self.owner, waker);
+        // One that came before the waker did is not lost.
+        if !self.inbox.is_empty()
+            && let Some(w) = self.proc.lock().wakers.get(&self.owner)
+        {
+            w();
+        }
+        None
     }
 }
 

@@ -109,6 +109,13 @@ pub trait FabricWaiter: Send + Sync {
     /// Wake this process's threads sleeping in [`FabricWaiter::wait`]: a
     /// thread turned the engine for them (e.g. finished their call).
     fn kick(&self);
+    /// A descriptor a reactor can poll instead of sleeping here (one
+    /// thread watching many endpoints): it polls readable or hung up once
+    /// the endpoint is [`Fabric::arm`]ed and an event comes, or the peer
+    /// is gone. `None`: this waiter can only be slept on.
+    fn fd(&self) -> Option<i32> {
+        None
+    }
 }
 
 /// A verbs-like fabric endpoint (one per connection).
@@ -167,6 +174,17 @@ pub trait Fabric {
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
     /// Block until something may be ready to poll, or `timeout` passes.
     fn wait(&self, timeout: std::time::Duration);
+    /// A reactor is about to stop looking at this endpoint until its
+    /// waiter's [`FabricWaiter::fd`] fires: make the next event fire it.
+    /// `fired`: the fd fired since the last call (take what it holds).
+    /// [`Armed::Ready`] if something may be ready already (poll again
+    /// before sleeping, or the wake-up is lost).
+    fn arm(&mut self, _fired: bool) -> Armed {
+        Armed::Ready
+    }
+    /// Callers drive the endpoint themselves now: no need to fire the fd
+    /// for events (the peer then posts without waking anyone).
+    fn disarm(&mut self) {}
     /// Are completions of operations already posted waiting for
     /// [`Fabric::poll`]? (A provider that completes some at once, as shm
     /// does, says so: no message or interrupt will announce them.)
@@ -198,6 +216,18 @@ pub trait Fabric {
     /// Record how far our `send()` and `recv()` calls have got (the peer
     /// learns it with [`FabricEvent::PeerGone`] if we die).
     fn publish_progress(&mut self, _progress: Departure) {}
+}
+
+/// What [`Fabric::arm`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Armed {
+    /// Nothing waiting: sleep until the waiter's fd fires.
+    Sleep,
+    /// Something may be waiting: poll before sleeping.
+    Ready,
+    /// The fd would fire for good (the channel behind it hung up): watch
+    /// timers only.
+    Deaf,
 }
 
 /// Who runs one side of a connection (see [`Fabric::ownership`]).

@@ -329,8 +329,10 @@ fn gets_are_checked_against_live_registrations() {
 }
 
 /// The peer's owner word is only a hint: rewriting it to another process
-/// (without that process's own claim over the side channel) changes
-/// nothing about whose memory GETs read or whose death ends the connection.
+/// (without that process's own claim, with its kernel identity, on our
+/// bell) changes nothing about whose memory GETs read or whose death ends
+/// the connection. A GET waits for the claim meanwhile (a true one is on
+/// its way), and reads the pinned process once the word is back.
 #[test]
 fn a_rewritten_owner_word_is_not_followed() {
     let (mut a, mut b) = pair();
@@ -355,6 +357,14 @@ fn a_rewritten_owner_word_is_not_followed() {
             64,
         )
         .unwrap();
+        assert!(
+            !drain(&mut b)
+                .iter()
+                .any(|g| matches!(g, Got::Done(_, OpResult::Get(_)))),
+            "a GET went ahead for an unclaimed owner word"
+        );
+        assert_eq!(dst, vec![0u8; 64]);
+        a.seg.hdr().owner[0].store(me as u32, Ordering::Release);
         assert!(matches!(
             drain(&mut b)[..],
             [Got::Done(_, OpResult::Get(Ok(())))]

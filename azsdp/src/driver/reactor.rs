@@ -1,0 +1,839 @@
+//! The reactor: one thread drives every connection of the process that no
+//! call is driving.
+//!
+//! The reactor sleeps in `epoll_wait` over:
+//! - the process's **bell**, a datagram socket whose writing end every
+//!   peer process holds: a peer rings a connection by sending its token
+//!   (8 bytes), and sends its mail there too (a claim after a fork, with
+//!   the sender's kernel identity);
+//! - descriptors shared by connections, such as a peer process's pidfd
+//!   (one per peer process, whatever the number of connections to it),
+//!   which fires when that process exits;
+//! - descriptors of one connection (a NIC's completion channel, the
+//!   `mprotect` backend's fault pipe);
+//! - an eventfd for wake-ups from other threads, and the earliest timer any
+//!   connection asked for.
+//!
+//! It then *services* each connection that is due: rung, fired, its timer
+//! passed, or woken by another thread (a fault arrived, a call left work
+//! behind). What a service does is the connection's business
+//! ([`Serviced`]); it says when it wants looking at next and whether its
+//! descriptors should fire again.
+//!
+//! So a process has a fixed number of azsdp threads however many
+//! connections it holds (this one, and the userfaultfd dispatcher), and a
+//! connection holds no descriptor of its own beyond the program's socket.
+//!
+//! Rules that keep one thread for all safe:
+//! - the reactor never blocks on a connection: a service only `try_lock`s
+//!   it (a holder that was asked for wakes it again when it lets go);
+//! - a service never touches application memory: the engine reads and
+//!   writes it only for calls that are in progress, and a connection with
+//!   a call in progress is driven by that call's thread;
+//! - descriptors are registered one-shot, so a descriptor that stays
+//!   readable (a hung-up channel) fires once per service that re-arms it,
+//!   never in a loop; one the connection is done with is removed before it
+//!   is closed (shared ones are held by the reactor while watched);
+//! - the bell is anyone's to ring: a token names at most a connection to
+//!   look at (a spurious look costs a turn), and a full bell loses nothing
+//!   (the ringer leaves the ring armed, and the backstop look comes).
+//!
+//! After `fork()` the child has no reactor thread and must not touch the
+//! parent's epoll instance (it shares it): a child that adopts a connection
+//! starts a reactor of its own, and the parent's registrations it inherited
+//! are dropped without a system call.
+//!
+//! `unsafe` here: `epoll_*` and `eventfd` calls.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd};
+
+use crate::identity::{self, IdentityError, Received};
+use crate::sync::Lock;
+
+/// A connection the reactor drives.
+pub trait Serviced: Send + Sync {
+    /// Look at the connection (see [`Wake`] for why).
+    fn service(&self, wake: Wake) -> Next;
+}
+
+/// Why a connection is serviced.
+#[derive(Debug, Default)]
+pub struct Wake {
+    /// Rung on the bell, or one of its descriptors fired.
+    pub fired: bool,
+    /// Another thread asked (see [`Registration::wake`]).
+    pub woken: bool,
+    /// A shared descriptor it watches fired (a peer process exited).
+    pub shared_fired: bool,
+    /// Mail that came for it on the bell.
+    pub mail: Vec<Mail>,
+}
+
+/// A message for one connection that came on the bell with its sender's
+/// kernel identity (see [`send_mail`]).
+#[derive(Debug)]
+pub struct Mail {
+    pub body: [u8; MAIL_LEN],
+    pub from: Received,
+}
+
+/// Bytes of a mail's body.
+pub const MAIL_LEN: usize = crate::pairing::INTRO_LEN;
+/// A bell message: the token, then (mail only) the body.
+const TOKEN_LEN: usize = 8;
+
+/// Ring `token` on a peer's bell (`bell`: its writing end). `false` if the
+/// bell is full or gone (the ringer then keeps the ring armed).
+pub fn ring(bell: BorrowedFd<'_>, token: u64) -> bool {
+    let b = token.to_le_bytes();
+    // SAFETY: an 8-byte send from a local on a socket we hold.
+    let n = unsafe {
+        libc::send(
+            bell.as_raw_fd(),
+            b.as_ptr().cast(),
+            b.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+    n == b.len() as isize
+}
+
+/// Send `body` to the connection `token` on a peer's bell, with this
+/// process's kernel identity and `fds`.
+pub fn send_mail(
+    bell: BorrowedFd<'_>,
+    token: u64,
+    body: &[u8; MAIL_LEN],
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    let mut b = [0u8; TOKEN_LEN + MAIL_LEN];
+    b[..TOKEN_LEN].copy_from_slice(&token.to_le_bytes());
+    b[TOKEN_LEN..].copy_from_slice(body);
+    identity::send_nonblocking(bell, &b, fds)
+}
+
+/// What a service asks of the reactor.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Next {
+    /// Service again at this time at the latest (`None`: only when a
+    /// descriptor fires or someone wakes it).
+    pub at: Option<Instant>,
+    /// Re-arm the connection's descriptors (`false`: they do not matter
+    /// now, or would fire for good).
+    pub watch: bool,
+    /// The connection is done with the reactor: forget it.
+    pub done: bool,
+    /// Calls drive the connection (see [`super::standby`]): service it
+    /// again at once on [`unpark_all`].
+    pub parked: bool,
+}
+
+/// The epoll token of the wake-up eventfd.
+const WAKE_TOKEN: u64 = u64::MAX;
+/// The epoll token of the bell.
+const BELL_TOKEN: u64 = u64::MAX - 1;
+/// Set in the epoll token of a shared descriptor (the rest: its number).
+const SHARED_FLAG: u64 = 1 << 62;
+/// Send buffer of the bell's writing end, in bytes (a ring costs about a
+/// kilobyte of it until read).
+const BELL_ROOM: libc::c_int = 4 << 20;
+/// Bell messages taken per wake-up.
+const BELL_BATCH: usize = 512;
+/// Events taken per `epoll_wait`.
+const BATCH: usize = 256;
+
+struct Entry {
+    conn: Weak<dyn Serviced>,
+    generation: u32,
+    fds: Vec<i32>,
+    /// The descriptors are armed in epoll (one-shot: disarmed once fired).
+    watching: bool,
+    /// The earliest timer queued for it (stale heap entries are skipped).
+    timer: Option<Instant>,
+    /// In the ready list already.
+    queued: bool,
+    fired: bool,
+    woken: bool,
+    shared_fired: bool,
+    mail: Vec<Mail>,
+    /// Shared descriptors it watches (by number).
+    shared: Vec<i32>,
+}
+
+/// A descriptor several connections watch, held while watched.
+struct SharedWatch {
+    fd: Arc<std::os::fd::OwnedFd>,
+    conns: Vec<(usize, u32)>,
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: Vec<Option<Entry>>,
+    free: Vec<usize>,
+    next_generation: u32,
+    timers: BinaryHeap<Reverse<(Instant, usize, u32)>>,
+    ready: Vec<usize>,
+    /// Connections whose last service parked them.
+    parked: Vec<(usize, u32)>,
+    shared: HashMap<i32, SharedWatch>,
+}
+
+impl Inner {
+    /// Forget that `id` watches shared `fd`; the descriptor if nobody does
+    /// any more (to remove from the set).
+    fn unshare(
+        &mut self,
+        fd: i32,
+        id: usize,
+        generation: u32,
+    ) -> Option<Arc<std::os::fd::OwnedFd>> {
+        let w = self.shared.get_mut(&fd)?;
+        w.conns.retain(|c| *c != (id, generation));
+        if w.conns.is_empty() {
+            return self.shared.remove(&fd).map(|w| w.fd);
+        }
+        None
+    }
+
+    fn entry(&mut self, id: usize, generation: u32) -> Option<&mut Entry> {
+        self.entries
+            .get_mut(id)?
+            .as_mut()
+            .filter(|e| e.generation == generation)
+    }
+
+    fn queue(&mut self, id: usize, generation: u32, fired: bool, woken: bool) {
+        let Some(e) = self.entry(id, generation) else {
+            return;
+        };
+        e.fired |= fired;
+        e.woken |= woken;
+        if fired {
+            e.watching = false;
+        }
+        if !e.queued {
+            e.queued = true;
+            self.ready.push(id);
+        }
+    }
+}
+
+/// The process's reactor.
+pub struct Reactor {
+    /// The process that made it (a forked child makes its own).
+    pid: u32,
+    epoll: OwnedFd,
+    wake_fd: OwnedFd,
+    /// The bell: read here, written by peers (see [`Reactor::bell`]).
+    bell_r: OwnedFd,
+    bell_w: OwnedFd,
+    /// The thread is in (or about to enter) `epoll_wait`.
+    sleeping: AtomicBool,
+    inner: Lock<Inner>,
+    /// Connections registered (for tests and stats).
+    live: AtomicUsize,
+    /// Length of `Inner::parked` (looked at without the lock).
+    parked: AtomicUsize,
+}
+
+/// Service every parked connection at once (see [`super::standby::end`]);
+/// one load when none is.
+pub fn unpark_all() {
+    let Some(r) = REACTOR
+        .try_lock()
+        .and_then(|g| g.as_ref().map(Arc::clone))
+        .filter(|r| r.pid == crate::process::pid())
+    else {
+        return;
+    };
+    if r.parked.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    {
+        let mut st = r.inner.lock();
+        let parked = std::mem::take(&mut st.parked);
+        r.parked.store(0, Ordering::SeqCst);
+        for (id, generation) in parked {
+            st.queue(id, generation, false, false);
+        }
+    }
+    r.ring();
+}
+
+impl std::fmt::Debug for Reactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reactor")
+            .field("pid", &self.pid)
+            .field("live", &self.live.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+static REACTOR: Lock<Option<Arc<Reactor>>> = Lock::new(None);
+
+/// The locks of this module, held by the fork handler across `fork()`.
+pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
+    vec![Box::new(REACTOR.lock())]
+}
+
+/// Connections the process's reactor drives now.
+pub fn live_connections() -> usize {
+    REACTOR
+        .lock()
+        .as_ref()
+        .filter(|r| r.pid == crate::process::pid())
+        .map_or(0, |r| r.live.load(Ordering::SeqCst))
+}
+
+fn os_err(what: &str) -> std::io::Error {
+    let e = std::io::Error::last_os_error();
+    std::io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+impl Reactor {
+    /// This process's reactor, started on first use.
+    pub fn get() -> std::io::Result<Arc<Reactor>> {
+        let pid = crate::process::pid();
+        let mut slot = REACTOR.lock();
+        if let Some(r) = slot.as_ref().filter(|r| r.pid == pid) {
+            return Ok(Arc::clone(r));
+        }
+        // A parent's reactor, inherited over fork: its epoll instance is
+        // the parent's (shared), so it is left alone, never closed here.
+        if let Some(old) = slot.take() {
+            std::mem::forget(old);
+        }
+        // SAFETY: plain system calls; the descriptors become owned below.
+        let (ep, ev) = unsafe {
+            (
+                libc::epoll_create1(libc::EPOLL_CLOEXEC),
+                libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK),
+            )
+        };
+        if ep < 0 || ev < 0 {
+            let e = os_err("reactor");
+            // SAFETY: closing what we just opened, if we did.
+            unsafe {
+                if ep >= 0 {
+                    libc::close(ep);
+                }
+                if ev >= 0 {
+                    libc::close(ev);
+                }
+            }
+            return Err(e);
+        }
+        // SAFETY: both were just opened and are ours alone.
+        let (epoll, wake_fd) = unsafe { (OwnedFd::from_raw_fd(ep), OwnedFd::from_raw_fd(ev)) };
+        let (bell_r, bell_w) = {
+            use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+            socketpair(
+                AddressFamily::Unix,
+                SockType::Datagram,
+                None,
+                SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+            )
+            .map_err(std::io::Error::from)?
+        };
+        identity::pass_credentials(bell_r.as_fd())?;
+        // Every peer's rings are charged to this one socket's send buffer
+        // until read: room for many (what does not fit waits for the next
+        // message, or the backstop look).
+        let room: libc::c_int = BELL_ROOM;
+        for opt in [libc::SO_SNDBUFFORCE, libc::SO_SNDBUF] {
+            // SAFETY: setsockopt with a c_int we own, on our socket.
+            let r = unsafe {
+                libc::setsockopt(
+                    bell_w.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&raw const room).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if r == 0 {
+                break;
+            }
+        }
+        let r = Arc::new(Reactor {
+            pid,
+            epoll,
+            wake_fd,
+            bell_r,
+            bell_w,
+            sleeping: AtomicBool::new(false),
+            inner: Lock::new(Inner::default()),
+            live: AtomicUsize::new(0),
+            parked: AtomicUsize::new(0),
+        });
+        r.ctl(
+            libc::EPOLL_CTL_ADD,
+            r.wake_fd.as_raw_fd(),
+            WAKE_TOKEN,
+            false,
+        )?;
+        r.ctl(libc::EPOLL_CTL_ADD, r.bell_r.as_raw_fd(), BELL_TOKEN, false)?;
+        let run = Arc::clone(&r);
+        crate::threads::spawn("azsdp-reactor", move || run.run())?;
+        *slot = Some(Arc::clone(&r));
+        Ok(r)
+    }
+
+    /// The bell's writing end, for peers: pass it at pairing (and with a
+    /// claim after a fork); they ring [`Registration::token`] on it.
+    pub fn bell(&self) -> BorrowedFd<'_> {
+        self.bell_w.as_fd()
+    }
+
+    fn ctl(&self, op: i32, fd: i32, token: u64, oneshot: bool) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32
+                | if oneshot {
+                    libc::EPOLLONESHOT as u32
+                } else {
+                    0
+                },
+            u64: token,
+        };
+        // SAFETY: an event we own, for the duration of the call.
+        if unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) } < 0 {
+            return Err(os_err("epoll_ctl"));
+        }
+        Ok(())
+    }
+
+    /// Drive `conn`, watching `fds` (one-shot; re-armed when its service
+    /// asks). It is serviced once at once.
+    pub fn register(
+        self: &Arc<Self>,
+        conn: Weak<dyn Serviced>,
+        fds: &[i32],
+    ) -> std::io::Result<Registration> {
+        let (id, generation) = {
+            let mut st = self.inner.lock();
+            st.next_generation = st.next_generation.wrapping_add(1);
+            let generation = st.next_generation;
+            let entry = Entry {
+                conn,
+                generation,
+                fds: Vec::new(),
+                watching: true,
+                timer: None,
+                queued: false,
+                fired: false,
+                woken: false,
+                shared_fired: false,
+                mail: Vec::new(),
+                shared: Vec::new(),
+            };
+            let id = match st.free.pop() {
+                Some(id) => {
+                    st.entries[id] = Some(entry);
+                    id
+                }
+                None => {
+                    st.entries.push(Some(entry));
+                    st.entries.len() - 1
+                }
+            };
+            (id, generation)
+        };
+        let reg = Registration {
+            reactor: Arc::clone(self),
+            id,
+            generation,
+        };
+        self.live.fetch_add(1, Ordering::SeqCst);
+        for &fd in fds {
+            self.ctl(libc::EPOLL_CTL_ADD, fd, token(id, generation), true)?;
+            if let Some(e) = self.inner.lock().entry(id, generation) {
+                e.fds.push(fd);
+            }
+        }
+        reg.wake();
+        Ok(reg)
+    }
+
+    /// Ask for a service of `id` soon (from any thread; never blocks for
+    /// long: the reactor holds its lock only between services).
+    fn wake(&self, id: usize, generation: u32) {
+        self.inner.lock().queue(id, generation, false, true);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.ring();
+        }
+    }
+
+    fn ring(&self) {
+        let one = 1u64;
+        // SAFETY: an 8-byte write from a local to our eventfd.
+        unsafe { libc::write(self.wake_fd.as_raw_fd(), (&raw const one).cast(), 8) };
+    }
+
+    fn remove(&self, id: usize, generation: u32) {
+        let (fds, unwatched) = {
+            let mut st = self.inner.lock();
+            match st.entry(id, generation) {
+                Some(e) => {
+                    let fds = std::mem::take(&mut e.fds);
+                    let shared = std::mem::take(&mut e.shared);
+                    st.entries[id] = None;
+                    st.free.push(id);
+                    let unwatched: Vec<_> = shared
+                        .into_iter()
+                        .filter_map(|fd| st.unshare(fd, id, generation))
+                        .collect();
+                    (fds, unwatched)
+                }
+                None => return,
+            }
+        };
+        // Held until removed from the set, then closed if last.
+        for fd in unwatched {
+            // SAFETY: removing a descriptor we hold (the Arc) from our set.
+            unsafe {
+                libc::epoll_ctl(
+                    self.epoll.as_raw_fd(),
+                    libc::EPOLL_CTL_DEL,
+                    fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                )
+            };
+        }
+        self.live.fetch_sub(1, Ordering::SeqCst);
+        for fd in fds {
+            // SAFETY: removing a descriptor the entry registered, which its
+            // owner closes only after this.
+            unsafe {
+                libc::epoll_ctl(
+                    self.epoll.as_raw_fd(),
+                    libc::EPOLL_CTL_DEL,
+                    fd,
+                    std::ptr::null_mut(),
+                )
+            };
+        }
+    }
+
+    /// The thread: wait, collect what is due, service it, repeat.
+    fn run(&self) {
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; BATCH];
+        let mut due: Vec<(usize, u32, Weak<dyn Serviced>, Wake)> = Vec::new();
+        while crate::process::pid() == self.pid {
+            let timeout = {
+                self.sleeping.store(true, Ordering::SeqCst);
+                let st = self.inner.lock();
+                if !st.ready.is_empty() {
+                    0
+                } else {
+                    match st.timers.peek() {
+                        Some(Reverse((at, _, _))) => {
+                            let left = at.saturating_duration_since(Instant::now());
+                            // Round up: waking early would spin.
+                            left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+                        }
+                        None => -1,
+                    }
+                }
+            };
+            // SAFETY: `events` holds BATCH entries for the kernel to fill.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    BATCH as i32,
+                    timeout,
+                )
+            };
+            self.sleeping.store(false, Ordering::SeqCst);
+            let n = usize::try_from(n).unwrap_or(0);
+            {
+                let mut st = self.inner.lock();
+                for ev in &events[..n] {
+                    let t = ev.u64;
+                    if t == WAKE_TOKEN {
+                        let mut v = 0u64;
+                        // SAFETY: an 8-byte read into a local.
+                        unsafe { libc::read(self.wake_fd.as_raw_fd(), (&raw mut v).cast(), 8) };
+                        continue;
+                    }
+                    if t == BELL_TOKEN {
+                        self.take_bell(&mut st);
+                        continue;
+                    }
+                    if t & SHARED_FLAG != 0 {
+                        // One-shot and not re-armed: a pidfd stays readable.
+                        let conns = st
+                            .shared
+                            .get(&((t & !SHARED_FLAG) as i32))
+                            .map(|w| w.conns.clone())
+                            .unwrap_or_default();
+                        for (id, generation) in conns {
+                            if let Some(e) = st.entry(id, generation) {
+                                e.shared_fired = true;
+                            }
+                            st.queue(id, generation, false, true);
+                        }
+                        continue;
+                    }
+                    st.queue((t & 0xffff_ffff) as usize, (t >> 32) as u32, true, false);
+                }
+                let now = Instant::now();
+                while let Some(&Reverse((at, id, generation))) = st.timers.peek() {
+                    if at > now {
+                        break;
+                    }
+                    st.timers.pop();
+                    let current = st.entry(id, generation).and_then(|e| e.timer);
+                    if current == Some(at) {
+                        if let Some(e) = st.entry(id, generation) {
+                            e.timer = None;
+                        }
+                        st.queue(id, generation, false, false);
+                    }
+                }
+                let ready = std::mem::take(&mut st.ready);
+                for id in &ready {
+                    if let Some(e) = st.entries[*id].as_mut() {
+                        e.queued = false;
+                        let wake = Wake {
+                            fired: std::mem::take(&mut e.fired),
+                            woken: std::mem::take(&mut e.woken),
+                            shared_fired: std::mem::take(&mut e.shared_fired),
+                            mail: std::mem::take(&mut e.mail),
+                        };
+                        due.push((*id, e.generation, e.conn.clone(), wake));
+                    }
+                }
+                st.ready = ready;
+                st.ready.clear();
+            }
+            for (id, generation, conn, wake) in due.drain(..) {
+                // The connection may go while it is serviced: its last
+                // reference may drop here, with no lock of ours held.
+                let next = match conn.upgrade() {
+                    Some(c) => c.service(wake),
+                    None => Next {
+                        done: true,
+                        ..Next::default()
+                    },
+                };
+                self.apply(id, generation, next);
+            }
+        }
+    }
+
+    /// Take what rang: tokens to service, mail to hand over. A bell that
+    /// was full may have lost rings (their ringers left their rings armed,
+    /// and the backstop look comes), so a full batch services everyone.
+    fn take_bell(&self, st: &mut Inner) {
+        let mut b = [0u8; TOKEN_LEN + MAIL_LEN];
+        let mut taken = 0;
+        while taken < BELL_BATCH {
+            let r = identity::recv_with_credentials(self.bell_r.as_fd(), &mut b, true);
+            let token = u64::from_le_bytes(b[..TOKEN_LEN].try_into().expect("8 bytes"));
+            let (id, generation) = ((token & 0xffff_ffff) as usize, (token >> 32) as u32);
+            match r {
+                Ok(from) => {
+                    let mut body = [0u8; MAIL_LEN];
+                    body.copy_from_slice(&b[TOKEN_LEN..]);
+                    if let Some(e) = st.entry(id, generation) {
+                        e.mail.push(Mail { body, from });
+                        st.queue(id, generation, true, false);
+                    }
+                }
+                Err(IdentityError::Length { got: TOKEN_LEN, .. }) => {
+                    st.queue(id, generation, true, false);
+                }
+                Err(IdentityError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                // Anything else is nobody's: dropped (descriptors closed).
+                Err(_) => {}
+            }
+            taken += 1;
+        }
+        let all: Vec<(usize, u32)> = st
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(id, e)| e.as_ref().map(|e| (id, e.generation)))
+            .collect();
+        for (id, generation) in all {
+            st.queue(id, generation, true, false);
+        }
+        self.ring();
+    }
+
+    fn apply(&self, id: usize, generation: u32, next: Next) {
+        if next.done {
+            self.remove(id, generation);
+            return;
+        }
+        let rearm = {
+            let mut st = self.inner.lock();
+            let Some(e) = st.entry(id, generation) else {
+                return;
+            };
+            let mut push = None;
+            if let Some(at) = next.at
+                && e.timer.is_none_or(|t| at < t)
+            {
+                e.timer = Some(at);
+                push = Some(at);
+            }
+            let rearm = (next.watch && !e.watching).then(|| {
+                e.watching = true;
+                e.fds.clone()
+            });
+            if let Some(at) = push {
+                st.timers.push(Reverse((at, id, generation)));
+            }
+            if next.parked && !st.parked.contains(&(id, generation)) {
+                st.parked.push((id, generation));
+                self.parked.store(st.parked.len(), Ordering::SeqCst);
+            }
+            rearm
+        };
+        for fd in rearm.into_iter().flatten() {
+            let _ = self.ctl(libc::EPOLL_CTL_MOD, fd, token(id, generation), true);
+        }
+    }
+}
+
+fn token(id: usize, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | id as u64
+}
+
+/// A connection's place in the reactor; dropping it forgets the
+/// connection (and stops watching its descriptors, which must stay open
+/// until then).
+pub struct Registration {
+    reactor: Arc<Reactor>,
+    id: usize,
+    generation: u32,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// Service the connection soon, whatever its descriptors and timers say.
+    pub fn wake(&self) {
+        if self.reactor.pid == crate::process::pid() {
+            self.reactor.wake(self.id, self.generation);
+        }
+    }
+
+    /// What a peer rings on this process's bell for this connection.
+    pub fn token(&self) -> u64 {
+        token(self.id, self.generation)
+    }
+
+    /// The reactor serving this connection (for its bell).
+    pub fn reactor(&self) -> &Arc<Reactor> {
+        &self.reactor
+    }
+
+    /// Watch a descriptor other connections may watch too (a peer
+    /// process's pidfd): when it fires, each of them is serviced, with
+    /// [`Wake::shared_fired`]. One-shot: it fires once. The reactor holds
+    /// it while anyone watches it.
+    pub fn watch_shared(&self, fd: Arc<std::os::fd::OwnedFd>) -> std::io::Result<()> {
+        let r = &self.reactor;
+        let raw = fd.as_raw_fd();
+        let me = (self.id, self.generation);
+        let mut st = r.inner.lock();
+        if st.entry(self.id, self.generation).is_none() {
+            return Ok(());
+        }
+        let fresh = !st.shared.contains_key(&raw);
+        if fresh {
+            r.ctl(libc::EPOLL_CTL_ADD, raw, SHARED_FLAG | raw as u64, true)?;
+        }
+        let w = st.shared.entry(raw).or_insert_with(|| SharedWatch {
+            fd,
+            conns: Vec::new(),
+        });
+        if !w.conns.contains(&me) {
+            w.conns.push(me);
+            if let Some(e) = st.entry(self.id, self.generation) {
+                e.shared.push(raw);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stop watching shared `fd` (see [`Registration::watch_shared`]).
+    pub fn unwatch_shared(&self, fd: &std::os::fd::OwnedFd) {
+        let r = &self.reactor;
+        let raw = fd.as_raw_fd();
+        let gone = {
+            let mut st = r.inner.lock();
+            if let Some(e) = st.entry(self.id, self.generation) {
+                e.shared.retain(|f| *f != raw);
+            }
+            st.unshare(raw, self.id, self.generation)
+        };
+        if let Some(fd) = gone {
+            // SAFETY: removing a descriptor we still hold from our set.
+            unsafe {
+                libc::epoll_ctl(
+                    r.epoll.as_raw_fd(),
+                    libc::EPOLL_CTL_DEL,
+                    fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                )
+            };
+        }
+    }
+
+    /// Watch `fd` too (one-shot, as those given at registration).
+    pub fn watch(&self, fd: i32) -> std::io::Result<()> {
+        let r = &self.reactor;
+        r.ctl(
+            libc::EPOLL_CTL_ADD,
+            fd,
+            token(self.id, self.generation),
+            true,
+        )?;
+        if let Some(e) = r.inner.lock().entry(self.id, self.generation) {
+            e.fds.push(fd);
+        }
+        Ok(())
+    }
+
+    /// A closure that does [`Registration::wake`] (for fault wakers).
+    pub fn waker(&self) -> impl Fn() + Send + Sync + 'static {
+        let (r, id, generation) = (Arc::clone(&self.reactor), self.id, self.generation);
+        move || {
+            if r.pid == crate::process::pid() {
+                r.wake(id, generation);
+            }
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // A forked child's copy of the parent's: not ours to touch.
+        if self.reactor.pid == crate::process::pid() {
+            self.reactor.remove(self.id, self.generation);
+        }
+    }
+}
+
+/// How long the reactor may leave an idle connection unlooked at: a
+/// backstop for what no descriptor announces (a peer that dies while a
+/// forked child of it keeps its side channel open).
+pub const IDLE_LOOK: Duration = Duration::from_secs(1);
