@@ -10,8 +10,9 @@
 //!   driver ([`driver::Driver`]), [`pages`], [`time`], and [`sim`] (the
 //!   simulation that runs that driver and checks the protocol's
 //!   invariants);
-//! - the host: [`driver`]'s Linux host ([`driver::ProcessHost`]) and
-//!   threaded form, [`fabric`]'s `shm` provider, [`protect`] (page
+//! - the host: [`driver`]'s Linux host ([`driver::ProcessHost`]), threaded
+//!   form and reactor, [`fabric`]'s `shm` provider, the [`transport`]
+//!   contract the shim pairs over, [`protect`] (page
 //!   protection: userfaultfd, mprotect), [`memory_map`], [`process`] (live
 //!   connections, memory hooks, fork), [`pairing`], [`identity`] and
 //!   [`sock_diag`] (who the peer is, from the kernel), [`stats`], [`sync`];
@@ -38,3 +39,4 @@ pub mod sock_diag;
 pub mod stats;
 pub mod sync;
 pub mod threads;
+pub mod transport;

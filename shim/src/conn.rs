@@ -11,15 +11,35 @@ use azsdp::config::Settings;
 use azsdp::conn::{Capabilities, LockRegion, Role, TxMode};
 use azsdp::driver::threaded::ThreadedDriver;
 use azsdp::driver::{Driver, Protector, capabilities};
-use azsdp::fabric::shm::ShmEndpoint;
+use azsdp::fabric::shm::{ShmParams, ShmTransport};
 use azsdp::protect;
 use azsdp::stats::{ConnPath, StatFile, TcpReason};
+use azsdp::transport::{Endpoint, Transport};
 
 use crate::log::{debug, info, warning};
 
+/// The transport connections are paired over (the one place that names
+/// it: pairing and connections go through [`Transport`] and [`Endpoint`]).
+pub type Active = ShmTransport;
+/// The endpoint an upgraded connection runs.
+pub type ActiveEndpoint = <Active as Transport>::Endpoint;
+
+/// The transport, sized by `s`.
+pub fn transport(s: &Settings) -> Active {
+    ShmTransport {
+        params: ShmParams {
+            ring_capacity: (s.bsdp_buffer.max(64 << 10) * 2)
+                .next_power_of_two()
+                .min(azsdp::fabric::shm::MAX_RING as u64) as usize,
+            poll: s.poll,
+            ..ShmParams::default()
+        },
+    }
+}
+
 /// What runs one upgraded connection: the engine, its fabric endpoint and
 /// its page protection, driven between calls by the process's reactor.
-type ConnDriver = ThreadedDriver<ShmEndpoint, Box<dyn Protector + Send>>;
+type ConnDriver = ThreadedDriver<ActiveEndpoint, Box<dyn Protector + Send>>;
 
 /// An upgraded connection.
 pub struct Conn {
@@ -44,21 +64,21 @@ impl Conn {
     /// background, and calls that need it wait for it (bounded by
     /// `peer_timeout`, and by the peer process's life).
     pub fn start(
-        ep: ShmEndpoint,
+        ep: ActiveEndpoint,
         role: Role,
         settings: &Settings,
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Arc<Conn> {
-        let peer_pid = ep.peer_pid() as u32;
+        let peer_pid = Endpoint::peer_pid(&ep);
         let p = protect::open(settings.protection);
-        let mut caps: Capabilities = capabilities(ep.can_get().is_none(), p.protector.as_ref());
+        let mut caps: Capabilities = capabilities(ep.get_refused().is_none(), p.protector.as_ref());
         // Never advertise our pages to a peer of another user: it cannot
         // read them (a hostile one may claim it can, to have us protect
         // pages and wait for GETs that never come).
-        caps.zcopy_source &= ep.same_user();
+        caps.zcopy_source &= Endpoint::same_user(&ep);
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
-        let waiter = ep.waiter();
+        let waiter = Endpoint::waiter(&ep);
         let d = Driver::new(cfg, ep, p.protector);
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);

@@ -15,15 +15,17 @@ use std::time::{Duration, Instant};
 
 use azsdp::config::{Settings, Use};
 use azsdp::conn::Role;
-use azsdp::fabric::shm::{ShmOffer, recv_intro, send_intro};
+use azsdp::fabric::shm::{recv_intro, send_intro};
 use azsdp::identity::Received;
 use azsdp::pairing::{Agreement, Intro, IntroKind, PairTarget, registry_candidates};
 use azsdp::sock_diag;
 use azsdp::stats::TcpReason;
+use azsdp::transport::{Offer, Transport};
 use libc::c_int;
 
 use crate::conn::Conn;
-use crate::listener::{abstract_addr, peer_cred, seqpacket_with, shm_params};
+use crate::conn::{Active, transport};
+use crate::listener::{abstract_addr, peer_cred, seqpacket_with};
 use crate::log::{debug, info, warning};
 use crate::net;
 use crate::real;
@@ -204,8 +206,8 @@ fn await_answer(reg: BorrowedFd<'_>, deadline: Instant) -> Result<(Intro, Receiv
 /// Is the answer's socket the far end of our connection `fd`, as the
 /// kernel knows it?
 fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), String> {
-    let [accepted, _bell] = &answer.fds[..] else {
-        return Err("the answer carries no socket or no bell".into());
+    let Some(accepted) = answer.fds.first() else {
+        return Err("the answer carries no socket".into());
     };
     if !sock_diag::is_tcp(accepted.as_fd()) {
         return Err("the answer's socket is not TCP".into());
@@ -324,10 +326,10 @@ pub fn connect(
     let Ok(cookie) = sock_diag::cookie_of(tcp) else {
         return plain(TcpReason::SetupFailed);
     };
-    let offer = match ShmOffer::new(shm_params(settings)) {
+    let offer = match transport(settings).offer() {
         Ok(o) => o,
         Err(e) => {
-            debug!("connect {dst}: no shm segment: {e}");
+            debug!("connect {dst}: no offer: {e}");
             return plain(TcpReason::SetupFailed);
         }
     };
@@ -340,19 +342,7 @@ pub fn connect(
             cookie,
         }),
     };
-    let reactor = match azsdp::driver::reactor::Reactor::get() {
-        Ok(r) => r,
-        Err(e) => {
-            debug!("connect {dst}: no reactor: {e}");
-            return plain(TcpReason::SetupFailed);
-        }
-    };
-    if let Err(e) = send_intro(
-        reg.sock.as_fd(),
-        &intro,
-        &[offer.memfd(), reactor.bell()],
-        true,
-    ) {
+    if let Err(e) = send_intro(reg.sock.as_fd(), &intro, &offer.fds(), true) {
         debug!("connect {dst}: offer not sent: {e}");
         return plain(TcpReason::SetupFailed);
     }
@@ -394,14 +384,12 @@ pub fn connect(
         return tcp_now(TcpReason::PairTimeout);
     }
     let peer_page = answer_intro.page_size;
-    let mut fds = answer.fds.into_iter();
-    let Some(bell) = fds.nth(1) else {
-        return broken(dst, offer);
-    };
+    // After the accepted socket (checked above): the transport's.
+    let fds = answer.fds.into_iter().skip(1).collect();
     // The pairing stream has done its work: the connection holds no
     // descriptor of its own from here.
     drop(reg.sock);
-    match offer.into_endpoint(bell, answer.peer, peer_page) {
+    match offer.into_endpoint(fds, answer.peer, peer_page) {
         Ok(ep) => Outcome::Azsdp(Conn::start(ep, Role::Client, settings, local, dst)),
         Err(e) => {
             debug!("connect {dst}: {e}");
@@ -412,7 +400,7 @@ pub fn connect(
 
 /// The listener committed to a pair we cannot accept: end it on both sides
 /// (the listener's engine sees us leave) and fail the call.
-fn broken(dst: SocketAddr, offer: ShmOffer) -> Outcome {
+fn broken(dst: SocketAddr, offer: <Active as Transport>::Offer) -> Outcome {
     warning!("connect {dst}: the listener committed to a pair we refused; the connection is reset");
     offer.abandon();
     Outcome::Tcp(-1, libc::ECONNREFUSED, None)

@@ -19,11 +19,12 @@ use std::time::{Duration, Instant};
 
 use azsdp::config::Settings;
 use azsdp::conn::Role;
-use azsdp::fabric::shm::{ShmJoin, ShmParams, recv_intro, send_intro};
+use azsdp::fabric::shm::{recv_intro, send_intro};
 use azsdp::identity::PeerId;
 use azsdp::pairing::{Agreement, Intro, IntroKind, registry_name};
 use azsdp::sock_diag;
 use azsdp::stats::TcpReason;
+use azsdp::transport::{Join, Transport};
 use libc::c_int;
 
 use crate::conn::Conn;
@@ -50,9 +51,8 @@ struct Offer {
     /// The uid the registry connection came from (SO_PEERCRED), counted
     /// against that user's quota.
     uid: u32,
-    memfd: OwnedFd,
-    /// The client process's bell (see `azsdp::driver::reactor`).
-    bell: OwnedFd,
+    /// What the transport's offer carries.
+    fds: Vec<OwnedFd>,
     page_size: u32,
     dst: SocketAddr,
     since: Instant,
@@ -125,17 +125,6 @@ pub struct Listener {
     /// How long an offer or a silent registry connection is kept.
     expiry: Duration,
     pending: Lock<Pending>,
-}
-
-/// Shm segment sizes for a connection with `s`.
-pub fn shm_params(s: &Settings) -> ShmParams {
-    ShmParams {
-        ring_capacity: (s.bsdp_buffer.max(64 << 10) * 2)
-            .next_power_of_two()
-            .min(azsdp::fabric::shm::MAX_RING as u64) as usize,
-        poll: s.poll,
-        ..ShmParams::default()
-    }
 }
 
 fn os_err() -> std::io::Error {
@@ -315,7 +304,7 @@ impl Listener {
         for w in std::mem::take(&mut p.waiting) {
             match recv_intro(w.stream.as_fd(), IntroKind::Offer, true) {
                 Ok((intro, r)) => {
-                    let (Some(target), [_, _]) = (intro.pair, &r.fds[..]) else {
+                    let (Some(target), false) = (intro.pair, r.fds.is_empty()) else {
                         debug!(
                             "listener {}: an offer without its connection or segment",
                             self.addr
@@ -329,16 +318,11 @@ impl Listener {
                         );
                         continue;
                     }
-                    let mut fds = r.fds.into_iter();
-                    let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
-                        continue;
-                    };
                     p.offers.entry(target.cookie).or_default().push(Offer {
                         stream: w.stream,
                         peer: r.peer,
                         uid: w.uid,
-                        memfd,
-                        bell,
+                        fds: r.fds,
                         page_size: intro.page_size,
                         dst: target.dst,
                         since: w.since,
@@ -432,7 +416,7 @@ impl Listener {
         if offer.dst.port() != local.port() {
             return Err(TcpReason::Mismatch);
         }
-        let join = ShmJoin::open(offer.memfd, s.poll).map_err(|e| {
+        let join = crate::conn::transport(s).join(offer.fds).map_err(|e| {
             warning!(
                 "{local} <- {peer}: pid {} offered a bad segment: {e}",
                 offer.peer.pid()
@@ -444,29 +428,22 @@ impl Listener {
         // the duration of this call.
         let accepted = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         let answer = Intro::new(IntroKind::Answer, azsdp::pages::system_page_size() as u32);
-        let reactor = azsdp::driver::reactor::Reactor::get().map_err(|e| {
-            debug!("{local} <- {peer}: no reactor: {e}");
-            TcpReason::SetupFailed
-        })?;
-        if let Err(e) = send_intro(
-            offer.stream.as_fd(),
-            &answer,
-            &[accepted, reactor.bell()],
-            true,
-        ) {
+        let mut fds = vec![accepted];
+        fds.extend(join.fds());
+        if let Err(e) = send_intro(offer.stream.as_fd(), &answer, &fds, true) {
             debug!("{local} <- {peer}: the client left before our answer ({e})");
             return Err(TcpReason::PairTimeout);
         }
         // The pairing stream has done its work (dropped here): the
         // connection holds no descriptor of its own.
         let ep = join
-            .into_endpoint(offer.bell, offer.peer, offer.page_size)
+            .into_endpoint(offer.peer, offer.page_size)
             .map_err(|e| {
                 debug!("{local} <- {peer}: {e}");
                 TcpReason::SetupFailed
             })?;
         // The last step that can fail: from here both sides are on azsdp.
-        let word = ep.agreement();
+        let word = azsdp::transport::Endpoint::agreement(&ep);
         if word
             .compare_exchange(
                 Agreement::UNDECIDED,

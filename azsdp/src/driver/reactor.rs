@@ -837,3 +837,99 @@ impl Drop for Registration {
 /// backstop for what no descriptor announces (a peer that dies while a
 /// forked child of it keeps its side channel open).
 pub const IDLE_LOOK: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crossbeam_channel::{Receiver, Sender, unbounded};
+
+    /// What one service saw: (fired, woken, shared_fired, mails).
+    type Seen = (bool, bool, bool, usize);
+
+    struct Probe {
+        seen: Sender<Seen>,
+        next: Lock<Next>,
+    }
+
+    impl Serviced for Probe {
+        fn service(&self, w: Wake) -> Next {
+            let _ = self
+                .seen
+                .send((w.fired, w.woken, w.shared_fired, w.mail.len()));
+            *self.next.lock()
+        }
+    }
+
+    fn probe(r: &Arc<Reactor>) -> (Arc<Probe>, Registration, Receiver<Seen>) {
+        let (tx, rx) = unbounded();
+        let p = Arc::new(Probe {
+            seen: tx,
+            next: Lock::new(Next::default()),
+        });
+        let weak: Weak<dyn Serviced> = Arc::downgrade(&p) as Weak<dyn Serviced>;
+        let reg = r.register(weak, &[]).expect("register");
+        (p, reg, rx)
+    }
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn rings_wakes_timers_exits_and_mail_reach_their_connection_only() {
+        let r = Reactor::get().expect("reactor");
+        let (p, reg, seen) = probe(&r);
+        let (_q, other, other_seen) = probe(&r);
+        // The first look comes at registration.
+        assert_eq!(seen.recv_timeout(LONG).unwrap(), (false, true, false, 0));
+        assert!(other_seen.recv_timeout(LONG).unwrap().1);
+
+        // A ring on the bell names one connection.
+        assert!(ring(r.bell(), reg.token()));
+        assert!(seen.recv_timeout(LONG).unwrap().0);
+        // A false token (a stale generation) services nobody.
+        assert!(ring(r.bell(), reg.token() ^ (1 << 40)));
+        assert!(seen.recv_timeout(Duration::from_millis(200)).is_err());
+        assert!(other_seen.try_recv().is_err());
+
+        // Another thread's wake.
+        other.wake();
+        assert!(other_seen.recv_timeout(LONG).unwrap().1);
+
+        // The timer a service asks for.
+        let t0 = Instant::now();
+        *p.next.lock() = Next {
+            at: Some(t0 + Duration::from_millis(50)),
+            ..Next::default()
+        };
+        reg.wake();
+        seen.recv_timeout(LONG).unwrap();
+        *p.next.lock() = Next::default();
+        assert_eq!(seen.recv_timeout(LONG).unwrap(), (false, false, false, 0));
+        assert!(t0.elapsed() >= Duration::from_millis(50));
+
+        // A shared descriptor: a child's pidfd fires when it exits, for
+        // every connection watching it.
+        let mut child = std::process::Command::new("sleep")
+            .arg("0.05")
+            .spawn()
+            .expect("sleep");
+        let pidfd = Arc::new(identity::pidfd_open(child.id()).expect("pidfd"));
+        reg.watch_shared(Arc::clone(&pidfd)).unwrap();
+        other.watch_shared(Arc::clone(&pidfd)).unwrap();
+        assert!(seen.recv_timeout(LONG).unwrap().2);
+        assert!(other_seen.recv_timeout(LONG).unwrap().2);
+        child.wait().unwrap();
+        reg.unwatch_shared(&pidfd);
+
+        // Mail comes with the sender's identity.
+        let body = [7u8; MAIL_LEN];
+        send_mail(r.bell(), reg.token(), &body, &[]).unwrap();
+        assert_eq!(seen.recv_timeout(LONG).unwrap().3, 1);
+
+        // Once the registration is dropped, its token services nothing.
+        let token = reg.token();
+        drop(reg);
+        assert!(ring(r.bell(), token));
+        assert!(seen.recv_timeout(Duration::from_millis(200)).is_err());
+        drop(p);
+    }
+}

@@ -75,6 +75,7 @@ use crate::driver::reactor::{self, Mail, Reactor};
 use crate::identity::{self, IdentityError, PeerId};
 use crate::pairing::{INTRO_LEN, Intro, IntroKind};
 use crate::sync::Lock;
+use crate::transport::{self, Transport};
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
 const VERSION: u32 = 4;
@@ -658,6 +659,124 @@ impl ShmJoin {
     }
 }
 
+/// The shm fabric as a [`Transport`]: segments of `params`; each side's
+/// half carries its process's bell (an offer: the segment, then the bell;
+/// an answer: the bell).
+#[derive(Clone, Copy, Debug)]
+pub struct ShmTransport {
+    pub params: ShmParams,
+}
+
+/// [`ShmTransport`]'s offer: the segment made, and the bell it carries.
+#[derive(Debug)]
+pub struct ShmOffered {
+    offer: ShmOffer,
+    reactor: Arc<Reactor>,
+}
+
+/// [`ShmTransport`]'s join: the offered segment mapped and checked, the
+/// offerer's bell, and ours for the answer.
+#[derive(Debug)]
+pub struct ShmJoined {
+    join: ShmJoin,
+    bell: OwnedFd,
+    reactor: Arc<Reactor>,
+}
+
+impl Transport for ShmTransport {
+    type Endpoint = ShmEndpoint;
+    type Offer = ShmOffered;
+    type Join = ShmJoined;
+
+    fn offer(&self) -> std::io::Result<ShmOffered> {
+        Ok(ShmOffered {
+            offer: ShmOffer::new(self.params)?,
+            reactor: Reactor::get()?,
+        })
+    }
+
+    fn join(&self, fds: Vec<OwnedFd>) -> std::io::Result<ShmJoined> {
+        let mut fds = fds.into_iter();
+        let (Some(memfd), Some(bell), None) = (fds.next(), fds.next(), fds.next()) else {
+            return Err(bad("an offer carries a segment and a bell, nothing else"));
+        };
+        Ok(ShmJoined {
+            join: ShmJoin::open(memfd, self.params.poll)?,
+            bell,
+            reactor: Reactor::get()?,
+        })
+    }
+}
+
+impl transport::Offer for ShmOffered {
+    type Endpoint = ShmEndpoint;
+
+    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        vec![self.offer.memfd(), self.reactor.bell()]
+    }
+
+    fn agreement(&self) -> &AtomicU32 {
+        self.offer.agreement()
+    }
+
+    fn abandon(self) {
+        self.offer.abandon();
+    }
+
+    fn into_endpoint(
+        self,
+        fds: Vec<OwnedFd>,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
+        let mut fds = fds.into_iter();
+        let (Some(bell), None) = (fds.next(), fds.next()) else {
+            return Err(bad("an answer carries a bell, nothing else"));
+        };
+        self.offer.into_endpoint(bell, peer, peer_page_size)
+    }
+}
+
+impl transport::Join for ShmJoined {
+    type Endpoint = ShmEndpoint;
+
+    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        vec![self.reactor.bell()]
+    }
+
+    fn agreement(&self) -> &AtomicU32 {
+        self.join.agreement()
+    }
+
+    fn into_endpoint(self, peer: PeerId, peer_page_size: u32) -> std::io::Result<ShmEndpoint> {
+        self.join.into_endpoint(self.bell, peer, peer_page_size)
+    }
+}
+
+impl transport::Endpoint for ShmEndpoint {
+    type Waiter = ShmWaiter;
+
+    fn waiter(&self) -> ShmWaiter {
+        ShmEndpoint::waiter(self)
+    }
+
+    fn peer_pid(&self) -> u32 {
+        self.peer.pid()
+    }
+
+    fn get_refused(&self) -> Option<String> {
+        self.no_get.as_ref().map(|n| format!("{n:?}"))
+    }
+
+    fn same_user(&self) -> bool {
+        ShmEndpoint::same_user(self)
+    }
+
+    fn agreement(&self) -> &AtomicU32 {
+        ShmEndpoint::agreement(self)
+    }
+}
+
 /// Bells this process rings, one per peer process (by its shared pidfd):
 /// a peer's later connections pass the same bell again, and keep none.
 static BELLS: Lock<Vec<(Weak<OwnedFd>, Weak<OwnedFd>)>> = Lock::new(Vec::new());
@@ -735,45 +854,37 @@ impl ShmEndpoint {
     }
 
     /// Bootstrap over a connected Unix socket as the side that makes the
-    /// segment (side 0): the offer carries the segment and this process's
-    /// bell, the answer the peer's bell. `sock` stays the caller's.
+    /// segment (side 0), as [`ShmTransport`] pairs: the offer carries the
+    /// segment and this process's bell, the answer the peer's bell. `sock`
+    /// stays the caller's.
     pub fn offer(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
-        let offer = ShmOffer::new(params)?;
-        let reactor = Reactor::get()?;
+        use transport::Offer as _;
+        let offer = ShmTransport { params }.offer()?;
         let fd = sock.as_fd();
         send_intro(
             fd,
             &Intro::new(IntroKind::Offer, page_size()),
-            &[offer.memfd(), reactor.bell()],
+            &offer.fds(),
             false,
         )?;
         let (intro, answer) = recv_intro(fd, IntroKind::Answer, false)?;
-        let bell = answer
-            .fds
-            .into_iter()
-            .next()
-            .ok_or_else(|| bad("the answer carries no bell"))?;
-        offer.into_endpoint(bell, answer.peer, intro.page_size)
+        offer.into_endpoint(answer.fds, answer.peer, intro.page_size)
     }
 
     /// Bootstrap over a connected Unix socket as the side that maps the
     /// peer's segment (side 1).
     pub fn accept(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
-        let reactor = Reactor::get()?;
+        use transport::Join as _;
         let fd = sock.as_fd();
         let (intro, offer) = recv_intro(fd, IntroKind::Offer, false)?;
-        let mut fds = offer.fds.into_iter();
-        let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
-            return Err(bad("the offer carries no segment or no bell"));
-        };
-        let join = ShmJoin::open(memfd, params.poll)?;
+        let join = ShmTransport { params }.join(offer.fds)?;
         send_intro(
             fd,
             &Intro::new(IntroKind::Answer, page_size()),
-            &[reactor.bell()],
+            &join.fds(),
             false,
         )?;
-        join.into_endpoint(bell, offer.peer, intro.page_size)
+        join.into_endpoint(offer.peer, intro.page_size)
     }
 
     /// A waiter for this endpoint's incoming messages (it only looks).

@@ -179,7 +179,7 @@ fn bootstrap_rejects_garbage() {
     let (a, b) = UnixStream::pair().unwrap();
     send_intro(a.as_fd(), &Intro::new(IntroKind::Offer, 4096), &[], false).unwrap();
     let e = ShmEndpoint::accept(&b, params()).unwrap_err();
-    assert!(e.to_string().contains("no segment"), "{e}");
+    assert!(e.to_string().contains("a segment and a bell"), "{e}");
 }
 
 /// A way to spoil a segment before it is offered.
