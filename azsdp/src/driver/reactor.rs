@@ -284,15 +284,6 @@ pub(crate) fn fork_guards() -> Vec<Box<dyn std::any::Any>> {
     vec![Box::new(REACTOR.lock())]
 }
 
-/// Connections the process's reactor drives now.
-pub fn live_connections() -> usize {
-    REACTOR
-        .lock()
-        .as_ref()
-        .filter(|r| r.pid == crate::process::pid())
-        .map_or(0, |r| r.live.load(Ordering::SeqCst))
-}
-
 fn os_err(what: &str) -> std::io::Error {
     let e = std::io::Error::last_os_error();
     std::io::Error::new(e.kind(), format!("{what}: {e}"))
@@ -738,11 +729,6 @@ impl Registration {
     /// What a peer rings on this process's bell for this connection.
     pub fn token(&self) -> u64 {
         token(self.id, self.generation)
-    }
-
-    /// The reactor serving this connection (for its bell).
-    pub fn reactor(&self) -> &Arc<Reactor> {
-        &self.reactor
     }
 
     /// Watch a descriptor other connections may watch too (a peer

@@ -1332,10 +1332,6 @@ impl Fabric for ShmEndpoint {
         if ready { Armed::Ready } else { Armed::Sleep }
     }
 
-    fn disarm(&mut self) {
-        self.rx.armed().store(0, Ordering::Relaxed);
-    }
-
     /// Wait until a message may be ready or `timeout` passes: busy-poll for
     /// `params.poll`, then sleep on the futex. Completions of this side's own
     /// operations are synchronous, so they never need a wait.

@@ -182,9 +182,6 @@ pub trait Fabric {
     fn arm(&mut self, _fired: bool) -> Armed {
         Armed::Ready
     }
-    /// Callers drive the endpoint themselves now: no need to fire the fd
-    /// for events (the peer then posts without waking anyone).
-    fn disarm(&mut self) {}
     /// Are completions of operations already posted waiting for
     /// [`Fabric::poll`]? (A provider that completes some at once, as shm
     /// does, says so: no message or interrupt will announce them.)
