@@ -58,6 +58,9 @@ pub struct SimFabricParams {
     pub p_register_fail: f64,
     /// Chance that the pool has no room for a copy.
     pub p_pool_fail: f64,
+    /// Chance that the survivor of a death is not told how far the dead
+    /// side's calls had got (shm tells, unless its segment was corrupt).
+    pub p_departure_unknown: f64,
 }
 
 impl Default for SimFabricParams {
@@ -71,6 +74,7 @@ impl Default for SimFabricParams {
             lock_slots: 16,
             p_register_fail: 0.0,
             p_pool_fail: 0.0,
+            p_departure_unknown: 0.25,
         }
     }
 }
@@ -436,7 +440,8 @@ impl SimFabric {
                     self.sides[to].gone_reported = true;
                     // Shm tells how far the dead side's calls had got; a
                     // fabric may also know nothing (a corrupt ring).
-                    let left = (!self.rng.chance(0.25)).then_some(self.sides[1 - to].progress);
+                    let unknown = self.rng.chance(self.params.p_departure_unknown);
+                    let left = (!unknown).then_some(self.sides[1 - to].progress);
                     self.sides[to].ready.push_back(Ready::PeerGone(left));
                 }
             }

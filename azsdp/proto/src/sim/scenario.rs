@@ -100,6 +100,7 @@ impl Scenario {
             // Set from the scenario's host failures below.
             p_register_fail: 0.0,
             p_pool_fail: 0.0,
+            p_departure_unknown: 0.25,
         };
         let engine = [
             engine_config(&mut r, Role::Client, page[0], fabric.lock_slots),
