@@ -1,6 +1,13 @@
-use super::*;
-use crate::fabric::{Fabric, FabricEvent, OpResult};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::segment::{FROZEN, KEY_SLOT_BITS, KEY_SLOT_MASK, Segment};
+use super::*;
+use crate::conn::{CasTarget, OpError, OpId, RemoteBuf};
+use crate::fabric::{Fabric, FabricError, FabricEvent, LocalBuf, OpResult};
+use crate::pairing::{INTRO_LEN, Intro, IntroKind};
 
 fn params() -> ShmParams {
     ShmParams {

@@ -1,0 +1,316 @@
+//! Pairing: the side that makes the segment offers it with its process's
+//! bell; the other maps it, checks it and answers with its own bell. Both
+//! messages carry the sender's kernel identity.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use super::endpoint::{ShmEndpoint, page_size};
+use super::segment::{Segment, ShmParams, bad};
+use super::waiter::ShmWaiter;
+use crate::driver::reactor::Reactor;
+use crate::fabric::ring;
+use crate::identity::{self, IdentityError, PeerId};
+use crate::pairing::{INTRO_LEN, Intro, IntroKind};
+use crate::transport::{self, Transport};
+
+/// Send a side-channel message of `kind` with this process's identity and
+/// `fds`, whole or not at all.
+pub fn send_intro(
+    sock: BorrowedFd<'_>,
+    intro: &Intro,
+    fds: &[BorrowedFd<'_>],
+    nonblocking: bool,
+) -> std::io::Result<()> {
+    let mut b = [0u8; INTRO_LEN];
+    intro.emit(&mut b);
+    if nonblocking {
+        identity::send_nonblocking(sock, &b, fds)
+    } else {
+        identity::send(sock, &b, fds)
+    }
+}
+
+/// Why a side-channel message was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum IntroError {
+    #[error("{0}")]
+    Identity(#[from] IdentityError),
+    #[error("{0}")]
+    Format(#[from] crate::pairing::PairError),
+    #[error("expected {want:?}, got {got:?}")]
+    Kind { want: IntroKind, got: IntroKind },
+}
+
+impl IntroError {
+    /// Nothing was queued (non-blocking receive).
+    pub fn would_block(&self) -> bool {
+        matches!(self, IntroError::Identity(IdentityError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
+}
+
+impl From<IntroError> for std::io::Error {
+    fn from(e: IntroError) -> Self {
+        match e {
+            IntroError::Identity(IdentityError::Io(e)) => e,
+            e => std::io::Error::other(e.to_string()),
+        }
+    }
+}
+
+/// Receive one side-channel message of kind `want`, with its sender's
+/// verified identity and descriptors.
+pub fn recv_intro(
+    sock: BorrowedFd<'_>,
+    want: IntroKind,
+    nonblocking: bool,
+) -> Result<(Intro, identity::Received), IntroError> {
+    let mut b = [0u8; INTRO_LEN];
+    let r = identity::recv(sock, &mut b, nonblocking)?;
+    let intro = Intro::parse(&b)?;
+    if intro.kind != want {
+        return Err(IntroError::Kind {
+            want,
+            got: intro.kind,
+        });
+    }
+    Ok((intro, r))
+}
+
+/// A segment this side made, before the peer has joined.
+#[derive(Debug)]
+pub struct ShmOffer {
+    pub(super) seg: Segment,
+    pub(super) memfd: OwnedFd,
+    pub(super) params: ShmParams,
+}
+
+impl ShmOffer {
+    pub fn new(params: ShmParams) -> std::io::Result<ShmOffer> {
+        let (seg, memfd) = Segment::create(&params)?;
+        Ok(ShmOffer { seg, memfd, params })
+    }
+
+    /// The segment's descriptor, to pass to the peer with the offer.
+    pub fn memfd(&self) -> BorrowedFd<'_> {
+        self.memfd.as_fd()
+    }
+
+    /// See [`ShmEndpoint::agreement`].
+    pub fn agreement(&self) -> &AtomicU32 {
+        &self.seg.hdr().agreement
+    }
+
+    /// Give up on a pair the peer may already have committed to: mark our
+    /// side closed, so that the peer's engine sees us leave.
+    pub fn abandon(self) {
+        self.seg.hdr().closed[0].store(1, Ordering::Release);
+        for dir in 0..2 {
+            if let Ok(r) = self.seg.ring(dir) {
+                crate::futex::wake_all(r.wait_words().0);
+            }
+        }
+    }
+
+    /// The peer joined (its answer named it, and passed its process's
+    /// `bell`): run side 0.
+    pub fn into_endpoint(
+        self,
+        bell: OwnedFd,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
+        ShmEndpoint::new(self.seg, 0, bell, peer, peer_page_size, self.params)
+    }
+}
+
+/// A segment the peer offered, mapped and checked.
+#[derive(Debug)]
+pub struct ShmJoin {
+    pub(super) seg: Segment,
+    pub(super) params: ShmParams,
+}
+
+impl ShmJoin {
+    /// Map the offered `memfd`; `poll` is this side's busy-poll time.
+    pub fn open(memfd: OwnedFd, poll: Duration) -> std::io::Result<ShmJoin> {
+        let seg = Segment::open(memfd)?;
+        let params = ShmParams {
+            ring_capacity: seg.layout.ring_len - ring::HEADER,
+            lock_slots: seg.slots,
+            poll,
+        };
+        Ok(ShmJoin { seg, params })
+    }
+
+    /// See [`ShmEndpoint::agreement`].
+    pub fn agreement(&self) -> &AtomicU32 {
+        &self.seg.hdr().agreement
+    }
+
+    /// Run side 1, with the offering `peer` and its process's `bell`.
+    pub fn into_endpoint(
+        self,
+        bell: OwnedFd,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
+        ShmEndpoint::new(self.seg, 1, bell, peer, peer_page_size, self.params)
+    }
+}
+
+/// The shm fabric as a [`Transport`]: segments of `params`; each side's
+/// half carries its process's bell (an offer: the segment, then the bell;
+/// an answer: the bell).
+#[derive(Clone, Copy, Debug)]
+pub struct ShmTransport {
+    pub params: ShmParams,
+}
+
+/// [`ShmTransport`]'s offer: the segment made, and the bell it carries.
+#[derive(Debug)]
+pub struct ShmOffered {
+    pub(super) offer: ShmOffer,
+    pub(super) reactor: Arc<Reactor>,
+}
+
+/// [`ShmTransport`]'s join: the offered segment mapped and checked, the
+/// offerer's bell, and ours for the answer.
+#[derive(Debug)]
+pub struct ShmJoined {
+    pub(super) join: ShmJoin,
+    pub(super) bell: OwnedFd,
+    pub(super) reactor: Arc<Reactor>,
+}
+
+impl Transport for ShmTransport {
+    type Endpoint = ShmEndpoint;
+    type Offer = ShmOffered;
+    type Join = ShmJoined;
+
+    fn offer(&self) -> std::io::Result<ShmOffered> {
+        Ok(ShmOffered {
+            offer: ShmOffer::new(self.params)?,
+            reactor: Reactor::get()?,
+        })
+    }
+
+    fn join(&self, fds: Vec<OwnedFd>) -> std::io::Result<ShmJoined> {
+        let mut fds = fds.into_iter();
+        let (Some(memfd), Some(bell), None) = (fds.next(), fds.next(), fds.next()) else {
+            return Err(bad("an offer carries a segment and a bell, nothing else"));
+        };
+        Ok(ShmJoined {
+            join: ShmJoin::open(memfd, self.params.poll)?,
+            bell,
+            reactor: Reactor::get()?,
+        })
+    }
+}
+
+impl transport::Offer for ShmOffered {
+    type Endpoint = ShmEndpoint;
+
+    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        vec![self.offer.memfd(), self.reactor.bell()]
+    }
+
+    fn agreement(&self) -> &AtomicU32 {
+        self.offer.agreement()
+    }
+
+    fn abandon(self) {
+        self.offer.abandon();
+    }
+
+    fn into_endpoint(
+        self,
+        fds: Vec<OwnedFd>,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
+        let mut fds = fds.into_iter();
+        let (Some(bell), None) = (fds.next(), fds.next()) else {
+            return Err(bad("an answer carries a bell, nothing else"));
+        };
+        self.offer.into_endpoint(bell, peer, peer_page_size)
+    }
+}
+
+impl transport::Join for ShmJoined {
+    type Endpoint = ShmEndpoint;
+
+    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        vec![self.reactor.bell()]
+    }
+
+    fn agreement(&self) -> &AtomicU32 {
+        self.join.agreement()
+    }
+
+    fn into_endpoint(self, peer: PeerId, peer_page_size: u32) -> std::io::Result<ShmEndpoint> {
+        self.join.into_endpoint(self.bell, peer, peer_page_size)
+    }
+}
+
+impl transport::Endpoint for ShmEndpoint {
+    type Waiter = ShmWaiter;
+
+    fn waiter(&self) -> ShmWaiter {
+        ShmEndpoint::waiter(self)
+    }
+
+    fn peer_pid(&self) -> u32 {
+        self.peer.pid()
+    }
+
+    fn get_refused(&self) -> Option<String> {
+        self.no_get.as_ref().map(|n| format!("{n:?}"))
+    }
+
+    fn same_user(&self) -> bool {
+        ShmEndpoint::same_user(self)
+    }
+
+    fn agreement(&self) -> &AtomicU32 {
+        ShmEndpoint::agreement(self)
+    }
+}
+
+impl ShmEndpoint {
+    /// Bootstrap over a connected Unix socket as the side that makes the
+    /// segment (side 0), as [`ShmTransport`] pairs: the offer carries the
+    /// segment and this process's bell, the answer the peer's bell. `sock`
+    /// stays the caller's.
+    pub fn offer(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        use transport::Offer as _;
+        let offer = ShmTransport { params }.offer()?;
+        let fd = sock.as_fd();
+        send_intro(
+            fd,
+            &Intro::new(IntroKind::Offer, page_size()),
+            &offer.fds(),
+            false,
+        )?;
+        let (intro, answer) = recv_intro(fd, IntroKind::Answer, false)?;
+        offer.into_endpoint(answer.fds, answer.peer, intro.page_size)
+    }
+
+    /// Bootstrap over a connected Unix socket as the side that maps the
+    /// peer's segment (side 1).
+    pub fn accept(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
+        use transport::Join as _;
+        let fd = sock.as_fd();
+        let (intro, offer) = recv_intro(fd, IntroKind::Offer, false)?;
+        let join = ShmTransport { params }.join(offer.fds)?;
+        send_intro(
+            fd,
+            &Intro::new(IntroKind::Answer, page_size()),
+            &join.fds(),
+            false,
+        )?;
+        join.into_endpoint(offer.peer, intro.page_size)
+    }
+}

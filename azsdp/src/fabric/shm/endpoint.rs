@@ -1,0 +1,393 @@
+//! One side of a connection: the fabric contract over the segment.
+
+use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use super::access::{NoGet, Registrations, get_permission};
+use super::liveness::{HeldGet, shared_bell};
+use super::segment::{FROZEN, LOCAL_KEY, Segment, ShmParams};
+use super::waiter::wait_ring;
+use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+use crate::fabric::pool::Pool;
+use crate::fabric::ring::{self, Ring};
+use crate::fabric::{
+    Armed, Departure, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, Ownership, RegAccess,
+};
+use crate::identity::PeerId;
+
+/// One side of a `shm` connection.
+#[derive(Debug)]
+pub struct ShmEndpoint {
+    // Rings borrow the mapping in `seg`: declared first, dropped first.
+    pub(super) tx: Ring,
+    pub(super) rx: Ring,
+    pub(super) seg: Arc<Segment>,
+    pub(super) side: usize,
+    /// The process running the peer side, verified and pinned.
+    pub(super) peer: PeerId,
+    /// The bell of the process running the peer side (shared by every
+    /// connection to that process): rung when we post to an armed ring,
+    /// and where a claim after our fork goes.
+    pub(super) peer_bell: Arc<OwnedFd>,
+    pub(super) peer_page_size: u32,
+    pub(super) no_get: Option<NoGet>,
+    pub(super) params: ShmParams,
+    pub(super) completions: VecDeque<(OpId, OpResult)>,
+    pub(super) regs: Registrations,
+    /// Copies copy-on-write makes, for the peer to GET.
+    pub(super) pool: Pool,
+    pub(super) gone_reported: bool,
+    /// The peer wrote nonsense into the segment: the connection is over.
+    pub(super) corrupt: bool,
+    /// When the peer process was last seen alive: an idle poll asks the
+    /// kernel (a system call) at most once per [`ALIVE_EVERY`].
+    pub(super) alive_at: Option<Instant>,
+    pub(super) held_gets: VecDeque<HeldGet>,
+}
+
+/// An endpoint this process runs and lets go of says so in the segment:
+/// the peer then learns at once that nothing more will come or be read
+/// (as a TCP peer learns from the FIN, or the RST its next segment
+/// draws), not when this process exits. (A forked child's copy of the
+/// parent's side is not this process's to close.)
+impl Drop for ShmEndpoint {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+pub(super) fn page_size() -> u32 {
+    crate::pages::system_page_size() as u32
+}
+
+impl ShmEndpoint {
+    pub(super) fn new(
+        seg: Segment,
+        side: usize,
+        peer_bell: OwnedFd,
+        peer: PeerId,
+        peer_page_size: u32,
+        params: ShmParams,
+    ) -> std::io::Result<ShmEndpoint> {
+        let no_get = get_permission(&peer);
+        seg.hdr().owner[side].store(crate::process::pid(), Ordering::Release);
+        let regs = Registrations::new(seg.reg_slots);
+        let (tx, rx) = (seg.ring(side)?, seg.ring(1 - side)?);
+        Ok(ShmEndpoint {
+            tx,
+            rx,
+            seg: Arc::new(seg),
+            side,
+            peer_bell: shared_bell(&peer, peer_bell),
+            peer,
+            peer_page_size,
+            no_get,
+            params,
+            completions: VecDeque::new(),
+            pool: Pool::default(),
+            regs,
+            gone_reported: false,
+            corrupt: false,
+            alive_at: None,
+            held_gets: VecDeque::new(),
+        })
+    }
+
+    /// A word both sides share, 0 when the segment is made, that the code
+    /// pairing two connections uses to agree (by compare-and-swap) whether
+    /// the pair goes ahead. Waiters sleep on it with [`crate::futex`].
+    pub fn agreement(&self) -> &AtomicU32 {
+        &self.seg.hdr().agreement
+    }
+
+    /// `None` if this side may GET from the peer; otherwise why not.
+    pub fn can_get(&self) -> Option<&NoGet> {
+        self.no_get.as_ref()
+    }
+
+    /// The pid of the (verified) process running the peer side.
+    pub fn peer_pid(&self) -> i32 {
+        self.peer.pid() as i32
+    }
+
+    /// The (verified) uid of the peer.
+    pub fn peer_uid(&self) -> u32 {
+        self.peer.uid()
+    }
+
+    /// Is the peer of our own user? Only then may either side read the
+    /// other's memory: across users the pair runs over the rings, whatever
+    /// the peer says it can do.
+    pub fn same_user(&self) -> bool {
+        self.peer.uid() == nix::unistd::geteuid().as_raw()
+    }
+
+    pub fn peer_page_size(&self) -> u32 {
+        self.peer_page_size
+    }
+
+    /// Mark this end closed cleanly (the peer then sees PeerGone without
+    /// waiting for the process to exit).
+    pub fn close(&self) {
+        self.seg.hdr().closed[self.side].store(1, Ordering::Release);
+        self.wake_peer(true);
+    }
+
+    /// This side closed, or the peer corrupted the segment: no message
+    /// goes out any more.
+    fn cannot_post(&self) -> bool {
+        self.corrupt || self.seg.hdr().closed[self.side].load(Ordering::Relaxed) != 0
+    }
+}
+
+impl Fabric for ShmEndpoint {
+    fn ownership(&self) -> Ownership {
+        let w = self.seg.hdr().owner[self.side].load(Ordering::Acquire);
+        if w == crate::process::pid() {
+            Ownership::Mine
+        } else if w & FROZEN != 0 {
+            Ownership::Unclaimed
+        } else {
+            Ownership::Other
+        }
+    }
+
+    fn finish(&self) {
+        if self.ownership() == Ownership::Mine {
+            self.close();
+        }
+    }
+
+    fn publish_progress(&mut self, p: Departure) {
+        let hdr = self.seg.hdr();
+        for (word, v) in [
+            (&hdr.sent[self.side], p.sent),
+            (&hdr.read[self.side], p.read),
+        ] {
+            if word.load(Ordering::Relaxed) != v {
+                word.store(v, Ordering::Release);
+            }
+        }
+    }
+
+    fn freeze(&self) {
+        let me = crate::process::pid();
+        let _ = self.seg.hdr().owner[self.side].compare_exchange(
+            me,
+            me | FROZEN,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// Take the side for this process, and tell the peer so with our kernel
+    /// identity (it follows nothing else).
+    fn claim(&self) -> bool {
+        let me = crate::process::pid();
+        let word = &self.seg.hdr().owner[self.side];
+        let mut w = word.load(Ordering::Acquire);
+        loop {
+            if w == me {
+                return true;
+            }
+            if w & FROZEN == 0 {
+                return false;
+            }
+            match word.compare_exchange(w, me, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(was) => {
+                    if was & !FROZEN != me {
+                        self.send_claim();
+                    }
+                    return true;
+                }
+                Err(now) => w = now,
+            }
+        }
+    }
+
+    fn lock_region(&self) -> LockRegion {
+        LockRegion {
+            addr: self.seg.layout.locks[self.side] as u64,
+            key: self.seg.key,
+            slots: self.seg.slots,
+        }
+    }
+
+    /// Registration completes at once: local destinations need no key
+    /// (`process_vm_readv` writes our own memory), sources for the peer
+    /// go in our table.
+    fn post_register(
+        &mut self,
+        op: OpId,
+        addr: u64,
+        len: u64,
+        access: RegAccess,
+    ) -> Result<(), FabricError> {
+        let r = match access {
+            RegAccess::LocalWrite => Ok(LOCAL_KEY),
+            RegAccess::PeerRead => self.register(addr, len),
+        };
+        self.completions.push_back((op, OpResult::Registered(r)));
+        Ok(())
+    }
+
+    fn deregister(&mut self, key: u32) {
+        if key != LOCAL_KEY {
+            self.withdraw(key);
+        }
+    }
+
+    fn has_room(&self, len: usize) -> bool {
+        // Broken, or a full ring whose reader is gone: the post fails at once.
+        self.cannot_post() || self.gone_reported || self.tx.has_room(len)
+    }
+
+    fn pool_alloc(&mut self, len: u64) -> Result<u64, OpError> {
+        self.pool.alloc(len)
+    }
+
+    fn pool_fill(&mut self, addr: u64, len: u64, fill: &mut dyn FnMut(&mut [u8])) {
+        if let Some(bytes) = self.pool.bytes(addr, len) {
+            fill(bytes);
+        }
+    }
+
+    fn pool_free(&mut self, addr: u64, _len: u64) {
+        self.pool.free(addr);
+    }
+
+    fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
+        if self.cannot_post() {
+            return Err(FabricError::Broken);
+        }
+        match self.tx.push(msg) {
+            Ok(true) => {
+                self.wake_peer(false);
+                Ok(())
+            }
+            // A full ring whose reader is gone never drains.
+            Ok(false) if self.gone_reported => Err(FabricError::Broken),
+            Ok(false) => Err(FabricError::NoCredits),
+            Err(ring::RingError::TooLarge(_)) => Err(FabricError::TooLarge),
+            Err(_) => {
+                self.corrupt = true;
+                Err(FabricError::Broken)
+            }
+        }
+    }
+
+    fn post_get(
+        &mut self,
+        op: OpId,
+        src: RemoteBuf,
+        dst: LocalBuf,
+        len: u64,
+    ) -> Result<(), FabricError> {
+        if self.claim_pending() {
+            // The peer side moved to a process whose claim is still on its
+            // way: its memory is not the one to read yet.
+            self.held_gets.push_back(HeldGet {
+                op,
+                src,
+                dst: dst.addr,
+                len,
+                since: Instant::now(),
+            });
+            return Ok(());
+        }
+        let result = self.get(src, dst.addr, len);
+        self.completions.push_back((op, OpResult::Get(result)));
+        Ok(())
+    }
+
+    fn post_cas(
+        &mut self,
+        op: OpId,
+        target: CasTarget,
+        expect: u64,
+        new: u64,
+    ) -> Result<(), FabricError> {
+        let r = self.cas(target, expect, new);
+        self.completions.push_back((op, OpResult::Cas(r)));
+        Ok(())
+    }
+
+    fn revoke_access(&mut self) {
+        self.seg.hdr().revoked[self.side].store(1, Ordering::Release);
+    }
+
+    fn completions_pending(&self) -> bool {
+        !self.completions.is_empty()
+    }
+
+    /// Set the incoming ring's doorbell flag: the peer's next message rings
+    /// our token on this process's bell.
+    fn arm(&mut self, _fired: bool) -> Armed {
+        self.rx.armed().store(1, Ordering::Relaxed);
+        // Pairs with the fence in `wake_peer`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let ready = !self.completions.is_empty()
+            || !self.rx.is_empty()
+            || (self.peer_closed() && !self.gone_reported);
+        if ready { Armed::Ready } else { Armed::Sleep }
+    }
+
+    /// Wait until a message may be ready or `timeout` passes: busy-poll for
+    /// `params.poll`, then sleep on the futex. Completions of this side's own
+    /// operations are synchronous, so they never need a wait.
+    fn wait(&self, timeout: Duration) {
+        if !self.completions.is_empty() {
+            return;
+        }
+        let ticket = self.rx.wait_words().0.load(Ordering::Acquire);
+        wait_ring(
+            &self.rx.watch(),
+            &self.seg,
+            1 - self.side,
+            self.params.poll,
+            timeout,
+            ticket,
+        );
+    }
+
+    fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        if !self.held_gets.is_empty() {
+            self.release_held_gets();
+        }
+        let mut n = 0;
+        while let Some((op, result)) = self.completions.pop_front() {
+            on_event(FabricEvent::Done { op, result });
+            n += 1;
+        }
+        while !self.corrupt {
+            match self.rx.pop(|m| on_event(FabricEvent::Message(m))) {
+                Ok(Some(())) => n += 1,
+                Ok(None) => break,
+                Err(_) => self.corrupt = true,
+            }
+        }
+        if self.gone_reported {
+            return n;
+        }
+        if self.corrupt {
+            // Whatever the peer claims to have sent, the stream is broken.
+            self.gone_reported = true;
+            on_event(FabricEvent::PeerGone { left: None });
+            return n + 1;
+        }
+        if n == 0 && !self.peer_alive() && self.rx.is_empty() {
+            self.gone_reported = true;
+            let hdr = self.seg.hdr();
+            let left = Departure {
+                sent: hdr.sent[1 - self.side].load(Ordering::Acquire),
+                read: hdr.read[1 - self.side].load(Ordering::Acquire),
+            };
+            on_event(FabricEvent::PeerGone { left: Some(left) });
+            n += 1;
+        }
+        n
+    }
+}

@@ -1,0 +1,153 @@
+//! Who runs the peer side, and whether it still exists: the pinned peer,
+//! its process's bell, claims after its fork (followed only with the
+//! claimer's kernel identity), GETs held while a claim is on its way.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use super::access::get_permission;
+use super::endpoint::{ShmEndpoint, page_size};
+use super::segment::FROZEN;
+use crate::conn::{OpError, OpId, RemoteBuf};
+use crate::driver::reactor::{self, Mail, Reactor};
+use crate::fabric::OpResult;
+use crate::identity::PeerId;
+use crate::pairing::{Intro, IntroKind};
+use crate::sync::Lock;
+
+/// How long a GET waits for the claim of a process that took the peer side
+/// over. A true claim is on our bell before anything the new process
+/// posts, and reaches the endpoint within microseconds; a word rewritten
+/// without one fails the GET (and holds up a call on it) no longer.
+const CLAIM_WAIT: Duration = Duration::from_millis(200);
+
+/// A GET held until a claim comes (see `ShmEndpoint::claim_pending`).
+#[derive(Debug)]
+pub(super) struct HeldGet {
+    pub(super) op: OpId,
+    pub(super) src: RemoteBuf,
+    pub(super) dst: u64,
+    pub(super) len: u64,
+    pub(super) since: Instant,
+}
+
+/// How often an idle endpoint asks whether the peer process still exists
+/// (a peer that closes says so in the segment at once; this is for one
+/// that dies without closing).
+pub(super) const ALIVE_EVERY: Duration = Duration::from_millis(1);
+
+/// Bells this process rings, one per peer process (by its shared pidfd):
+/// a peer's later connections pass the same bell again, and keep none.
+static BELLS: Lock<Vec<(Weak<OwnedFd>, Weak<OwnedFd>)>> = Lock::new(Vec::new());
+
+/// The bell of `peer`'s process: the one we hold already, or `fresh`.
+pub(super) fn shared_bell(peer: &PeerId, fresh: OwnedFd) -> Arc<OwnedFd> {
+    let pidfd = peer.pidfd_shared();
+    let mut bells = BELLS.lock();
+    bells.retain(|(p, b)| p.strong_count() > 0 && b.strong_count() > 0);
+    if let Some(b) = bells
+        .iter()
+        .filter(|(p, _)| std::ptr::eq(p.as_ptr(), Arc::as_ptr(&pidfd)))
+        .find_map(|(_, b)| b.upgrade())
+    {
+        return b;
+    }
+    let b = Arc::new(fresh);
+    bells.push((Arc::downgrade(&pidfd), Arc::downgrade(&b)));
+    b
+}
+
+impl ShmEndpoint {
+    pub(super) fn peer_closed(&self) -> bool {
+        self.seg.hdr().closed[1 - self.side].load(Ordering::Acquire) != 0
+    }
+
+    /// Does the owner word say another process took the peer side, whose
+    /// claim (with its kernel identity) has not reached us yet?
+    pub(super) fn claim_pending(&self) -> bool {
+        let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
+        w != 0 && w != self.peer.pid()
+    }
+
+    /// GETs held for a claim: run once it came, failed if it never does.
+    pub(super) fn release_held_gets(&mut self) {
+        while let Some(g) = self.held_gets.front() {
+            let result = if !self.claim_pending() {
+                self.get(g.src, g.dst, g.len)
+            } else if g.since.elapsed() >= CLAIM_WAIT {
+                Err(OpError::Unreachable)
+            } else {
+                return;
+            };
+            let op = g.op;
+            self.held_gets.pop_front();
+            self.completions.push_back((op, OpResult::Get(result)));
+        }
+    }
+
+    /// Tell the peer, with our kernel identity and our process's bell, that
+    /// this process runs our side now (after a fork).
+    pub(super) fn send_claim(&self) {
+        let Ok(reactor) = Reactor::get() else {
+            return;
+        };
+        let mut body = [0u8; reactor::MAIL_LEN];
+        Intro::new(IntroKind::Claim, page_size()).emit(&mut body);
+        let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
+        // A peer that is gone needs no claim.
+        let _ = reactor::send_mail(self.peer_bell.as_fd(), token, &body, &[reactor.bell()]);
+    }
+
+    pub(super) fn peer_alive(&mut self) -> bool {
+        if self.peer_closed() {
+            return false;
+        }
+        let now = Instant::now();
+        if self.alive_at.is_some_and(|t| now < t + ALIVE_EVERY) {
+            return true;
+        }
+        let alive = self.peer.alive();
+        self.alive_at = alive.then_some(now);
+        alive
+    }
+}
+
+impl crate::fabric::Watched for ShmEndpoint {
+    fn set_bell(&mut self, token: u64, _bell: BorrowedFd<'_>) {
+        self.seg.hdr().bell[self.side].store(token, Ordering::Release);
+    }
+
+    fn peer_exit_fd(&self) -> Option<Arc<OwnedFd>> {
+        Some(self.peer.pidfd_shared())
+    }
+
+    /// A claim: the peer side runs in the sender's process now. Only a
+    /// claimer of the peer's user whose pid the segment's owner word names
+    /// is followed (so one that maps the segment: the peer or a process it
+    /// forked; any peer of ours can ring our bell), with the bell it passed.
+    fn take_mail(&mut self, mail: Mail) {
+        let Ok(intro) = Intro::parse(&mail.body) else {
+            return;
+        };
+        let owner = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
+        if intro.kind != IntroKind::Claim
+            || mail.from.peer.uid() != self.peer.uid()
+            || mail.from.peer.pid() != owner
+        {
+            return;
+        }
+        let Some(bell) = mail.from.fds.into_iter().next() else {
+            return;
+        };
+        self.peer = mail.from.peer;
+        self.peer_bell = shared_bell(&self.peer, bell);
+        self.no_get = get_permission(&self.peer);
+        self.alive_at = None;
+    }
+
+    fn peer_suspect(&mut self) {
+        self.alive_at = None;
+    }
+}
