@@ -1,0 +1,470 @@
+//! Data: send, recv and their variants, read/write on sockets, sendfile.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use azsdp::conn::{CallError, RecvFlags, SendFlags};
+use azsdp::driver::threaded::CallLimits;
+use libc::{c_int, c_void, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+
+use super::{guard, hook};
+use crate::conn::Conn;
+use crate::sock::{Role, Sock};
+use crate::{fdtable, real, signals};
+
+/// A connection's call failed: set errno (and raise SIGPIPE as TCP does).
+pub(super) fn fail(e: CallError, nosignal: bool) -> ssize_t {
+    let errno = match e {
+        CallError::WouldBlock => libc::EAGAIN,
+        CallError::Interrupted => libc::EINTR,
+        CallError::BrokenPipe => {
+            if !nosignal {
+                // SAFETY: raise(3) delivers SIGPIPE to this thread, as TCP does.
+                unsafe { libc::raise(libc::SIGPIPE) };
+            }
+            libc::EPIPE
+        }
+        CallError::ConnReset => libc::ECONNRESET,
+        CallError::TimedOut => libc::ETIMEDOUT,
+    };
+    real::set_errno(errno);
+    -1
+}
+
+/// Send the buffers in order on `c`.
+fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        real::set_errno(libc::EOPNOTSUPP);
+        return -1;
+    }
+    let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
+    let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    let mut total: usize = 0;
+    for &(p, len) in bufs {
+        if len == 0 {
+            continue;
+        }
+        if let Err(e) = crate::user_mem::check_buffer(p, len, false) {
+            // As the kernel: what went before the bad buffer, else EFAULT.
+            if total > 0 {
+                break;
+            }
+            real::set_errno(e);
+            return -1;
+        }
+        // SAFETY: the program's buffer of `len` bytes, which the kernel
+        // says it may read.
+        let buf = unsafe { std::slice::from_raw_parts(p, len) };
+        let flags = SendFlags {
+            nonblocking,
+            protectable: true,
+        };
+        let r = if nonblocking {
+            c.driver.send(buf, flags)
+        } else {
+            let deadline = sock.opts().sndtimeo.map(|t| Instant::now() + t);
+            let signals = signals::CallSignals::default();
+            let limits = CallLimits {
+                deadline,
+                on_signal: &|| signals.interrupted(),
+            };
+            c.driver.send_bounded(buf, flags, &limits)
+        };
+        match r {
+            Ok(n) => {
+                total += n as usize;
+                if (n as usize) < len {
+                    break;
+                }
+            }
+            Err(e) if total == 0 => return fail(e, nosignal),
+            Err(_) => break,
+        }
+    }
+    total as ssize_t
+}
+
+/// Receive into the buffers in order from `c`: the first call waits as
+/// the socket and flags say; later buffers take only what is there.
+fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        real::set_errno(libc::EINVAL);
+        return -1;
+    }
+    let want = bufs.iter().fold(0usize, |a, b| a.saturating_add(b.1));
+    if flags & libc::MSG_TRUNC != 0 {
+        // TCP's MSG_TRUNC: take (or, with MSG_PEEK, look at) up to `want`
+        // bytes without copying them to the program.
+        let mut scratch = vec![0u8; want.min(1 << 20)];
+        let n = scratch.len();
+        return recv_bufs(
+            sock,
+            c,
+            &[(scratch.as_mut_ptr(), n)],
+            flags & !libc::MSG_TRUNC,
+        );
+    }
+    if want == 0 {
+        // TCP waits as for data (or EOF, or an error), then takes nothing.
+        let mut one = [0u8; 1];
+        let r = recv_bufs(sock, c, &[(one.as_mut_ptr(), 1)], flags | libc::MSG_PEEK);
+        return r.min(0);
+    }
+    let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
+    let mut total: usize = 0;
+    for &(p, len) in bufs {
+        if len == 0 {
+            continue;
+        }
+        if let Err(e) = crate::user_mem::check_buffer(p, len, true) {
+            if total > 0 {
+                break;
+            }
+            real::set_errno(e);
+            return -1;
+        }
+        // SAFETY: the program's buffer of `len` bytes, which the kernel
+        // says it may write.
+        let buf = unsafe { std::slice::from_raw_parts_mut(p, len) };
+        let first = total == 0;
+        let f = RecvFlags {
+            nonblocking: nonblocking || !first,
+            peek: flags & libc::MSG_PEEK != 0,
+            waitall: flags & libc::MSG_WAITALL != 0,
+            armable: true,
+        };
+        let r = if f.nonblocking {
+            c.driver.recv(buf, f)
+        } else {
+            let deadline = sock.opts().rcvtimeo.map(|t| Instant::now() + t);
+            let signals = signals::CallSignals::default();
+            let limits = CallLimits {
+                deadline,
+                on_signal: &|| signals.interrupted(),
+            };
+            c.driver.recv_bounded(buf, f, &limits)
+        };
+        match r {
+            Ok(0) => break,
+            Ok(n) => {
+                total += n as usize;
+                if (n as usize) < len || f.peek {
+                    break;
+                }
+            }
+            Err(e) if first => return fail(e, true),
+            Err(_) => break,
+        }
+    }
+    total as ssize_t
+}
+
+/// Where a data call goes.
+enum Target {
+    Azsdp(Arc<Sock>, Arc<Conn>),
+    /// libc's call; counted when it is a connection left on TCP.
+    Plain(Option<Arc<crate::conn::TcpConn>>),
+}
+
+fn target(fd: c_int) -> Target {
+    match fdtable::get(fd) {
+        None => Target::Plain(None),
+        Some(s) => match s.role() {
+            Role::Azsdp(c) => Target::Azsdp(s, c),
+            Role::Tcp(t) => Target::Plain(Some(t)),
+            _ => Target::Plain(None),
+        },
+    }
+}
+
+/// Make libc's `call`, counting what it moved on a TCP connection.
+pub(super) fn plain(
+    t: Option<Arc<crate::conn::TcpConn>>,
+    sent: bool,
+    call: impl FnOnce() -> ssize_t,
+) -> ssize_t {
+    let r = call();
+    if let (Some(t), true) = (t, r > 0) {
+        if sent {
+            t.count(r as u64, 0);
+        } else {
+            t.count(0, r as u64);
+        }
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, len: size_t, flags: c_int) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            // SAFETY: libc's send with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::send(fd, buf, len, flags) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    len: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    alen: socklen_t,
+) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            // SAFETY: libc's sendto with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe {
+                real::sendto(fd, buf, len, flags, addr, alen)
+            }),
+        }
+    })
+}
+
+/// The program's iovec array as (pointer, length) pairs, read through the
+/// kernel, with the kernel's checks: EINVAL for more than `IOV_MAX`
+/// entries or a total beyond `ssize_t`, EFAULT for an array it cannot
+/// read.
+fn iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*mut u8, usize)>, c_int> {
+    const IOV_MAX: i64 = 1024;
+    if !(0..=IOV_MAX).contains(&n) {
+        return Err(libc::EINVAL);
+    }
+    let v = crate::user_mem::read(iov, n as usize)?;
+    let mut total: usize = 0;
+    for e in &v {
+        total = total
+            .checked_add(e.iov_len)
+            .filter(|t| *t <= isize::MAX as usize)
+            .ok_or(libc::EINVAL)?;
+    }
+    Ok(v.iter()
+        .map(|e| (e.iov_base.cast::<u8>(), e.iov_len))
+        .collect())
+}
+
+/// [`iovs`] of bytes to send.
+fn send_iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*const u8, usize)>, c_int> {
+    Ok(iovs(iov, n)?
+        .into_iter()
+        .map(|(p, l)| (p.cast_const(), l))
+        .collect())
+}
+
+/// The program's msghdr, read through the kernel.
+fn msghdr_of(msg: *const msghdr) -> Result<msghdr, c_int> {
+    Ok(crate::user_mem::read(msg, 1)?[0])
+}
+
+/// Fail the call with `e` (-1, errno).
+pub(super) fn efail(e: c_int) -> ssize_t {
+    real::set_errno(e);
+    -1
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                let bufs =
+                    match msghdr_of(msg).and_then(|m| send_iovs(m.msg_iov, m.msg_iovlen as i64)) {
+                        Ok(b) => b,
+                        Err(e) => return efail(e),
+                    };
+                send_bufs(&s, &c, &bufs, flags)
+            }),
+            // SAFETY: libc's sendmsg with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::sendmsg(fd, msg, flags) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, len: size_t) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+            // SAFETY: libc's write with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::write(fd, buf, len) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || match send_iovs(iov, i64::from(n)) {
+                Ok(bufs) => send_bufs(&s, &c, &bufs, 0),
+                Err(e) => efail(e),
+            }),
+            // SAFETY: libc's writev with the program's arguments.
+            Target::Plain(t) => plain(t, true, || unsafe { real::writev(fd, iov, n) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            // SAFETY: libc's recv with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::recv(fd, buf, len, flags) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    len: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                // A connected stream socket reports no source address.
+                if !alen.is_null()
+                    && let Err(e) = crate::user_mem::write(alen, &[0])
+                {
+                    return efail(e);
+                }
+                recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
+            }),
+            // SAFETY: libc's recvfrom with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe {
+                real::recvfrom(fd, buf, len, flags, addr, alen)
+            }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || {
+                let mut m = match msghdr_of(msg) {
+                    Ok(m) => m,
+                    Err(e) => return efail(e),
+                };
+                let bufs = match iovs(m.msg_iov, m.msg_iovlen as i64) {
+                    Ok(b) => b,
+                    Err(e) => return efail(e),
+                };
+                // The kernel writes these back: no address, no control
+                // data, no flags.
+                m.msg_namelen = 0;
+                m.msg_controllen = 0;
+                m.msg_flags = 0;
+                if let Err(e) = crate::user_mem::write(msg, &[m]) {
+                    return efail(e);
+                }
+                recv_bufs(&s, &c, &bufs, flags)
+            }),
+            // SAFETY: libc's recvmsg with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+            // SAFETY: libc's read with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::read(fd, buf, len) }),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
+    hook(|| {
+        match target(fd) {
+            Target::Azsdp(s, c) => guard(-1, || match iovs(iov, i64::from(n)) {
+                Ok(bufs) => recv_bufs(&s, &c, &bufs, 0),
+                Err(e) => efail(e),
+            }),
+            // SAFETY: libc's readv with the program's arguments.
+            Target::Plain(t) => plain(t, false, || unsafe { real::readv(fd, iov, n) }),
+        }
+    })
+}
+
+/// The same call under its large-file name (python's `os.sendfile`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    hook(|| {
+        if !matches!(target(out), Target::Azsdp(..)) {
+            // SAFETY: libc's sendfile64 with the program's arguments.
+            return unsafe { real::sendfile64(out, inp, off, count) };
+        }
+        // SAFETY: the same call (off_t is 64-bit here).
+        unsafe { sendfile(out, inp, off, count) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    hook(|| {
+        let (s, c) = match target(out) {
+            Target::Azsdp(s, c) => (s, c),
+            Target::Plain(t) => {
+                // SAFETY: libc's sendfile with the program's arguments.
+                return plain(t, true, || unsafe { real::sendfile(out, inp, off, count) });
+            }
+        };
+        guard(-1, || {
+            // Read a chunk from the file, then send it: one copy more than the
+            // kernel's sendfile, the price of keeping the byte stream ours.
+            let chunk = count.min(1 << 20);
+            let mut buf = vec![0u8; chunk];
+            // SAFETY: reading into our own buffer; `off` is the program's.
+            let got = unsafe {
+                if off.is_null() {
+                    real::read(inp, buf.as_mut_ptr().cast(), chunk)
+                } else {
+                    libc::pread(inp, buf.as_mut_ptr().cast(), chunk, *off)
+                }
+            };
+            if got <= 0 {
+                return got;
+            }
+            let sent = send_bufs(&s, &c, &[(buf.as_ptr(), got as usize)], 0);
+            if sent > 0 {
+                // SAFETY: the program's offset, or put back what we did not send.
+                unsafe {
+                    if off.is_null() {
+                        if sent < got {
+                            libc::lseek(inp, (sent - got) as off_t, libc::SEEK_CUR);
+                        }
+                    } else {
+                        *off += sent as off_t;
+                    }
+                }
+            }
+            sent
+        })
+    })
+}

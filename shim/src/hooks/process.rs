@@ -1,0 +1,107 @@
+//! Process and memory: fork, and the memory calls that end or move pages
+//! a connection may still hold (free, realloc, munmap, mremap, madvise).
+
+use libc::{c_int, c_void, off_t, size_t};
+
+use super::{guard, hook, quietly};
+use crate::{real, runtime};
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    hook(|| {
+        // The core's pthread_atfork handlers settle in-flight pages and freeze
+        // every connection; whichever process uses one first takes it (see
+        // docs/shim.md).
+        // SAFETY: libc's fork.
+        let pid = unsafe { real::fork() };
+        if pid == 0 {
+            guard((), runtime::after_fork_in_child);
+        }
+        pid
+    })
+}
+
+/// vfork's child would share our address space (and its protected pages)
+/// with a parent whose threads keep running: a real fork is the safe
+/// reading of vfork's contract.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn vfork() -> libc::pid_t {
+    hook(|| {
+        // SAFETY: our fork, above.
+        unsafe { fork() }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn free(p: *mut c_void) {
+    if !p.is_null() && azsdp::process::active() {
+        // SAFETY: p is a live malloc chunk (free's contract).
+        let n = unsafe { real::usable_size(p) };
+        quietly(|| azsdp::process::before_free(p as u64, n as u64));
+    }
+    // SAFETY: libc's free.
+    unsafe { real::free(p) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
+    if !p.is_null() && azsdp::process::active() {
+        // SAFETY: p is a live malloc chunk (realloc's contract).
+        let u = unsafe { real::usable_size(p) };
+        quietly(|| azsdp::process::before_realloc(p as u64, u as u64));
+    }
+    // SAFETY: libc's realloc.
+    unsafe { real::realloc(p, n) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    quietly(|| azsdp::process::before_unmap(addr as u64, len as u64));
+    // SAFETY: libc's munmap.
+    let r = unsafe { real::munmap(addr, len) };
+    if r == 0 {
+        quietly(|| azsdp::process::after_unmap(addr as u64, len as u64));
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    // SAFETY: libc's mmap.
+    let r = unsafe { real::mmap(addr, len, prot, flags, fd, off) };
+    if r != libc::MAP_FAILED {
+        quietly(|| azsdp::process::after_mmap(r as u64, flags));
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: size_t,
+    new_len: size_t,
+    flags: c_int,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    quietly(|| azsdp::process::before_remap(old as u64, old_len as u64));
+    // SAFETY: libc's mremap (new_addr is read only with MREMAP_FIXED).
+    let r = unsafe { real::mremap(old, old_len, new_len, flags, new_addr) };
+    if r != libc::MAP_FAILED {
+        quietly(|| azsdp::process::after_remap(old as u64, old_len as u64));
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
+    quietly(|| azsdp::process::before_madvise(addr as u64, len as u64, advice));
+    // SAFETY: libc's madvise.
+    unsafe { real::madvise(addr, len, advice) }
+}
