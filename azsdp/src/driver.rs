@@ -20,6 +20,7 @@ use crate::time::Timestamp;
 pub use azsdp_proto::driver::{Host, Protectable, capabilities};
 pub use azsdp_proto::protect::{NoProtection, Protector};
 
+pub mod ownership;
 pub mod reactor;
 pub mod standby;
 pub mod threaded;

@@ -21,16 +21,17 @@
 
 use crate::sync::{Lock, LockGuard};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::ownership::{Close, FORK_GRACE, ForReactor, ForkOwnership, Use};
 use super::reactor::{self, Next, Reactor, Registration, Serviced, Wake};
 use super::{Driver, Protector, standby};
 use crate::conn::{
     Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
 };
-use crate::fabric::{Armed, FabricWaiter, Ownership, Watched as Fabric};
+use crate::fabric::{Armed, FabricWaiter, Watched as Fabric};
 use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
 
@@ -58,16 +59,11 @@ struct Shared<F: Fabric, P: Protector> {
     standby_nap: Lock<Duration>,
     /// The reactor found the lock taken: whoever holds it wakes it.
     wanted: AtomicBool,
-    /// The process that runs the connection; in a forked child this driver
-    /// is the parent's copy, inert until the child adopts it.
-    owner: AtomicU32,
+    /// Who runs the connection after a fork (see [`ownership`]).
+    own: ForkOwnership,
     /// Makes a protector for a forked child that adopts the connection
     /// (the parent's is bound to the parent's memory).
     refresh: Lock<Option<Refresh<P>>>,
-    /// When a fork froze the connection (see [`Fabric::ownership`]).
-    frozen_since: Lock<Option<Instant>>,
-    /// `close()` came while the connection was frozen: done once claimed.
-    close_pending: Lock<Option<bool>>,
     this: Weak<Shared<F, P>>,
     /// Told whenever a turn delivered something (readiness may have changed).
     notify: Option<Notify>,
@@ -114,10 +110,6 @@ impl std::fmt::Debug for CallLimits<'_> {
             .finish()
     }
 }
-
-/// How long after a fork a connection waits for one of the processes to
-/// claim it before the one that made it takes it back.
-const FORK_GRACE: Duration = Duration::from_secs(1);
 
 /// Makes the protection of a forked child that adopts a connection.
 pub type Refresh<P> = Box<dyn Fn() -> (P, Option<Box<dyn FaultSource>>) + Send + Sync>;
@@ -271,33 +263,23 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// In a forked child, before adopting: the threads are the parent's.
     fn orphaned(&self) -> bool {
-        crate::process::pid() != self.owner.load(Ordering::SeqCst)
+        self.own.orphaned()
     }
 
     /// May this process use the connection? A connection a fork froze is
     /// claimed here (and adopted, with threads of its own, by a child);
     /// false if the other process has it.
     fn make_mine(&self) -> bool {
-        // Only a fork freezes a connection (and marks it so, here and in
-        // the child's copy): otherwise it is ours without asking the fabric.
-        if !self.orphaned() && !self.frozen() {
+        if self.own.settled() {
             return true;
         }
-        let own = self.lock().fabric().ownership();
-        match own {
-            Ownership::Mine => !self.orphaned(),
-            Ownership::Other => false,
-            Ownership::Unclaimed => {
-                if self.orphaned() && self.refresh.lock().is_none() {
-                    return false;
-                }
-                if !self.lock().fabric().claim() {
-                    return false;
-                }
-                *self.frozen_since.lock() = None;
-                if self.orphaned() {
-                    self.adopt();
-                }
+        let can_adopt = self.refresh.lock().is_some();
+        let decision = self.own.for_call(self.lock().fabric(), can_adopt);
+        match decision {
+            Use::Mine => true,
+            Use::NotMine => false,
+            Use::Adopt => {
+                self.adopt();
                 true
             }
         }
@@ -321,7 +303,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 None => None,
             }
         };
-        self.owner.store(crate::process::pid(), Ordering::SeqCst);
+        self.own.adopted();
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
         self.released.store(false, Ordering::SeqCst);
@@ -363,7 +345,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
     ) -> Option<T> {
         loop {
-            if self.frozen() && !self.make_mine() {
+            if self.own.frozen() && !self.make_mine() {
                 break None;
             }
             let ticket = self.waiter.prepare();
@@ -397,11 +379,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     fn end_standby(&self) {
         self.last_exit.store(0, Ordering::SeqCst);
         self.wake_reactor();
-    }
-
-    /// Has a fork frozen the connection (and no one claimed it yet)?
-    fn frozen(&self) -> bool {
-        self.frozen_since.lock().is_some()
     }
 
     /// Hand the faults that wait to the engine: completions already
@@ -478,7 +455,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ThreadedDriver")
-            .field("owner", &self.shared.owner.load(Ordering::Relaxed))
+            .field("runner", &self.shared.own.runner())
             .finish()
     }
 }
@@ -513,10 +490,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             last_exit: AtomicU64::new(0),
             standby_nap: Lock::new(standby::RECENT),
             wanted: AtomicBool::new(false),
-            owner: AtomicU32::new(crate::process::pid()),
+            own: ForkOwnership::default(),
             refresh: Lock::new(None),
-            frozen_since: Lock::new(None),
-            close_pending: Lock::new(None),
             this: this.clone(),
             notify,
             held: Arc::new(HeldBounds::default()),
@@ -540,7 +515,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// Does this process run the connection now (without claiming it)?
     pub fn is_mine(&self) -> bool {
-        !self.shared.orphaned() && self.shared.lock().fabric().ownership() == Ownership::Mine
+        self.shared.own.runs_here(self.shared.lock().fabric())
     }
 
     /// May this process use the connection now? Claims one a fork froze
@@ -741,20 +716,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            match d.fabric().ownership() {
-                Ownership::Mine => {
-                    if abort {
-                        d.abort();
-                    } else {
-                        d.submit_close();
-                    }
-                }
+            match self.shared.own.close(d.fabric(), abort) {
+                Close::Now if abort => d.abort(),
+                Close::Now => d.submit_close(),
                 // Frozen by a fork: the child may take it over; if it does
                 // not, the reactor reclaims and closes it.
-                Ownership::Unclaimed => {
-                    *self.shared.close_pending.lock() = Some(abort);
-                }
-                Ownership::Other => return,
+                Close::Deferred => {}
+                Close::NotOurs => return,
             }
         }
         *self.shared.closing.lock() = Some(Instant::now() + FORK_GRACE + linger);
@@ -787,11 +755,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return true;
         }
         let d = self.shared.lock();
-        let pending = self.shared.close_pending.lock().is_some();
-        match d.fabric().ownership() {
-            Ownership::Other => true,
-            _ => !pending && d.is_finished(),
-        }
+        let own = &self.shared.own;
+        own.taken(d.fabric()) || (!own.close_deferred() && d.is_finished())
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
@@ -938,10 +903,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if let Some(reg) = self.registration.lock().as_ref() {
             self.watch_peer_exit(&d, reg);
         }
-        match d.fabric().ownership() {
-            Ownership::Mine => {}
+        match self.own.for_reactor(d.fabric(), now) {
+            ForReactor::Run => {}
             // A forked child took the connection: this copy is done.
-            Ownership::Other => {
+            ForReactor::Gone => {
                 self.stop.store(true, Ordering::SeqCst);
                 self.released.store(true, Ordering::SeqCst);
                 return Next {
@@ -949,20 +914,16 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                     ..Next::default()
                 };
             }
-            // Frozen by a fork: wait for a claim; after the grace, take it
-            // back (the child did not want it).
-            Ownership::Unclaimed => {
-                let since = *self.frozen_since.lock().get_or_insert(now);
-                if now.duration_since(since) < FORK_GRACE || !d.fabric().claim() {
-                    return Next {
-                        at: Some(now + MAX_NAP),
-                        ..Next::default()
-                    };
-                }
-                *self.frozen_since.lock() = None;
+            // Frozen by a fork: wait for a claim (after the grace, the
+            // reactor takes it back: the child did not want it).
+            ForReactor::Wait => {
+                return Next {
+                    at: Some(now + MAX_NAP),
+                    ..Next::default()
+                };
             }
         }
-        if let Some(abort) = self.close_pending.lock().take() {
+        if let Some(abort) = self.own.take_deferred_close() {
             if abort {
                 d.abort();
             } else {
@@ -1042,8 +1003,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
             return Box::new(());
         }
         let guard = self.driver.lock();
-        guard.fabric().freeze();
-        *self.frozen_since.lock() = Some(Instant::now());
+        self.own.freeze(guard.fabric());
         // SAFETY: the guard borrows `self.driver`; the Arc stored next to it
         // keeps that alive, and `ForkHold` drops the guard first (field
         // order), so the borrow never outlives the mutex.
