@@ -55,6 +55,7 @@ fn in_flight(alloc: impl FnOnce() -> u64, change: impl FnOnce(u64, &Sender)) -> 
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     // SAFETY: the buffer is LEN bytes and lives until `change` disposes of it.
     let buf = unsafe { std::slice::from_raw_parts(addr as *const u8, LEN) };

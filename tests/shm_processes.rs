@@ -31,6 +31,7 @@ fn stream(zsdp: bool, threshold: u64, total: u64, seed: u64) {
     let flags = SendFlags {
         nonblocking: false,
         protectable: false,
+        unprotectable: None,
     };
     let (mut off, mut i) = (0u64, seed ^ 0xabc);
     while off < total {
@@ -120,6 +121,7 @@ fn peer_killed_mid_transfer_fails_the_survivor() {
     let flags = SendFlags {
         nonblocking: false,
         protectable: false,
+        unprotectable: None,
     };
     let start = Instant::now();
     let mut failed = None;
@@ -194,6 +196,7 @@ fn azsdp_stream(
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     let (mut off, mut i) = (0u64, seed);
     while off < total {
@@ -292,6 +295,7 @@ fn the_fault_rate_fallback_shows_in_the_counters() {
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     let mut off = 0u64;
     while off < total {
@@ -325,6 +329,7 @@ fn without_protection_the_counters_say_so() {
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     assert_eq!(d.send(&buf, flags).unwrap(), 4 << 20);
     let (clean, c, state) = d.close_report(Duration::from_secs(20));
@@ -373,6 +378,7 @@ fn every_kind_of_buffer_stays_correct() {
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     let mut off = 0u64;
     let mut send_rewrite = |buf: &mut [u8]| {
@@ -507,6 +513,7 @@ fn writes_through_an_alias_are_caught() {
     let sflags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     assert_eq!(d.send(buf, sflags).unwrap(), LEN as u64);
     let async_ = d.counters().bytes_sent_async > 0;
@@ -555,6 +562,7 @@ fn peer_killed_with_sigkill_releases_protected_pages() {
     let flags = SendFlags {
         nonblocking: false,
         protectable: true,
+        unprotectable: None,
     };
     // Fill the peer's window of advertisements (the reader sleeps).
     for _ in 0..4 {

@@ -517,6 +517,7 @@ fn main() {
             let flags = SendFlags {
                 nonblocking: false,
                 protectable: true,
+                unprotectable: None,
             };
             produce(&args, &mut bufs, |chunk| {
                 let sent = match d.send(chunk, flags) {

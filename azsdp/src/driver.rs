@@ -14,7 +14,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use crate::conn::UserMemory;
+use crate::conn::{Unprotectable, UserMemory};
 use crate::time::Timestamp;
 
 pub use azsdp_proto::driver::{Host, Protectable, capabilities};
@@ -36,12 +36,16 @@ pub type Driver<F, P> = azsdp_proto::driver::Driver<F, P, ProcessHost>;
 #[derive(Debug)]
 pub struct ProcessHost {
     epoch: Instant,
+    /// Turn private file mappings a send comes from into anonymous memory
+    /// ([`crate::anonymize`]).
+    pub convert_private_files: bool,
 }
 
 impl Default for ProcessHost {
     fn default() -> Self {
         ProcessHost {
             epoch: Instant::now(),
+            convert_private_files: true,
         }
     }
 }
@@ -68,10 +72,20 @@ impl Host for ProcessHost {
     /// Only private anonymous memory, or shared memory whose aliases a
     /// protector can follow (see [`crate::memory_map`]).
     fn protectable(&mut self, pages: &Range<u64>) -> Protectable {
-        match crate::memory_map::check(pages) {
-            Ok(crate::memory_map::Protectable::Private) => Protectable::Private,
-            Ok(crate::memory_map::Protectable::Aliased) => Protectable::Aliased,
-            Err(_) => Protectable::No,
+        use crate::memory_map::{self as map, NotProtectable as Not};
+        match map::check(pages) {
+            Ok(map::Protectable::Private) => Protectable::Private,
+            Ok(map::Protectable::Aliased) => Protectable::Aliased,
+            Err(Not::File) if self.convert_private_files && crate::anonymize::anonymize(pages) => {
+                Protectable::Private
+            }
+            Err(why) => Protectable::No(match why {
+                Not::File => Unprotectable::File,
+                Not::Shared => Unprotectable::Shared,
+                Not::MainStack => Unprotectable::MainStack,
+                Not::ReadOnly => Unprotectable::ReadOnly,
+                Not::Unmapped | Not::Special => Unprotectable::Other,
+            }),
         }
     }
 

@@ -22,6 +22,7 @@
 
 pub use azsdp_proto::{conn, id_map, sim, time, wire};
 
+pub mod anonymize;
 pub mod config;
 pub mod driver;
 pub mod fabric;

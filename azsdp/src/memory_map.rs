@@ -49,6 +49,7 @@ pub struct Vma {
     pub range: Range<u64>,
     pub readable: bool,
     pub writable: bool,
+    pub executable: bool,
     pub shared: bool,
     /// Offset of `range.start` in the mapped object.
     pub offset: u64,
@@ -78,6 +79,7 @@ impl Vma {
             range,
             readable: perms[0] == b'r',
             writable: perms[1] == b'w',
+            executable: perms[2] == b'x',
             shared,
             offset,
             dev,
@@ -139,6 +141,7 @@ pub(crate) struct ProcmapQuery {
 pub(crate) const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
 const VMA_READABLE: u64 = 0x01;
 pub(crate) const VMA_WRITABLE: u64 = 0x02;
+const VMA_EXECUTABLE: u64 = 0x04;
 const VMA_SHARED: u64 = 0x08;
 
 /// `/proc/self/maps`, opened by this process (a child reopens it: the
@@ -208,6 +211,7 @@ fn vma_of(q: &ProcmapQuery, path: &str) -> Vma {
         range: q.vma_start..q.vma_end,
         readable: q.vma_flags & VMA_READABLE != 0,
         writable: q.vma_flags & VMA_WRITABLE != 0,
+        executable: q.vma_flags & VMA_EXECUTABLE != 0,
         shared,
         offset: q.vma_offset,
         dev: format!("{:02x}:{:02x}", q.dev_major, q.dev_minor),
@@ -440,6 +444,7 @@ fn lean_query(addr: u64) -> Result<Option<Vma>, ()> {
         range: q.vma_start..q.vma_end,
         readable: q.vma_flags & VMA_READABLE != 0,
         writable: q.vma_flags & VMA_WRITABLE != 0,
+        executable: q.vma_flags & VMA_EXECUTABLE != 0,
         shared: false,
         offset: 0,
         dev: String::new(),

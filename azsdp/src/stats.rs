@@ -24,13 +24,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{Mmap, MmapMut};
 
-use crate::conn::{Counters, FallbackReason, Role};
+use crate::conn::{COPY_REASONS, CopyReason, Counters, FallbackReason, Role, Unprotectable};
 
-const MAGIC: u64 = 0x617a_7364_7073_7431; // "azsdpst1"
+const MAGIC: u64 = 0x617a_7364_7073_7432; // "azsdpst2"
 /// Connections one process file can show (more are counted, not shown).
 /// The file is sparse: only pages of slots in use take memory.
 pub const SLOTS: usize = 4096;
-const WORDS: usize = 32;
+const WORDS: usize = 48;
 const HEADER_WORDS: usize = 32;
 
 /// Word indices within a slot.
@@ -63,6 +63,10 @@ mod w {
     pub const FALLBACKS: usize = 27;
     pub const ARMED_RECVS: usize = 28;
     pub const OPENED_MS: usize = 29;
+    /// Bytes sent by copy, one word per [`super::CopyReason`].
+    pub const COPIED: usize = 30; // to 37
+    /// The kind of memory last copied for want of protection.
+    pub const COPIED_MEMORY: usize = 38;
 }
 
 /// Header word indices.
@@ -521,6 +525,13 @@ impl StatFile {
         set(w::COW_LOST, c.cow_lost);
         set(w::FALLBACKS, c.fallbacks);
         set(w::ARMED_RECVS, c.armed_recvs);
+        for (i, n) in c.copied.iter().enumerate() {
+            set(w::COPIED + i, *n);
+        }
+        let kind = c
+            .copied_memory
+            .and_then(|k| Unprotectable::ALL.iter().position(|x| *x == k));
+        set(w::COPIED_MEMORY, kind.map_or(0, |i| i as u64 + 1));
     }
 
     /// The connection is gone: free its slot.
@@ -567,7 +578,32 @@ pub struct ConnStat {
     pub cow_lost: u64,
     pub fallbacks: u64,
     pub armed_recvs: u64,
+    /// Bytes sent by copy, by [`CopyReason`] (index).
+    pub copied: [u64; COPY_REASONS],
+    /// What memory was copied for want of protection ([`CopyReason::Memory`]).
+    pub copied_memory: Option<Unprotectable>,
     pub opened_ms: u64,
+}
+
+impl ConnStat {
+    /// Bytes sent by copy for `why`.
+    pub fn copied(&self, why: CopyReason) -> u64 {
+        self.copied[why.index()]
+    }
+
+    /// Why most of the copied bytes were copied (`memory` with its kind),
+    /// or `None` if none were.
+    pub fn main_copy_reason(&self) -> Option<String> {
+        let top = CopyReason::ALL
+            .iter()
+            .copied()
+            .filter(|r| self.copied(*r) > 0)
+            .max_by_key(|r| self.copied(*r))?;
+        Some(match (top, self.copied_memory) {
+            (CopyReason::Memory, Some(k)) => format!("memory:{}", k.name()),
+            _ => top.name().to_string(),
+        })
+    }
 }
 
 /// Is `pid` a live process?
@@ -692,6 +728,11 @@ fn read_file(path: &Path, pid: u32, owner: u32) -> Option<Vec<ConnStat>> {
             cow_lost: s(w::COW_LOST),
             fallbacks: s(w::FALLBACKS),
             armed_recvs: s(w::ARMED_RECVS),
+            copied: std::array::from_fn(|i| s(w::COPIED + i)),
+            copied_memory: (s(w::COPIED_MEMORY) as usize)
+                .checked_sub(1)
+                .and_then(|i| Unprotectable::ALL.get(i))
+                .copied(),
             opened_ms: s(w::OPENED_MS),
         });
     }
@@ -714,10 +755,15 @@ mod tests {
         f.set_path(slot, ConnPath::Azsdp, None, 4242);
         f.set_path(other, ConnPath::Tcp, Some(TcpReason::PeerNotAzsdp), 0);
         f.add_tcp(other, 10, 20);
+        let mut copied = [0; COPY_REASONS];
+        copied[CopyReason::Small.index()] = 100;
+        copied[CopyReason::Memory.index()] = 5000;
         let c = Counters {
             bytes_sent_async: 1 << 30,
             gets: 7,
             fallback_reason: Some(FallbackReason::FaultRate),
+            copied,
+            copied_memory: Some(Unprotectable::File),
             ..Counters::default()
         };
         f.publish(slot, &c, 3, ConnPath::Zsdp);
@@ -736,6 +782,9 @@ mod tests {
             (1 << 30, 7, 3)
         );
         assert_eq!(r.zcopy_fallback, Some("fault-rate"));
+        assert_eq!(r.copied, copied);
+        assert_eq!(r.copied_memory, Some(Unprotectable::File));
+        assert_eq!(r.main_copy_reason().as_deref(), Some("memory:file-mapping"));
         assert!(!dir.join("azsdp-stat.4000000000").exists());
         drop(f);
         assert!(read_all(&dir).is_empty());

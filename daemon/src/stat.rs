@@ -7,7 +7,7 @@ use std::io::IsTerminal as _;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use azsdp::conn::Role;
+use azsdp::conn::{COPY_REASONS, CopyReason, Role};
 use azsdp::stats::{ConnStat, dirs_to_read, read_dirs};
 use serde_json::json;
 
@@ -138,11 +138,26 @@ fn to_json(c: &ConnStat, rates: Option<Rates>) -> serde_json::Value {
         "cow_lost": c.cow_lost,
         "fallbacks": c.fallbacks,
         "armed_recvs": c.armed_recvs,
+        "copied": copied_json(c),
     });
     if let Some(r) = rates {
         v["rates"] = json!({ "sent_bytes_per_s": r.tx, "received_bytes_per_s": r.rx });
     }
     v
+}
+
+/// Bytes sent by copy, by reason, and the kind of memory copied for want
+/// of protection.
+fn copied_json(c: &ConnStat) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for r in CopyReason::ALL {
+        m.insert(r.name().to_string(), json!(c.copied(r)));
+    }
+    m.insert(
+        "memory_kind".into(),
+        json!(c.copied_memory.map(|k| k.name())),
+    );
+    serde_json::Value::Object(m)
 }
 
 /// The connections `o` selects, in a stable order.
@@ -162,6 +177,19 @@ fn matches(c: &ConnStat, o: &Options) -> bool {
             .is_none_or(|p| c.local.port() == p || c.peer.port() == p)
         && o.path.as_deref().is_none_or(|p| c.path.name() == p)
 }
+
+/// The wide table's columns of bytes sent by copy, in [`CopyReason::ALL`]'s
+/// order.
+const COPY_COLUMNS: [&str; COPY_REASONS] = [
+    "CP-SMALL",
+    "CP-EDGES",
+    "CP-MEMORY",
+    "CP-FAULTS",
+    "CP-NONBLOCK",
+    "CP-NO-ZC",
+    "CP-PREPFAIL",
+    "CP-PEERGONE",
+];
 
 /// A table: a header and rows of cells, each column as wide as its widest
 /// cell; numbers right-aligned.
@@ -231,9 +259,12 @@ fn render(rows: &[ConnStat], o: &Options, rates: &HashMap<Key, Rates>) -> String
             "FALLBACKS",
             "ARMED",
         ]);
+        header.extend(COPY_COLUMNS);
+        header.push("CP-KIND");
     } else {
         header.extend([
-            "TX-AZSDP", "TX-ZSDP", "TX-BSDP", "TX-TCP", "RX", "AVAIL", "GETS", "FAULTS", "COWS",
+            "TX-AZSDP", "TX-ZSDP", "TX-BSDP", "COPY-WHY", "TX-TCP", "RX", "AVAIL", "GETS",
+            "FAULTS", "COWS",
         ]);
     }
     if watching {
@@ -259,8 +290,11 @@ fn render(rows: &[ConnStat], o: &Options, rates: &HashMap<Key, Rates>) -> String
                 human(c.sent_async),
                 human(c.sent_sync),
                 human(c.sent_bsdp),
-                human(c.sent_tcp),
             ];
+            if !o.wide {
+                r.push(c.main_copy_reason().unwrap_or_else(|| "-".into()));
+            }
+            r.push(human(c.sent_tcp));
             if o.wide {
                 r.extend([
                     human(c.recv_zcopy),
@@ -277,6 +311,8 @@ fn render(rows: &[ConnStat], o: &Options, rates: &HashMap<Key, Rates>) -> String
                     c.fallbacks.to_string(),
                     c.armed_recvs.to_string(),
                 ]);
+                r.extend(CopyReason::ALL.iter().map(|why| human(c.copied(*why))));
+                r.push(c.copied_memory.map_or("-", |k| k.name()).to_string());
             } else {
                 r.extend([
                     human(received(c)),
@@ -398,6 +434,13 @@ mod tests {
             cow_lost: 0,
             fallbacks: 0,
             armed_recvs: 0,
+            copied: {
+                let mut c = [0; COPY_REASONS];
+                c[CopyReason::Small.index()] = 1000;
+                c[CopyReason::Memory.index()] = (1 << 20) - 1000;
+                c
+            },
+            copied_memory: Some(azsdp::conn::Unprotectable::File),
             opened_ms: 0,
         }
     }
@@ -438,6 +481,7 @@ mod tests {
         assert_eq!(col(lines[2], "PEERPID"), "-");
         assert_eq!(col(lines[2], "WHY"), "peer-not-azsdp");
         assert_eq!(col(lines[1], "RX"), "3.0GiB");
+        assert_eq!(col(lines[1], "COPY-WHY"), "memory:file-mapping");
         assert!(narrow.contains("a-program-with") && !narrow.contains("long-name"));
         let wide = render(
             &rows,
@@ -447,7 +491,15 @@ mod tests {
             },
             &HashMap::new(),
         );
-        for h in ["R-FAULTS", "COW-LOST", "FALLBACKS", "ARMED", "GET-BYTES"] {
+        for h in [
+            "R-FAULTS",
+            "COW-LOST",
+            "FALLBACKS",
+            "ARMED",
+            "GET-BYTES",
+            "CP-MEMORY",
+            "CP-KIND",
+        ] {
             assert!(wide.lines().next().unwrap().contains(h), "{h}: {wide}");
         }
         assert!(wide.contains("a-program-with-a-long-name"));

@@ -10,7 +10,7 @@ use std::time::Duration;
 use azsdp::config::Settings;
 use azsdp::conn::{Capabilities, LockRegion, Role, TxMode};
 use azsdp::driver::threaded::ThreadedDriver;
-use azsdp::driver::{Driver, Protector, capabilities};
+use azsdp::driver::{Driver, ProcessHost, Protector, capabilities};
 use azsdp::fabric::shm::{ShmParams, ShmTransport};
 use azsdp::protect;
 use azsdp::stats::{ConnPath, StatFile, TcpReason};
@@ -79,7 +79,9 @@ impl Conn {
         caps.zcopy_source &= Endpoint::same_user(&ep);
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let waiter = Endpoint::waiter(&ep);
-        let d = Driver::new(cfg, ep, p.protector);
+        let mut host = ProcessHost::default();
+        host.convert_private_files = settings.convert_private_files;
+        let d = Driver::with_host(cfg, ep, p.protector, host);
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);
         let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
@@ -214,8 +216,12 @@ impl Conn {
             // A timeout is a stall somewhere: say where, whatever the level.
             warning!("{} -> {}: timed out waiting: {w}", self.local, self.peer);
         }
+        let copied = match c.copy_summary() {
+            s if s.is_empty() => String::new(),
+            s => format!(" (copied: {s})"),
+        };
         info!(
-            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes, received zero-copy {} bsdp {} bytes; \
+            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes{copied}, received zero-copy {} bsdp {} bytes; \
              gets {}, faults {}, copy-on-writes {}, fallbacks {}",
             self.local,
             self.peer,

@@ -21,7 +21,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
-/// offset + 32 (32-63); 72-82 the trust, input and scale tests; 84-87 the
+/// offset + 32 (32-63); 64 iperf3's zero-copy; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
 /// 100-115.
@@ -150,6 +150,50 @@ fn iperf3_runs_over_azsdp_and_stat_shows_it() {
     let report: serde_json::Value = serde_json::from_str(&out).expect("iperf3 -J output");
     let received = report["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
     assert!(received > (256 << 20), "iperf3 moved only {received} bytes");
+}
+
+/// iperf3 sends from a `MAP_PRIVATE` mapping of a temporary file, on a
+/// non-blocking socket: its pages are made anonymous on the first send
+/// (`convert_private_files`), so its 1 MiB sends go zero-copy, not by copy.
+#[test]
+fn iperf3_sends_from_its_file_mapping_zero_copy() {
+    if !have(&["iperf3"]) {
+        return;
+    }
+    let s = Scratch::new("iperf3-zcopy");
+    let p = port(64);
+    let ps = p.to_string();
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "iperf3", &["-s", "-1", "-p", &ps]),
+        "iperf3 server",
+    );
+    wait_listening(p, LISTEN);
+    let cli = s.under_azsdp(
+        "client",
+        "iperf3",
+        &["-c", "127.0.0.1", "-p", &ps, "-t", "3", "-l", "1M"],
+    );
+    let mut cli = Proc::start(cli, "iperf3 client");
+    let zcopy = |c: &serde_json::Value| {
+        num(c, &["bytes", "sent", "azsdp"]) + num(c, &["bytes", "sent", "zsdp"])
+    };
+    let seen = s.stat_until(Duration::from_secs(10), |c| {
+        text(c, "program") == "iperf3" && text(c, "role") == "client" && zcopy(c) > (256 << 20)
+    });
+    let all = s.stat();
+    cli.expect_success(Duration::from_secs(20), || s.log("client"));
+    srv.expect_success(Duration::from_secs(10), || s.log("server"));
+    let seen = seen.unwrap_or_else(|| panic!("iperf3 never sent zero-copy: {all:?}"));
+    let copied = num(&seen, &["bytes", "sent", "bsdp"]);
+    assert!(
+        copied * 100 < zcopy(&seen),
+        "under 1% by copy: {copied} copied, {} zero-copy: {seen}",
+        zcopy(&seen)
+    );
+    assert_eq!(num(&seen, &["copied", "memory"]), 0, "{seen}");
+    let log = s.log("client");
+    let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line in:\n{log}"));
+    assert!(count_after(line, "sent azsdp") > (256 << 20), "{line}");
 }
 
 /// redis-server under azsdp on `port`, listening.

@@ -64,7 +64,7 @@ fuzz_target!(|data: &[u8]| {
         wire::emit(&f, &mut buf).unwrap();
         c.handle_message(t, &buf, &mut mem);
         seq += 1;
-        let flags = SendFlags { nonblocking: false, protectable: true };
+        let flags = SendFlags { nonblocking: false, protectable: true, unprotectable: None };
         c.send(t, CallId(1), UserBuf { addr: 0x10000, len: 300_000 }, flags, &mut mem);
         c.recv(t, CallId(2), UserBuf { addr: 0x80000, len: 100_000 }, RecvFlags::default(), &mut mem);
         drive(&mut c, &mut mem);

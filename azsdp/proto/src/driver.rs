@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use crate::conn::{
     Access, Action, CallError, CallId, Capabilities, Completion, Connection, EngineConfig, OpError,
-    OpId, RecvFlags, RemoteBuf, SendFlags, State, Ticket, UserBuf, UserMemory,
+    OpId, RecvFlags, RemoteBuf, SendFlags, State, Ticket, Unprotectable, UserBuf, UserMemory,
 };
 use crate::fabric::{Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
 use crate::id_map::IdMap;
@@ -43,9 +43,8 @@ pub enum Protectable {
     /// Memory that other mappings alias: only with a protector that
     /// protects the aliases too.
     Aliased,
-    /// Memory that cannot be protected (shared with others, a file, a
-    /// stack, or not mapped).
-    No,
+    /// Memory that cannot be protected, and why.
+    No(Unprotectable),
 }
 
 /// What the driver needs of the machine it runs on: the application's
@@ -522,7 +521,10 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     /// [`Driver::take_result`]. The bytes must stay valid and unchanged by
     /// the caller until the result is in.
     pub fn submit_send(&mut self, addr: u64, len: u64, mut flags: SendFlags) -> CallId {
-        flags.protectable &= self.protector.can_protect() && self.may_protect(addr, len);
+        if flags.protectable {
+            flags.unprotectable = self.unprotectable(addr, len);
+            flags.protectable = flags.unprotectable.is_none();
+        }
         let call = self.call_id();
         let now = self.now();
         self.conn
@@ -534,7 +536,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     /// Start a `recv()` into `len` bytes at `addr` (which must stay valid
     /// and untouched by the caller until the result is in).
     pub fn submit_recv(&mut self, addr: u64, len: u64, mut flags: RecvFlags) -> CallId {
-        flags.armable &= self.protector.can_arm() && self.may_protect(addr, len);
+        flags.armable &= self.protector.can_arm() && self.unprotectable(addr, len).is_none();
         let call = self.call_id();
         let now = self.now();
         self.conn
@@ -543,21 +545,27 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         call
     }
 
-    /// May the whole pages of `[addr, addr+len)` be protected or armed?
-    /// Buffers too small to hold a whole page need no answer.
-    fn may_protect(&mut self, addr: u64, len: u64) -> bool {
+    /// Why the whole pages of `[addr, addr+len)` may not be protected or
+    /// armed (`None`: they may). Buffers copied whatever the answer, or
+    /// too small to hold a whole page, need no answer.
+    fn unprotectable(&mut self, addr: u64, len: u64) -> Option<Unprotectable> {
+        if !self.protector.can_protect() {
+            return Some(Unprotectable::NoProtector);
+        }
         let cfg = self.conn.config();
         if len < cfg.zcopy_threshold {
-            // Copied (BSDP) whatever the answer: don't ask.
-            return true;
+            return None;
         }
         let pages = crate::pages::whole_pages(addr, len, u64::from(cfg.page_size));
-        pages.is_empty()
-            || match self.host.protectable(&pages) {
-                Protectable::Private => true,
-                Protectable::Aliased => self.protector.can_protect_aliases(),
-                Protectable::No => false,
-            }
+        if pages.is_empty() {
+            return None;
+        }
+        match self.host.protectable(&pages) {
+            Protectable::Private => None,
+            Protectable::Aliased if self.protector.can_protect_aliases() => None,
+            Protectable::Aliased => Some(Unprotectable::Shared),
+            Protectable::No(why) => Some(why),
+        }
     }
 
     /// A forked child adopts this copy of the connection: the calls in it

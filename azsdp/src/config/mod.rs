@@ -93,6 +93,7 @@ pub struct Tunables {
     pub recv_protect: Option<RecvProtect>,
     pub recv_protect_min: Option<u64>,
     pub protection: Option<ProtectionMode>,
+    pub convert_private_files: Option<bool>,
     pub max_outstanding: Option<u16>,
     pub max_avail: Option<u32>,
     pub fallback_faults: Option<u32>,
@@ -120,6 +121,9 @@ pub struct Settings {
     pub recv_protect_min: u64,
     /// Which mechanism guards in-flight pages (a driver setting).
     pub protection: ProtectionMode,
+    /// Turn the sent pages of private file mappings into anonymous memory,
+    /// so they can be protected (a driver setting).
+    pub convert_private_files: bool,
     pub max_outstanding: u16,
     pub max_avail: u32,
     pub fallback_faults: u32,
@@ -150,6 +154,7 @@ impl Default for Settings {
             recv_protect: e.recv_protect,
             recv_protect_min: e.recv_protect_min,
             protection: ProtectionMode::Auto,
+            convert_private_files: true,
             max_outstanding: e.max_outstanding,
             max_avail: e.max_avail_len,
             fallback_faults: e.fallback_faults,
@@ -183,6 +188,7 @@ impl Settings {
             recv_protect,
             recv_protect_min,
             protection,
+            convert_private_files,
             max_outstanding,
             max_avail,
             fallback_faults,
@@ -242,6 +248,10 @@ impl Settings {
                     ProtectionMode::Mprotect => "mprotect",
                     ProtectionMode::Off => "off",
                 }),
+            ),
+            (
+                "convert_private_files",
+                self.convert_private_files.to_string(),
             ),
             ("max_outstanding", self.max_outstanding.to_string()),
             ("max_avail", size(u64::from(self.max_avail))),
@@ -377,6 +387,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "recv_protect",
     "recv_protect_min",
     "protection",
+    "convert_private_files",
     "max_outstanding",
     "max_avail",
     "fallback_faults",
@@ -535,6 +546,7 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
         }
         "zcopy_threshold" => t.zcopy_threshold = Some(size_in(raw, 0, u64::MAX)?),
         "async" => t.async_ = Some(boolean(raw)?),
+        "convert_private_files" => t.convert_private_files = Some(boolean(raw)?),
         "write_fault" => {
             t.write_fault = Some(choice(
                 raw,

@@ -58,6 +58,7 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
         let flags = SendFlags {
             nonblocking,
             protectable: true,
+            unprotectable: None,
         };
         let r = if nonblocking {
             c.driver.send(buf, flags)

@@ -41,6 +41,48 @@ pub struct SendFlags {
     /// The driver may write-protect the buffer's whole pages (anonymous, private,
     /// not a main-thread stack). If false, zero-copy sends of it are synchronous.
     pub protectable: bool,
+    /// Why not, when the driver found out (for the counters).
+    pub unprotectable: Option<Unprotectable>,
+}
+
+/// Why a buffer's whole pages cannot be write-protected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unprotectable {
+    /// This process has no page protection (no full userfaultfd).
+    NoProtector,
+    /// A mapping of a file (shared, or private and not converted).
+    File,
+    /// Memory another process may map.
+    Shared,
+    /// The main thread's stack.
+    MainStack,
+    /// Read-only memory.
+    ReadOnly,
+    /// Anything else (vdso, not mapped).
+    Other,
+}
+
+impl Unprotectable {
+    pub const ALL: [Unprotectable; 6] = [
+        Unprotectable::NoProtector,
+        Unprotectable::File,
+        Unprotectable::Shared,
+        Unprotectable::MainStack,
+        Unprotectable::ReadOnly,
+        Unprotectable::Other,
+    ];
+
+    /// The name `azsdp stat` and the log give it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Unprotectable::NoProtector => "no-protection",
+            Unprotectable::File => "file-mapping",
+            Unprotectable::Shared => "shared-memory",
+            Unprotectable::MainStack => "main-stack",
+            Unprotectable::ReadOnly => "read-only",
+            Unprotectable::Other => "other-memory",
+        }
+    }
 }
 
 /// How a `recv()` may proceed.

@@ -1,5 +1,7 @@
 //! Per-connection counters: what moved over which path, and why.
 
+use super::api::Unprotectable;
+
 /// Why zero-copy sends are (or were) not asynchronous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FallbackReason {
@@ -14,6 +16,65 @@ pub enum FallbackReason {
     NoZeroCopy,
     /// Protecting or registering a buffer failed; that send used BSDP.
     PrepareFailed,
+}
+
+/// Why bytes of a send went by copy (BSDP) rather than by zero-copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyReason {
+    /// Below the zero-copy threshold.
+    Small,
+    /// The unaligned head and tail of a zero-copy send (or a buffer that
+    /// holds no whole page).
+    Edges,
+    /// A non-blocking send from memory that cannot be protected (which
+    /// kind: [`Counters::copied_memory`]); a blocking one goes by ZSDP.
+    Memory,
+    /// A non-blocking send while write faults had sends synchronous.
+    FaultRate,
+    /// A non-blocking send while sends are synchronous for another reason
+    /// (see [`Counters::fallback_reason`]).
+    Nonblocking,
+    /// The connection has no zero-copy path (see [`Counters::fallback_reason`]).
+    NoZeroCopy,
+    /// Protecting or registering the buffer failed.
+    PrepareFailed,
+    /// Sent after the peer left (nobody reads it).
+    PeerGone,
+}
+
+/// How many [`CopyReason`]s there are.
+pub const COPY_REASONS: usize = 8;
+
+impl CopyReason {
+    pub const ALL: [CopyReason; COPY_REASONS] = [
+        CopyReason::Small,
+        CopyReason::Edges,
+        CopyReason::Memory,
+        CopyReason::FaultRate,
+        CopyReason::Nonblocking,
+        CopyReason::NoZeroCopy,
+        CopyReason::PrepareFailed,
+        CopyReason::PeerGone,
+    ];
+
+    /// Its place in [`Counters::copied`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name `azsdp stat` and the log give it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyReason::Small => "small",
+            CopyReason::Edges => "edges",
+            CopyReason::Memory => "memory",
+            CopyReason::FaultRate => "fault-rate",
+            CopyReason::Nonblocking => "non-blocking",
+            CopyReason::NoZeroCopy => "no-zero-copy",
+            CopyReason::PrepareFailed => "prepare-failed",
+            CopyReason::PeerGone => "peer-gone",
+        }
+    }
 }
 
 /// Monotonic counters. Byte counts are application bytes.
@@ -55,6 +116,12 @@ pub struct Counters {
     pub prepare_failures: u64,
     pub arm_failures: u64,
     pub fallback_reason: Option<FallbackReason>,
+    /// Bytes sent by copy, by [`CopyReason`] (they add up to
+    /// `bytes_sent_bsdp`).
+    pub copied: [u64; COPY_REASONS],
+    /// The kind of the last buffer whose bytes were copied because its
+    /// pages could not be protected ([`CopyReason::Memory`]).
+    pub copied_memory: Option<Unprotectable>,
     // messages
     pub msgs_sent: u64,
     pub msgs_received: u64,
@@ -62,6 +129,35 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Bytes sent by copy for `why`.
+    pub fn copied(&self, why: CopyReason) -> u64 {
+        self.copied[why.index()]
+    }
+
+    /// `n` bytes went by copy for `why`.
+    pub(super) fn add_copied(&mut self, why: CopyReason, n: u64) {
+        self.bytes_sent_bsdp += n;
+        self.copied[why.index()] += n;
+    }
+
+    /// Why bytes went by copy, largest share first, as
+    /// `small 1200, memory (file-mapping) 4096` (empty if none did).
+    pub fn copy_summary(&self) -> String {
+        let mut v: Vec<(CopyReason, u64)> = CopyReason::ALL
+            .iter()
+            .map(|r| (*r, self.copied(*r)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        v.sort_by_key(|x| std::cmp::Reverse(x.1));
+        v.iter()
+            .map(|(r, n)| match (r, self.copied_memory) {
+                (CopyReason::Memory, Some(k)) => format!("{} ({}) {n}", r.name(), k.name()),
+                _ => format!("{} {n}", r.name()),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// All application bytes the send side accepted.
     pub fn bytes_sent(&self) -> u64 {
         self.bytes_sent_bsdp + self.bytes_sent_async + self.bytes_sent_sync

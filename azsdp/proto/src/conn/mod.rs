@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 pub use api::*;
-pub use counters::{Counters, FallbackReason};
+pub use counters::{COPY_REASONS, CopyReason, Counters, FallbackReason};
 pub use settings::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect};
 pub use timers::Timer;
 

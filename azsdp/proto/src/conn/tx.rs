@@ -7,8 +7,8 @@ use std::ops::Range;
 use super::fallback::Verdict;
 use super::lockword;
 use super::{
-    Action, CallError, CallId, Connection, FallbackReason, OpError, OpKind, OutMsg, ProtocolError,
-    RemoteBuf, SendFlags, State, TxMode, TxShutdown, UserBuf, UserMemory,
+    Action, CallError, CallId, Connection, CopyReason, FallbackReason, OpError, OpKind, OutMsg,
+    ProtocolError, RemoteBuf, SendFlags, State, TxMode, TxShutdown, UserBuf, UserMemory,
 };
 use crate::pages;
 use crate::time::Timestamp;
@@ -18,7 +18,7 @@ use crate::wire::{self, MsgType};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Seg {
     /// Copy `len` bytes at buffer offset `off` into the send buffer.
-    Bsdp { off: u64, len: u64 },
+    Bsdp { off: u64, len: u64, why: CopyReason },
     /// Advertise `len` bytes at `off`; `sync` sends wait for GET_COMPLETE.
     Zcopy { off: u64, len: u64, sync: bool },
 }
@@ -148,7 +148,7 @@ impl Connection {
             // As TCP to a peer that closed: this send goes (and draws a
             // reset, since nobody reads it), the next one fails.
             self.counters.bytes_unread_by_peer += buf.len;
-            self.counters.bytes_sent_bsdp += buf.len;
+            self.counters.add_copied(CopyReason::PeerGone, buf.len);
             self.push(Action::CallDone {
                 call,
                 result: Ok(buf.len),
@@ -249,28 +249,35 @@ impl Connection {
         }
     }
 
-    /// The plan for a send: which bytes go by copy, which by zero-copy.
-    fn plan(&self, buf: UserBuf, flags: SendFlags) -> VecDeque<Seg> {
+    /// The plan for a send: which bytes go by copy (and why), which by
+    /// zero-copy.
+    fn plan(&mut self, buf: UserBuf, flags: SendFlags) -> VecDeque<Seg> {
         let mut plan = VecDeque::new();
-        let all_bsdp = Seg::Bsdp {
+        let all_bsdp = |why| Seg::Bsdp {
             off: 0,
             len: buf.len,
+            why,
         };
-        if buf.len < self.cfg.zcopy_threshold || self.mode == TxMode::Buffered {
-            plan.push_back(all_bsdp);
+        if buf.len < self.cfg.zcopy_threshold {
+            plan.push_back(all_bsdp(CopyReason::Small));
+            return plan;
+        }
+        if self.mode == TxMode::Buffered {
+            plan.push_back(all_bsdp(CopyReason::NoZeroCopy));
             return plan;
         }
         let can_async = self.mode == TxMode::Async && flags.protectable;
         if can_async {
             let s = pages::split(buf.addr, buf.len, self.page());
             if s.middle == 0 {
-                plan.push_back(all_bsdp);
+                plan.push_back(all_bsdp(CopyReason::Edges));
                 return plan;
             }
             if s.head > 0 {
                 plan.push_back(Seg::Bsdp {
                     off: 0,
                     len: s.head,
+                    why: CopyReason::Edges,
                 });
             }
             plan.push_back(Seg::Zcopy {
@@ -282,11 +289,24 @@ impl Connection {
                 plan.push_back(Seg::Bsdp {
                     off: s.head + s.middle,
                     len: s.tail,
+                    why: CopyReason::Edges,
                 });
             }
         } else if flags.nonblocking {
             // A non-blocking send cannot wait for GET_COMPLETE.
-            plan.push_back(all_bsdp);
+            let why = if self.mode == TxMode::Sync {
+                if self.monitor.is_fallen_back() {
+                    CopyReason::FaultRate
+                } else {
+                    CopyReason::Nonblocking
+                }
+            } else if let Some(kind) = flags.unprotectable {
+                self.counters.copied_memory = Some(kind);
+                CopyReason::Memory
+            } else {
+                CopyReason::Nonblocking
+            };
+            plan.push_back(all_bsdp(why));
         } else {
             // Synchronous zero-copy needs no protection, so no head/tail split.
             plan.push_back(Seg::Zcopy {
@@ -382,7 +402,7 @@ impl Connection {
             };
             let base = call.buf.addr;
             match seg {
-                Seg::Bsdp { off, len } => {
+                Seg::Bsdp { off, len, why } => {
                     let space = self.cfg.sndbuf.saturating_sub(self.tx_unposted);
                     if space == 0 {
                         return true;
@@ -392,9 +412,10 @@ impl Connection {
                     self.advance_head_seg(Seg::Bsdp {
                         off: off + n,
                         len: len - n,
+                        why,
                     });
                     self.send_calls[0].accepted += n;
-                    self.counters.bytes_sent_bsdp += n;
+                    self.counters.add_copied(why, n);
                     self.tx_unposted += n;
                     self.tx_stream_off += n;
                     match self.txq.back_mut() {
@@ -565,7 +586,11 @@ impl Connection {
                     let call = &mut self.send_calls[i];
                     let off = addr - call.buf.addr;
                     if let Some(plan) = call.plan.as_mut() {
-                        plan.push_front(Seg::Bsdp { off, len });
+                        plan.push_front(Seg::Bsdp {
+                            off,
+                            len,
+                            why: CopyReason::PrepareFailed,
+                        });
                     }
                 }
             }

@@ -13,7 +13,7 @@ use std::rc::Rc;
 
 use super::memory::{Prot, SharedMems};
 use super::rng::Rng;
-use crate::conn::{DisarmOutcome, OpError, UserMemory};
+use crate::conn::{DisarmOutcome, OpError, Unprotectable, UserMemory};
 use crate::driver::{Host, Protectable};
 use crate::protect::Protector;
 use crate::time::Timestamp;
@@ -61,17 +61,27 @@ impl Trace {
     }
 }
 
+/// Ranges a host says cannot be protected, and why.
+pub type Unprotectables = Rc<RefCell<Vec<(Range<u64>, Unprotectable)>>>;
+
 /// One side's host: its memory and the clock.
 #[derive(Debug)]
 pub struct SimHost {
     side: usize,
     mems: SharedMems,
     clock: SimClock,
+    /// Memory this host calls unprotectable (all else is private).
+    pub unprotectable: Unprotectables,
 }
 
 impl SimHost {
     pub fn new(side: usize, mems: SharedMems, clock: SimClock) -> SimHost {
-        SimHost { side, mems, clock }
+        SimHost {
+            side,
+            mems,
+            clock,
+            unprotectable: Rc::default(),
+        }
     }
 }
 
@@ -88,8 +98,17 @@ impl Host for SimHost {
     fn now(&self) -> Timestamp {
         self.clock.now()
     }
-    fn protectable(&mut self, _pages: &Range<u64>) -> Protectable {
-        Protectable::Private
+    fn protectable(&mut self, pages: &Range<u64>) -> Protectable {
+        let overlaps = |r: &Range<u64>| r.start < pages.end && pages.start < r.end;
+        match self
+            .unprotectable
+            .borrow()
+            .iter()
+            .find(|(r, _)| overlaps(r))
+        {
+            Some((_, why)) => Protectable::No(*why),
+            None => Protectable::Private,
+        }
     }
 }
 

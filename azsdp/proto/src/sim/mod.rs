@@ -99,11 +99,16 @@ fn add(total: &mut Counters, c: &Counters) {
         prepare_failures,
         arm_failures,
         fallback_reason: _,
+        copied,
+        copied_memory: _,
         msgs_sent,
         msgs_received,
         credits_returned,
     } = c;
     total.bytes_sent_bsdp += bytes_sent_bsdp;
+    for (t, n) in total.copied.iter_mut().zip(copied) {
+        *t += n;
+    }
     total.bytes_sent_async += bytes_sent_async;
     total.bytes_sent_sync += bytes_sent_sync;
     total.sends += sends;

@@ -16,6 +16,7 @@ use super::rng::Rng;
 use super::scenario::{Injection, Scenario};
 use crate::conn::{
     Access, CallError, CallId, Counters, RecvFlags, SendFlags, Shutdown, State, Ticket,
+    Unprotectable,
 };
 use crate::driver::Driver;
 use crate::fabric::sim::{SimEndpoint, SimFabric};
@@ -690,6 +691,8 @@ impl World {
                 let flags = SendFlags {
                     nonblocking,
                     protectable,
+                    // What the host would say of such a buffer.
+                    unprotectable: (!protectable).then_some(Unprotectable::Shared),
                 };
                 let call = self.drivers[side].submit_send(addr, len - sent, flags);
                 self.note(|| format!("side {side}: {call:?} send {addr:#x}+{} nonblocking {nonblocking} protectable {protectable}", len - sent));
@@ -1042,6 +1045,13 @@ impl World {
                 self.violations.push(format!(
                     "side {s}: counters say {} GETs, the fabric saw {posted}",
                     c.gets
+                ));
+            }
+            let copied: u64 = c.copied.iter().sum();
+            if copied != c.bytes_sent_bsdp {
+                self.violations.push(format!(
+                    "side {s}: copied bytes by reason add up to {copied}, not the {} sent by copy",
+                    c.bytes_sent_bsdp
                 ));
             }
             let faults = c.send_faults + c.recv_faults + c.spurious_faults;

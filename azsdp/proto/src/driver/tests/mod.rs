@@ -18,7 +18,7 @@ use std::time::Duration;
 use super::*;
 use crate::conn::{AbortReason, Counters, FaultPolicy, LockRegion, Role, Shutdown};
 use crate::fabric::sim::{SimEndpoint, SimFabric, SimFabricParams};
-use crate::sim::host::{ProtectLog, SimClock, SimHost, SimProtector, Trace};
+use crate::sim::host::{ProtectLog, SimClock, SimHost, SimProtector, Trace, Unprotectables};
 use crate::sim::memory::{Prot, SharedMems, SimMemory};
 use crate::sim::rng::Rng;
 use crate::sim::scenario::Injection;
@@ -33,6 +33,7 @@ type SimDriver = Driver<SimEndpoint, SimProtector, SimHost>;
 const PROTECTABLE: SendFlags = SendFlags {
     nonblocking: false,
     protectable: true,
+    unprotectable: None,
 };
 
 fn cfg(role: Role) -> EngineConfig {
@@ -53,6 +54,8 @@ struct Pair {
     mems: SharedMems,
     d: [SimDriver; 2],
     logs: [Rc<RefCell<ProtectLog>>; 2],
+    /// What each side's host calls unprotectable.
+    unprotectable: [Unprotectables; 2],
 }
 
 /// Messages take 1 µs, operations 2 µs (plus 4 µs per 16 KiB a GET
@@ -82,20 +85,24 @@ impl Pair {
         let fabric = SimFabric::new(1, params, Rc::clone(&mems), trace, Injection::None).shared();
         let mut rng = Rng::new(7);
         let mut logs = Vec::new();
+        let mut hosts = Vec::new();
         let mut mk = |s: usize, c: EngineConfig| {
             let p = SimProtector::new(s, Rc::clone(&mems), rng.fork(), 0.0);
             logs.push(Rc::clone(&p.log));
             let host = SimHost::new(s, Rc::clone(&mems), clock.clone());
+            hosts.push(Rc::clone(&host.unprotectable));
             Driver::with_host(c, SimEndpoint::new(Rc::clone(&fabric), s), p, host)
         };
         let d = [mk(0, c0), mk(1, c1)];
         let logs = [Rc::clone(&logs[0]), Rc::clone(&logs[1])];
+        let unprotectable = [Rc::clone(&hosts[0]), Rc::clone(&hosts[1])];
         let mut p = Pair {
             clock,
             fabric,
             mems,
             d,
             logs,
+            unprotectable,
         };
         p.run_for(Duration::from_millis(1));
         assert_eq!(*p.d[0].connection().state(), State::Established);

@@ -442,3 +442,72 @@ fn a_timeout_says_what_the_connection_was_waiting_for() {
     assert!(w.contains("peer silent"), "{w}");
     assert_eq!(p.d[1].connection().stalled(), None);
 }
+
+/// Every byte sent by copy is counted under why: small, the edges of a
+/// zero-copy send, memory that cannot be protected (non-blocking: a
+/// blocking send from it goes by ZSDP instead), the fault rate.
+#[test]
+fn bytes_sent_by_copy_say_why() {
+    use crate::conn::{CopyReason, Unprotectable};
+    let mut c0 = cfg(Role::Client);
+    c0.fallback_faults = 1;
+    c0.fallback_window = 1;
+    c0.fallback_recover = 100;
+    let mut p = Pair::new(c0, cfg(Role::Server));
+    const FILE: u64 = 0x40_0000;
+    p.unprotectable[0]
+        .borrow_mut()
+        .push((FILE..FILE + (1 << 20), Unprotectable::File));
+    let nonblocking = SendFlags {
+        nonblocking: true,
+        ..PROTECTABLE
+    };
+    let mut sent = Vec::new();
+    let send = |p: &mut Pair, sent: &mut Vec<u8>, addr: u64, len: u64, flags: SendFlags| {
+        let data = pattern(len as usize, sent.len() as u8);
+        p.write(0, addr, &data);
+        let s = p.d[0].submit_send(addr, len, flags);
+        assert_eq!(p.poll(0, s), Some(Ok(len)));
+        sent.extend(data);
+    };
+    send(&mut p, &mut sent, BUF, 100, PROTECTABLE);
+    let edged = 3 * PAGE + 100;
+    let middle = pages::whole_pages(BUF + 0x100, edged, PAGE);
+    send(&mut p, &mut sent, BUF + 0x100, edged, PROTECTABLE);
+    send(&mut p, &mut sent, FILE, 4 * PAGE, nonblocking);
+    // Blocking, from the same memory: synchronous zero-copy, not a copy.
+    let again = sent[sent.len() - 4 * PAGE as usize..].to_vec();
+    let z = p.d[0].submit_send(FILE, 4 * PAGE, PROTECTABLE);
+    let mut got = Vec::new();
+    let want = 100 + edged + 8 * PAGE;
+    while (got.len() as u64) < want {
+        let r = p.recv(1, DST, 1 << 20);
+        let n = p.wait(1, r).expect("recv");
+        got.extend(p.read(1, DST, n as usize));
+    }
+    assert_eq!(p.wait(0, z), Ok(4 * PAGE));
+    sent.extend(again);
+    assert_eq!(got, sent);
+    // A fault on an in-flight buffer: the next non-blocking send is copied
+    // (sends are synchronous now).
+    send(&mut p, &mut sent, BUF + 0x10_0000, 4 * PAGE, PROTECTABLE);
+    p.d[0].submit_fault(BUF + 0x10_0000, Access::Write);
+    let r = p.recv_all(1, DST, 4 * PAGE);
+    assert_eq!(p.wait(1, r), Ok(4 * PAGE));
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(p.d[0].connection().tx_mode(), TxMode::Sync);
+    send(&mut p, &mut sent, BUF, 4 * PAGE, nonblocking);
+    let c = p.counters(0);
+    assert_eq!(c.copied(CopyReason::Small), 100);
+    assert_eq!(
+        c.copied(CopyReason::Edges),
+        edged - (middle.end - middle.start)
+    );
+    assert_eq!(c.copied(CopyReason::Memory), 4 * PAGE);
+    assert_eq!(c.copied_memory, Some(Unprotectable::File));
+    assert_eq!(c.copied(CopyReason::FaultRate), 4 * PAGE);
+    assert_eq!(c.bytes_sent_sync, 4 * PAGE);
+    assert_eq!(c.copied.iter().sum::<u64>(), c.bytes_sent_bsdp);
+    let summary = c.copy_summary();
+    assert!(summary.contains("memory (file-mapping) 16384"), "{summary}");
+}
