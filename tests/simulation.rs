@@ -72,6 +72,11 @@ fn seeds_exercise_every_mechanism() {
         ("arm failures", t.arm_failures),
         ("injected failures", summary.injected),
         ("aborted connections", summary.aborted),
+        ("switches to TCP", summary.switched),
+        (
+            "bytes copied because they were small",
+            t.copied(azsdp::conn::CopyReason::Small),
+        ),
     ];
     for (what, n) in checks {
         assert!(n > 0, "no seed exercised {what}");

@@ -28,7 +28,8 @@ use std::time::Duration;
 
 use crate::conn::{
     Access, Action, CallError, CallId, Capabilities, Completion, Connection, EngineConfig, OpError,
-    OpId, RecvFlags, RemoteBuf, SendFlags, State, Ticket, Unprotectable, UserBuf, UserMemory,
+    OpId, RecvFlags, RemoteBuf, Resend, SendFlags, State, Ticket, Unprotectable, UserBuf,
+    UserMemory,
 };
 use crate::fabric::{Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
 use crate::id_map::IdMap;
@@ -126,6 +127,8 @@ pub struct Driver<F: Fabric, P: Protector, H: Host> {
     completed: Vec<(OpId, OpResult)>,
     /// The fabric reported the peer gone: nothing more comes from it.
     peer_left: bool,
+    /// Our stream to write to TCP: the connection is leaving the fabric.
+    resend: Option<Resend>,
     /// Longest single sleep while waiting.
     pub max_wait: Duration,
 }
@@ -164,6 +167,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             buf: Vec::new(),
             completed: Vec::new(),
             peer_left: false,
+            resend: None,
             max_wait: Duration::from_millis(50),
         };
         d.drive();
@@ -383,6 +387,8 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 // An evacuation: its caller polls `resumed`.
                 None => self.resumed.push(ticket),
             },
+            // The host writes it to TCP (`take_resend`), then says so.
+            Action::Resend(r) => self.resend = Some(r),
         }
     }
 
@@ -645,6 +651,28 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         }
     }
 
+    /// Leave the fabric for the TCP connection beneath (see
+    /// `Connection::leave_fabric`): [`Driver::take_resend`] then has what
+    /// this side must write to TCP.
+    pub fn leave_fabric(&mut self) {
+        let now = self.now();
+        self.conn.leave_fabric(now, &mut self.host);
+        self.drive();
+    }
+
+    /// What this side must write to TCP, once both sides have left the
+    /// fabric; then call [`Driver::resend_written`].
+    pub fn take_resend(&mut self) -> Option<Resend> {
+        self.resend.take()
+    }
+
+    /// The resend is on TCP: the connection lets go of the fabric.
+    pub fn resend_written(&mut self) {
+        let now = self.now();
+        self.conn.resend_written(now, &mut self.host);
+        self.drive();
+    }
+
     /// Has the fabric said the peer is gone? (Nothing more will come from
     /// it: a reactor need not watch its waiter any more.)
     pub fn peer_left(&self) -> bool {
@@ -682,7 +710,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             self.turn();
             let now = self.now();
             match self.conn.state() {
-                State::Established => return Ok(()),
+                State::Established | State::Switched => return Ok(()),
                 State::Aborted(r) => return Err(r.call_error()),
                 State::Handshake if now >= deadline => return Err(CallError::TimedOut),
                 State::Handshake => self

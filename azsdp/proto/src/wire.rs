@@ -48,10 +48,11 @@ pub enum MsgType {
     Credit = 8,
     Shutdown = 9,
     Abort = 10,
+    Switch = 11,
 }
 
 impl MsgType {
-    pub const ALL: [MsgType; 10] = [
+    pub const ALL: [MsgType; 11] = [
         MsgType::Hello,
         MsgType::HelloAck,
         MsgType::Data,
@@ -62,6 +63,7 @@ impl MsgType {
         MsgType::Credit,
         MsgType::Shutdown,
         MsgType::Abort,
+        MsgType::Switch,
     ];
 
     pub fn from_u8(v: u8) -> Option<MsgType> {
@@ -80,6 +82,7 @@ impl MsgType {
             MsgType::Credit => 0,
             MsgType::Shutdown => 8,
             MsgType::Abort => 4,
+            MsgType::Switch => 16,
         })
     }
 
@@ -104,6 +107,7 @@ impl MsgType {
             MsgType::Credit => "CREDIT",
             MsgType::Shutdown => "SHUTDOWN",
             MsgType::Abort => "ABORT",
+            MsgType::Switch => "SWITCH",
         }
     }
 }
@@ -230,11 +234,28 @@ pub enum Message<'a> {
     Data(&'a [u8]),
     SrcAvail(SrcAvail),
     SrcAvailUpdate(SrcAvailUpdate),
-    SrcAvailCancel { id: u32 },
+    SrcAvailCancel {
+        id: u32,
+    },
     GetComplete(GetComplete),
-    Credit { ping: bool, pong: bool },
-    Shutdown { stream_end: u64 },
-    Abort { code: AbortCode },
+    Credit {
+        ping: bool,
+        pong: bool,
+    },
+    Shutdown {
+        stream_end: u64,
+    },
+    Abort {
+        code: AbortCode,
+    },
+    /// The sender leaves the fabric for the TCP connection beneath: its
+    /// application consumed `consumed` bytes of the receiver's stream
+    /// (everything after comes again over TCP), and it put `sent` bytes of
+    /// its own stream on the fabric.
+    Switch {
+        consumed: u64,
+        sent: u64,
+    },
 }
 
 impl Message<'_> {
@@ -250,6 +271,7 @@ impl Message<'_> {
             Message::Credit { .. } => MsgType::Credit,
             Message::Shutdown { .. } => MsgType::Shutdown,
             Message::Abort { .. } => MsgType::Abort,
+            Message::Switch { .. } => MsgType::Switch,
         }
     }
 
@@ -520,6 +542,11 @@ pub fn parse(buf: &[u8]) -> Result<Frame<'_>, WireError> {
         MsgType::Shutdown => Message::Shutdown {
             stream_end: r.u64(),
         },
+        MsgType::Switch => {
+            let consumed = r.u64();
+            let sent = r.u64();
+            Message::Switch { consumed, sent }
+        }
         MsgType::Abort => {
             let raw = r.u16();
             reserved(ty, "reserved", r.u16().into())?;
@@ -705,6 +732,10 @@ pub fn emit(frame: &Frame<'_>, out: &mut [u8]) -> Result<usize, WireError> {
         }
         Message::Credit { .. } => {}
         Message::Shutdown { stream_end } => w.u64(stream_end),
+        Message::Switch { consumed, sent } => {
+            w.u64(consumed);
+            w.u64(sent);
+        }
         Message::Abort { code } => {
             w.u16(code as u16);
             w.u16(0);
@@ -808,6 +839,8 @@ mod tests {
             }),
             (any::<bool>(), any::<bool>()).prop_map(|(ping, pong)| Message::Credit { ping, pong }),
             any::<u64>().prop_map(|stream_end| Message::Shutdown { stream_end }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(consumed, sent)| Message::Switch { consumed, sent }),
             prop::sample::select(AbortCode::ALL.to_vec()).prop_map(|code| Message::Abort { code }),
         ];
         prop_oneof![

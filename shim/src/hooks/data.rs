@@ -26,6 +26,8 @@ pub(super) fn fail(e: CallError, nosignal: bool) -> ssize_t {
         }
         CallError::ConnReset => libc::ECONNRESET,
         CallError::TimedOut => libc::ETIMEDOUT,
+        // (Made again on TCP before it gets here; never the program's.)
+        CallError::Switched => libc::ECONNRESET,
     };
     real::set_errno(errno);
     -1

@@ -202,6 +202,59 @@ pub enum Action {
     },
     /// A blocked access (fault or lifetime request) may proceed.
     Resume { ticket: Ticket },
+    /// Both sides left the fabric (SWITCH both ways): write this side's
+    /// stream from where the peer's application stopped to the TCP
+    /// connection beneath, then call `Connection::resend_written`. Until
+    /// then the bytes stay where the pieces say.
+    Resend(Resend),
+}
+
+/// What a side that leaves the fabric writes to the TCP connection beneath:
+/// its stream from the first byte the peer's application has not consumed,
+/// in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Resend {
+    /// Stream offset of the first byte.
+    pub from: u64,
+    pub pieces: Vec<ResendPiece>,
+    /// Our stream had ended (SHUTDOWN): shut the TCP connection's sending
+    /// side once the pieces are written.
+    pub shutdown: bool,
+}
+
+impl Resend {
+    /// Bytes in all the pieces.
+    pub fn len(&self) -> u64 {
+        self.pieces.iter().map(ResendPiece::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One piece of a [`Resend`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResendPiece {
+    /// Bytes the engine holds (sent by copy).
+    Bytes(Vec<u8>),
+    /// Bytes in this side's memory: an advertised buffer (still protected,
+    /// or held by a blocked call) or a copy-on-write copy in the fabric's
+    /// pool.
+    Memory { addr: u64, len: u64 },
+}
+
+impl ResendPiece {
+    pub fn len(&self) -> u64 {
+        match self {
+            ResendPiece::Bytes(b) => b.len() as u64,
+            ResendPiece::Memory { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Results the driver reports for operations the engine started.
@@ -246,6 +299,10 @@ pub enum CallError {
     /// ETIMEDOUT.
     #[error("connection timed out")]
     TimedOut,
+    /// The connection left the fabric for the TCP connection beneath: do
+    /// the call again there. (Never seen by an application.)
+    #[error("moved to the TCP connection")]
+    Switched,
 }
 
 /// A violation of the protocol by the peer.

@@ -19,6 +19,7 @@ mod fallback;
 pub mod lockword;
 mod rx;
 mod settings;
+mod switch;
 mod timers;
 mod tx;
 
@@ -35,6 +36,7 @@ use crate::time::Timestamp;
 use crate::wire::{self, AbortCode, Frame, Hello, Message, MsgType};
 use fallback::FaultMonitor;
 use rx::{InAvail, RecvCall, RxItem};
+use switch::{Posted, Switch};
 use tx::{OutAvail, SendCall, TxItem};
 
 /// Connection life cycle.
@@ -45,6 +47,8 @@ pub enum State {
     Established,
     /// Aborted; pending operations are draining, no new work is accepted.
     Aborted(AbortReason),
+    /// Both sides left the fabric: the stream goes on over TCP.
+    Switched,
 }
 
 /// The send mode in force for new zero-copy sends.
@@ -88,6 +92,10 @@ enum OutMsg {
     },
     Shutdown(u64),
     Abort(AbortCode),
+    Switch {
+        consumed: u64,
+        sent: u64,
+    },
 }
 
 /// What an operation in flight is for.
@@ -203,6 +211,23 @@ pub struct Connection {
     /// Stream offset up to which our `send()` calls have returned.
     tx_returned: u64,
 
+    // leaving the fabric (switch.rs)
+    switch: Switch,
+    /// What the peer's SWITCH said its application consumed of our stream.
+    peer_switch: Option<u64>,
+    /// Our stream handed to the fabric and not yet consumed, in order.
+    posted: VecDeque<Posted>,
+    /// Stream offset of `posted`'s first piece.
+    posted_base: u64,
+    /// DATA messages handed to the fabric, and those whose credit came back.
+    data_pumped: u64,
+    data_acked: u64,
+    /// Lengths of DATA handed to the fabric whose credit has not come back;
+    /// their bytes are at the front of `txbuf`.
+    retained: VecDeque<u64>,
+    /// Bytes at the front of `txbuf` already written into messages.
+    emitted_unacked: u64,
+
     // faults and lifetime
     waiters: Vec<Waiter>,
 
@@ -288,6 +313,14 @@ impl Connection {
             stalled: None,
             peer_left: false,
             tx_returned: 0,
+            switch: Switch::No,
+            peer_switch: None,
+            posted: VecDeque::new(),
+            posted_base: 0,
+            data_pumped: 0,
+            data_acked: 0,
+            retained: VecDeque::new(),
+            emitted_unacked: 0,
             waiters: Vec::new(),
             last_rx: now,
             ping_outstanding: false,
@@ -334,6 +367,15 @@ impl Connection {
     /// is shut down or the connection aborted (a send then fails at
     /// once); hung up when both directions are finished.
     pub fn readiness(&self) -> Readiness {
+        if self.state == State::Switched {
+            // The TCP connection's readiness is what counts now: whoever
+            // waits here must look there.
+            return Readiness {
+                readable: true,
+                writable: true,
+                ..Readiness::default()
+            };
+        }
         let aborted = matches!(self.state, State::Aborted(_));
         let rx_done = aborted || self.rx_eof || self.rx_shut;
         let tx_done = aborted || self.tx_shutdown != TxShutdown::Open || self.peer_left;
@@ -422,7 +464,7 @@ impl Connection {
             && self.recv_calls.is_empty()
             && self.waiters.is_empty();
         match self.state {
-            State::Aborted(_) => drained,
+            State::Aborted(_) | State::Switched => drained,
             _ => {
                 drained
                     && self.app_closed
@@ -514,11 +556,21 @@ impl Connection {
                     });
                 }
                 wire::emit_header(MsgType::Data, 0, seq, credits, len, buf)?;
+                // The bytes stay at the front of the send buffer until the
+                // peer's credit says it consumed them (switch.rs).
+                let at = self.emitted_unacked as usize;
                 let (a, b) = self.txbuf.as_slices();
-                let from_a = a.len().min(len);
-                buf[wire::HEADER_LEN..wire::HEADER_LEN + from_a].copy_from_slice(&a[..from_a]);
-                buf[wire::HEADER_LEN + from_a..need].copy_from_slice(&b[..len - from_a]);
-                self.txbuf.drain(..len);
+                let dst = &mut buf[wire::HEADER_LEN..need];
+                if at + len <= a.len() {
+                    dst.copy_from_slice(&a[at..at + len]);
+                } else if at >= a.len() {
+                    dst.copy_from_slice(&b[at - a.len()..at - a.len() + len]);
+                } else {
+                    let from_a = a.len() - at;
+                    dst[..from_a].copy_from_slice(&a[at..]);
+                    dst[from_a..].copy_from_slice(&b[..len - from_a]);
+                }
+                self.emitted_unacked += len as u64;
                 self.counters.data_msgs_sent += 1;
                 return Ok(need);
             }
@@ -529,6 +581,7 @@ impl Connection {
             OutMsg::Credit { ping, pong } => Message::Credit { ping, pong },
             OutMsg::Shutdown(end) => Message::Shutdown { stream_end: end },
             OutMsg::Abort(code) => Message::Abort { code },
+            OutMsg::Switch { consumed, sent } => Message::Switch { consumed, sent },
         };
         wire::emit(
             &Frame {
@@ -573,6 +626,7 @@ impl Connection {
     /// Is the peer expected to do something for us (so silence is suspicious)?
     fn owes_liveness(&self) -> bool {
         self.state == State::Handshake
+            || self.switch == Switch::Sent
             || !self.out_avails.is_empty()
             || !self.send_calls.is_empty()
             || !self.recv_calls.is_empty()
@@ -658,6 +712,10 @@ impl Connection {
     /// `shutdown(how)`.
     pub fn shutdown(&mut self, now: Timestamp, how: Shutdown, mem: &mut dyn UserMemory) {
         self.now = now;
+        if self.state == State::Switched {
+            // The TCP connection's own shutdown is what counts now.
+            return;
+        }
         if matches!(how, Shutdown::Write | Shutdown::Both)
             && self.tx_shutdown == TxShutdown::Open
             && !self.is_aborted()
@@ -680,6 +738,10 @@ impl Connection {
             return;
         }
         self.app_closed = true;
+        if self.state == State::Switched {
+            // Closing the TCP connection is the driver's.
+            return;
+        }
         let unread = !self.rxq.is_empty();
         if linger == Linger::Abort || unread {
             // TCP sends a reset when closing with unread data; so do we.
@@ -802,6 +864,18 @@ impl Connection {
             }
             _ => {}
         }
+        if matches!(self.switch, Switch::Sent | Switch::Resending) || self.state == State::Switched
+        {
+            // We left the fabric: the peer's stream comes again over TCP.
+            return match frame.msg {
+                Message::Switch { consumed, sent } => self.on_switch(consumed, sent),
+                Message::Abort { code } => {
+                    self.abort(AbortReason::PeerAbort(code), None);
+                    Ok(())
+                }
+                _ => Ok(()),
+            };
+        }
         // A closed connection lingers as long as the peer keeps taking data.
         let progress = frame.credits > 0 || matches!(frame.msg, Message::GetComplete(_));
         if progress && let Some(d) = self.linger_deadline.as_mut() {
@@ -817,6 +891,7 @@ impl Connection {
             }
             self.credits_in_use -= c;
             self.credits += c;
+            self.ack_data(c);
         }
         match frame.msg {
             Message::Hello(h) => self.on_hello(h, false)?,
@@ -848,6 +923,7 @@ impl Connection {
                 self.rx_eof = true;
             }
             Message::Abort { code } => self.abort(AbortReason::PeerAbort(code), None),
+            Message::Switch { consumed, sent } => self.on_switch(consumed, sent)?,
         }
         Ok(())
     }
@@ -1086,6 +1162,7 @@ impl Connection {
             self.release_idle_locks();
             self.maybe_return_credits();
             self.wake_waiters();
+            self.progress_switch();
             let after = (
                 self.actions.len(),
                 self.out.len(),
@@ -1107,7 +1184,7 @@ impl Connection {
     /// the count to half, and its close waits for the last ones: they go
     /// back as soon as everything is read.
     fn maybe_return_credits(&mut self) {
-        if self.unreported == 0 || self.state != State::Established {
+        if self.unreported == 0 || self.state != State::Established || self.switch != Switch::No {
             return;
         }
         let half = (u32::from(self.cfg.rx_credits) / 2).max(1);
@@ -1124,7 +1201,7 @@ impl Connection {
     /// Tear the connection down: tell the peer (if `code`), cut its access,
     /// release every page, fail every call.
     fn abort(&mut self, reason: AbortReason, code: Option<AbortCode>) {
-        if self.is_aborted() {
+        if self.is_aborted() || self.state == State::Switched {
             return;
         }
         if matches!(
@@ -1149,6 +1226,9 @@ impl Connection {
         self.txq.clear();
         self.txbuf.clear();
         self.tx_unposted = 0;
+        self.retained.clear();
+        self.emitted_unacked = 0;
+        self.posted.clear();
         for call in std::mem::take(&mut self.send_calls) {
             if call.waiting_prepare.is_none() {
                 let result = if call.accepted > 0 {

@@ -159,6 +159,11 @@ impl Connection {
     }
 
     pub(super) fn progress_recvs(&mut self, mem: &mut dyn UserMemory) {
+        if self.leaving_fabric() && self.state == State::Established {
+            // Calls that took bytes end with them (switch.rs); the rest
+            // wait, and go again over TCP.
+            return;
+        }
         loop {
             if self.recv_calls.is_empty() {
                 return;
@@ -167,7 +172,7 @@ impl Connection {
             let stop = match self.state {
                 State::Established => self.fill_recv(mem),
                 State::Handshake => Stop::Empty,
-                State::Aborted(_) => Stop::Wait,
+                State::Aborted(_) | State::Switched => Stop::Wait,
             };
             let call = self.recv_calls.front().expect("head call");
             if call.gets > 0 || call.pending_arm > 0 {

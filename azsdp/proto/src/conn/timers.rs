@@ -47,14 +47,16 @@ impl Connection {
         let liveness = || self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO;
         match timer {
             Timer::Repoll => self.repoll.then_some(self.now),
-            // An aborted connection waits for nothing more.
-            _ if self.is_aborted() => None,
+            // An aborted connection waits for nothing more, nor one that
+            // left the fabric.
+            _ if self.is_aborted() || self.state == State::Switched => None,
             Timer::Linger => self.linger_deadline.filter(|_| !self.is_finished()),
             Timer::PeerTimeout => liveness().then(|| self.last_rx + self.cfg.peer_timeout),
-            Timer::Keepalive => {
-                (!self.ping_outstanding && self.state == State::Established && liveness())
-                    .then(|| self.last_rx + self.cfg.keepalive)
-            }
+            Timer::Keepalive => (!self.ping_outstanding
+                && self.state == State::Established
+                && !self.switch_sent()
+                && liveness())
+            .then(|| self.last_rx + self.cfg.keepalive),
             Timer::BlockEscalate => (self.cfg.write_fault == FaultPolicy::Block)
                 .then(|| {
                     self.waiters

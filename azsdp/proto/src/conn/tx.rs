@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use super::fallback::Verdict;
 use super::lockword;
+use super::switch::Posted;
 use super::{
     Action, CallError, CallId, Connection, CopyReason, FallbackReason, OpError, OpKind, OutMsg,
     ProtocolError, RemoteBuf, SendFlags, State, TxMode, TxShutdown, UserBuf, UserMemory,
@@ -110,7 +111,7 @@ impl OutAvail {
     }
 
     /// Where byte `off` of this advertisement can be read now.
-    fn source_at(&self, off: u32) -> RemoteBuf {
+    pub(super) fn source_at(&self, off: u32) -> RemoteBuf {
         match self.copy {
             Some((buf, base)) => RemoteBuf {
                 addr: buf.addr + u64::from(off - base),
@@ -322,6 +323,10 @@ impl Connection {
     pub(super) fn progress_sends(&mut self, mem: &mut dyn UserMemory) {
         if self.state != State::Established {
             return self.fail_sends_if_aborted();
+        }
+        if self.leaving_fabric() {
+            // Calls wait: they end, and go again over TCP, at the resend.
+            return;
         }
         while let Some(call) = self.send_calls.front() {
             if call.waiting_prepare.is_some() {
@@ -579,9 +584,13 @@ impl Connection {
                 self.counters.fallback_reason = Some(FallbackReason::PrepareFailed);
                 let (addr, len) = (a.addr, u64::from(a.len));
                 self.drop_out_avail(id);
-                // Send those bytes by copy instead, in the same place in the stream.
+                // Send those bytes by copy instead, in the same place in the
+                // stream; unless the call was interrupted meanwhile: then
+                // they were never sent (the call returns what was taken,
+                // and its advertisements before them may be withdrawn).
                 if let Some(i) = head
                     && !aborted
+                    && !self.send_calls[i].cancelled
                 {
                     let call = &mut self.send_calls[i];
                     let off = addr - call.buf.addr;
@@ -599,7 +608,7 @@ impl Connection {
 
     /// Move stream items to the out queue as credits allow.
     pub(super) fn pump_tx(&mut self) {
-        if self.state != State::Established {
+        if self.state != State::Established || self.leaving_fabric() {
             return;
         }
         let max_payload = self.peer.map_or(0, |p| p.max_payload).max(1);
@@ -618,6 +627,12 @@ impl Connection {
                     self.credits_in_use += 1;
                     self.tx_unposted -= m;
                     self.tx_drained += m;
+                    self.posted.push_back(Posted::Data {
+                        nth: self.data_pumped,
+                        len: m,
+                    });
+                    self.data_pumped += 1;
+                    self.retained.push_back(m);
                     self.out.push_back(OutMsg::Data { len: m });
                 }
                 TxItem::Avail(id) => {
@@ -647,6 +662,10 @@ impl Connection {
                         addr: src.addr,
                         key: src.key,
                     };
+                    self.posted.push_back(Posted::Avail {
+                        id,
+                        len: u64::from(a.len),
+                    });
                     self.out.push_back(OutMsg::Avail(msg));
                     self.counters.avails_sent += 1;
                 }
@@ -758,6 +777,14 @@ impl Connection {
             if a.cancel_sent && a.acked < a.len {
                 // The unsent rest leaves the stream; it was its tail.
                 self.tx_stream_off -= u64::from(a.len - a.acked);
+                for p in self.posted.iter_mut().rev() {
+                    if let Posted::Avail { id: pid, len } = p
+                        && *pid == id
+                    {
+                        *len = u64::from(a.acked);
+                        break;
+                    }
+                }
             }
             self.counters.bytes_sent_sync += u64::from(a.acked);
             if let Some(call) = self.send_calls.iter_mut().find(|c| c.call == owner) {
@@ -773,11 +800,12 @@ impl Connection {
             self.counters.fallback_reason = Some(FallbackReason::FaultRate);
             self.mode = TxMode::Sync;
         }
+        self.trim_posted();
     }
 
     /// Give back what an advertisement holds: its protected pages, its
     /// registration or private copy, its lock slot.
-    fn release_avail(&mut self, a: &OutAvail) {
+    pub(super) fn release_avail(&mut self, a: &OutAvail) {
         if let Some(p) = a.prot.clone() {
             self.unprotect(p);
         }
@@ -845,6 +873,10 @@ impl Connection {
     }
 
     fn start_cow(&mut self, id: u32) {
+        if self.switch_sent() {
+            // The resend reads these pages: writers wait for it.
+            return;
+        }
         let cow_ok = self.peer.is_some_and(|p| p.cow);
         let Some(a) = self.out_avails.get_mut(&id) else {
             return;

@@ -65,6 +65,8 @@ pub struct BatchSummary {
     pub injected: u64,
     /// Seeds that ended with at least one side aborted.
     pub aborted: u64,
+    /// Seeds whose connection left the fabric for TCP (both sides).
+    pub switched: u64,
 }
 
 fn add(total: &mut Counters, c: &Counters) {
@@ -167,6 +169,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
                         sum.injected += u64::from(r.scenario.injection.is_fatal());
                         sum.aborted +=
                             u64::from(r.states.iter().any(|s| matches!(s, State::Aborted(_))));
+                        sum.switched += u64::from(r.states.iter().all(|s| *s == State::Switched));
                         if !r.passed() {
                             sum.failures.push(r);
                         }
@@ -183,6 +186,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
         add(&mut summary.totals, &p.totals);
         summary.injected += p.injected;
         summary.aborted += p.aborted;
+        summary.switched += p.switched;
         summary.failures.extend(p.failures);
     }
     let mut sum = summary;

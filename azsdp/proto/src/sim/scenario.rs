@@ -84,6 +84,9 @@ pub struct Scenario {
     /// Buffers in each side's pool: (capacity, protectable).
     pub buffers: [Vec<(u64, bool)>; 2],
     pub time_limit: Duration,
+    /// A side leaves the fabric for the TCP connection beneath at this
+    /// time (its process execs a program without the shim, say).
+    pub switch: Option<(usize, Duration)>,
 }
 
 impl Scenario {
@@ -152,8 +155,20 @@ impl Scenario {
             p_copy_fail: if host_failures { 0.05 } else { 0.0 },
             buffers,
             time_limit: Duration::from_secs(30),
+            switch: switch_of(seed),
         }
     }
+}
+
+/// One seed in six switches to TCP, at a random time, from a random side
+/// (drawn from a stream of its own, so the rest of the scenario of a seed
+/// stays what it was before switching existed).
+fn switch_of(seed: u64) -> Option<(usize, Duration)> {
+    let mut r = Rng::new(seed ^ 0x5717_c4ed);
+    r.chance(1.0 / 6.0).then(|| {
+        let side = r.below(2) as usize;
+        (side, Duration::from_micros(r.range(1, 20_000)))
+    })
 }
 
 fn page_size(r: &mut Rng) -> u64 {

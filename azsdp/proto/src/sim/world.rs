@@ -5,7 +5,7 @@
 
 use std::cell::RefCell;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -15,8 +15,8 @@ use super::memory::{SharedMems, SimMemory};
 use super::rng::Rng;
 use super::scenario::{Injection, Scenario};
 use crate::conn::{
-    Access, CallError, CallId, Counters, RecvFlags, SendFlags, Shutdown, State, Ticket,
-    Unprotectable,
+    Access, CallError, CallId, Counters, RecvFlags, ResendPiece, SendFlags, Shutdown, State,
+    Ticket, Unprotectable,
 };
 use crate::driver::Driver;
 use crate::fabric::sim::{SimEndpoint, SimFabric};
@@ -42,6 +42,8 @@ enum WEvent {
     Timer(usize),
     Poll(usize),
     Kill(usize),
+    /// The side leaves the fabric for TCP.
+    Switch(usize),
     /// A signal interrupts the call, if it is still blocked.
     Cancel {
         side: usize,
@@ -130,6 +132,8 @@ enum Wait {
     Fault(Ticket, u64),
     /// In `free()`, until the engine settles the memory.
     Evacuate(Ticket),
+    /// In a receive on the TCP connection, for bytes or its end.
+    Tcp,
     Sleep,
 }
 
@@ -166,6 +170,10 @@ pub struct World {
     violations: Vec<String>,
     trace: Trace,
     events_run: u64,
+    /// The TCP connection beneath: what each side wrote to it (and not yet
+    /// read by the other), and whether it shut its sending side.
+    tcp: [VecDeque<u8>; 2],
+    tcp_shut: [bool; 2],
 }
 
 fn pattern_word(dir: usize, seed: u64, w: u64) -> u64 {
@@ -274,6 +282,8 @@ impl World {
             seq: 0,
             calls: BTreeMap::new(),
             violations: Vec::new(),
+            tcp: [VecDeque::new(), VecDeque::new()],
+            tcp_shut: [false; 2],
             trace,
             events_run: 0,
             sc,
@@ -287,6 +297,9 @@ impl World {
                 w.procs[side].stalled = Some((Timestamp::ZERO + at, Timestamp::ZERO + at + dur));
             }
             _ => {}
+        }
+        if let Some((side, at)) = w.sc.switch {
+            w.schedule(Timestamp::ZERO + at, WEvent::Switch(side));
         }
         w.settle(0);
         w.settle(1);
@@ -313,6 +326,7 @@ impl World {
             WEvent::Timer(side)
             | WEvent::Poll(side)
             | WEvent::Kill(side)
+            | WEvent::Switch(side)
             | WEvent::Cancel { side, .. } => side,
         }
     }
@@ -436,10 +450,20 @@ impl World {
                     self.settle(side);
                 }
             }
+            WEvent::Switch(side) => {
+                if !self.procs[side].dead {
+                    self.note(|| format!("side {side}: leaves the fabric for TCP"));
+                    self.drivers[side].leave_fabric();
+                    self.settle(side);
+                }
+            }
             WEvent::Kill(side) => {
                 self.note(|| format!("KILL side {side}"));
                 self.procs[side].dead = true;
                 self.fabric.borrow_mut().kill(side);
+                // Its kernel closes its TCP socket: what it wrote, then the end.
+                self.tcp_shut[side] = true;
+                self.wake_tcp_readers(1 - side);
             }
         }
     }
@@ -450,6 +474,31 @@ impl World {
     fn settle(&mut self, side: usize) {
         if self.procs[side].dead {
             return;
+        }
+        if let Some(r) = self.drivers[side].take_resend() {
+            // Both sides left the fabric: this side writes its stream from
+            // where the peer's application stopped, then lets go.
+            self.note(|| format!("side {side}: resend {} bytes from {}", r.len(), r.from));
+            for p in &r.pieces {
+                match p {
+                    ResendPiece::Bytes(b) => self.tcp[side].extend(b),
+                    ResendPiece::Memory { addr, len } => {
+                        let mut b = vec![0u8; *len as usize];
+                        self.mems.borrow_mut()[side].read_raw(*addr, &mut b);
+                        self.tcp[side].extend(b);
+                    }
+                }
+            }
+            self.tcp_shut[side] |= r.shutdown;
+            self.drivers[side].resend_written();
+            self.wake_tcp_readers(1 - side);
+        }
+        let c = self.drivers[side].connection();
+        if matches!(c.state(), State::Aborted(_)) && c.switch_sent() && !self.tcp_shut[side] {
+            // Aborted halfway through the switch: the shim resets the TCP
+            // connection, which the peer may be reading already.
+            self.tcp_shut[side] = true;
+            self.wake_tcp_readers(1 - side);
         }
         let ended: Vec<((usize, CallId), Result<u64, CallError>)> = self
             .calls
@@ -485,6 +534,64 @@ impl World {
             let at = t.max(self.now);
             self.schedule(at, WEvent::Timer(side));
         }
+    }
+
+    // ----- the TCP connection, once a side left the fabric ------------------
+
+    /// Has `side`'s connection left the fabric (its calls go to TCP)?
+    fn on_tcp(&self, side: usize) -> bool {
+        *self.drivers[side].connection().state() == State::Switched
+    }
+
+    /// Threads of `side` waiting for TCP bytes may look again.
+    fn wake_tcp_readers(&mut self, side: usize) {
+        for t in 0..self.threads.len() {
+            if self.threads[t].side == side && self.threads[t].waiting == Some(Wait::Tcp) {
+                self.threads[t].waiting = None;
+                self.schedule(self.now, WEvent::Wake(t));
+            }
+        }
+    }
+
+    /// `send()` on TCP: all of it goes.
+    fn tcp_send(&mut self, side: usize, addr: u64, len: u64) -> u64 {
+        let mut b = vec![0u8; len as usize];
+        self.mems.borrow_mut()[side].read_raw(addr, &mut b);
+        self.tcp[side].extend(b);
+        self.wake_tcp_readers(1 - side);
+        len
+    }
+
+    /// `recv()` on TCP: `None` if it must wait.
+    fn tcp_recv(
+        &mut self,
+        side: usize,
+        addr: u64,
+        len: u64,
+        flags: RecvFlags,
+    ) -> Option<Result<u64, CallError>> {
+        let have = self.tcp[1 - side].len() as u64;
+        let shut = self.tcp_shut[1 - side];
+        let enough =
+            have > 0 && (!flags.waitall || flags.peek || flags.nonblocking || have >= len || shut);
+        if !enough {
+            return if have == 0 && shut {
+                Some(Ok(0))
+            } else if flags.nonblocking {
+                Some(Err(CallError::WouldBlock))
+            } else {
+                None
+            };
+        }
+        let n = have.min(len);
+        let from = &mut self.tcp[1 - side];
+        let b: Vec<u8> = if flags.peek {
+            from.iter().take(n as usize).copied().collect()
+        } else {
+            from.drain(..n as usize).collect()
+        };
+        self.mems.borrow_mut()[side].write_raw(addr, &b);
+        Some(Ok(n))
     }
 
     // ----- application threads --------------------------------------------
@@ -660,8 +767,9 @@ impl World {
                             self.threads[t].phase = Phase::Send;
                             return None;
                         }
-                        // EINTR: the application retries.
-                        Err(CallError::Interrupted) => {}
+                        // EINTR: the application retries; after a switch,
+                        // the shim makes the call again on TCP.
+                        Err(CallError::Interrupted | CallError::Switched) => {}
                         Err(e) => {
                             self.threads[t].error = Some(e);
                             return Some(Phase::Finish);
@@ -670,6 +778,13 @@ impl World {
                 }
                 let (off, len) = self.threads[t].cur;
                 let sent = self.threads[t].sent;
+                if sent < len && self.on_tcp(side) {
+                    let idx = self.threads[t].buf.expect("buffer");
+                    let addr = Self::buf_addr(side, idx) + off + sent;
+                    let n = self.tcp_send(side, addr, len - sent);
+                    self.threads[t].result = Some(Ok(n));
+                    return Some(Phase::Send);
+                }
                 if sent == len {
                     let th = &mut self.threads[t];
                     let app = &self.sc.apps[dir];
@@ -771,6 +886,10 @@ impl World {
                 Some(Phase::Pick)
             }
             Phase::Finish => {
+                if self.on_tcp(side) {
+                    self.tcp_shut[side] = true;
+                    self.wake_tcp_readers(1 - side);
+                }
                 self.drivers[side].shutdown(Shutdown::Write);
                 self.settle(side);
                 self.maybe_close(side, t);
@@ -848,7 +967,9 @@ impl World {
                             self.threads[t].phase = Phase::Recv;
                             return None;
                         }
-                        Err(CallError::Interrupted) => return Some(Phase::Recv),
+                        Err(CallError::Interrupted | CallError::Switched) => {
+                            return Some(Phase::Recv);
+                        }
                         Err(e) => {
                             self.threads[t].error = Some(e);
                             return Some(Phase::Release);
@@ -867,6 +988,17 @@ impl World {
                     armable: self.sc.buffers[side][idx].1,
                 };
                 th.last_peek = flags.peek;
+                if self.on_tcp(side) {
+                    match self.tcp_recv(side, addr, len, flags) {
+                        Some(r) => self.threads[t].result = Some(r),
+                        None => self.threads[t].waiting = Some(Wait::Tcp),
+                    }
+                    if self.threads[t].result.is_some() {
+                        return Some(Phase::Recv);
+                    }
+                    self.threads[t].phase = Phase::Recv;
+                    return None;
+                }
                 let call = self.drivers[side].submit_recv(addr, len, flags);
                 self.calls.insert((side, call), t);
                 self.threads[t].waiting = Some(Wait::Call(call));
@@ -1077,6 +1209,9 @@ impl World {
                     .push(format!("thread {i}: SIGBUS on a healthy connection"));
             }
         }
+        // After a switch to TCP, the engines' counters say what crossed the
+        // fabric only; the stream checks below cover all of it.
+        let switched = (0..2).any(|s| *self.drivers[s].connection().state() == State::Switched);
         // Stream accounting per direction.
         for dir in 0..self.sc.apps.len() {
             let (snd, rcv) = (dir, 1 - dir);
@@ -1099,13 +1234,13 @@ impl World {
                 .sum();
             let cs = self.drivers[snd].connection().counters().clone();
             let cr = self.drivers[rcv].connection().counters().clone();
-            if !self.procs[snd].dead && cs.bytes_sent() != sent {
+            if !self.procs[snd].dead && !switched && cs.bytes_sent() != sent {
                 self.violations.push(format!(
                     "direction {dir}: sender counters say {} bytes, send() returned {sent}",
                     cs.bytes_sent()
                 ));
             }
-            if !self.procs[rcv].dead && cr.bytes_received() != recvd {
+            if !self.procs[rcv].dead && !switched && cr.bytes_received() != recvd {
                 self.violations.push(format!(
                     "direction {dir}: receiver counters say {} bytes, recv() returned {recvd}",
                     cr.bytes_received()
@@ -1129,8 +1264,9 @@ impl World {
                         "direction {dir}: healthy run delivered {recvd} of {sent} bytes (eof: {got_eof})"
                     ));
                 }
-                if cs.bytes_sent_bsdp != cr.bytes_recv_bsdp
-                    || cs.bytes_sent_async + cs.bytes_sent_sync != cr.bytes_recv_zcopy
+                if !switched
+                    && (cs.bytes_sent_bsdp != cr.bytes_recv_bsdp
+                        || cs.bytes_sent_async + cs.bytes_sent_sync != cr.bytes_recv_zcopy)
                 {
                     self.violations.push(format!(
                         "direction {dir}: per-path bytes disagree: sent bsdp {} zcopy {}, received bsdp {} zcopy {}",

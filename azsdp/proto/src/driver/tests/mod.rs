@@ -8,6 +8,7 @@
 //! covers their random interleavings.
 
 mod paths;
+mod switch;
 mod timers;
 
 use std::cell::RefCell;
@@ -26,6 +27,8 @@ use crate::sim::scenario::Injection;
 const PAGE: u64 = 4096;
 /// Where the tests' buffers are.
 const BUF: u64 = 0x10_0000;
+/// Where the receiving side's buffers are.
+const DST: u64 = 0x80_0000;
 
 type SimDriver = Driver<SimEndpoint, SimProtector, SimHost>;
 

@@ -10,9 +10,6 @@ use crate::conn::{FallbackReason, RecvProtect, TxMode};
 use crate::pages;
 use crate::wire::AbortCode;
 
-/// Where the receiving side's buffers are.
-const DST: u64 = 0x80_0000;
-
 /// A fabric on which a death is noticed at once, without the dead side's
 /// progress (as when its segment is unreadable).
 fn quick_death(progress_known: bool) -> SimFabricParams {
