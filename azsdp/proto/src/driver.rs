@@ -59,6 +59,19 @@ pub trait Host: UserMemory {
     /// Protecting or registering memory failed: what the host knows of the
     /// address space may be out of date.
     fn memory_changed(&mut self) {}
+    /// Has nothing arrived on the TCP connection beneath (which stays unused
+    /// while the connection is on the fabric)? A host without one says yes.
+    fn stream_clean(&mut self) -> bool {
+        true
+    }
+    /// Write `r` to the TCP connection beneath (the connection leaves the
+    /// fabric: docs/protocol.md §8a), then shut its sending side if
+    /// `r.shutdown`. Memory pieces are this host's own memory. False if it
+    /// could not (no such connection, or it failed).
+    fn write_stream(&mut self, r: &Resend) -> bool {
+        let _ = r;
+        false
+    }
 }
 
 /// Capabilities a fabric and protector give an engine.
@@ -127,8 +140,6 @@ pub struct Driver<F: Fabric, P: Protector, H: Host> {
     completed: Vec<(OpId, OpResult)>,
     /// The fabric reported the peer gone: nothing more comes from it.
     peer_left: bool,
-    /// Our stream to write to TCP: the connection is leaving the fabric.
-    resend: Option<Resend>,
     /// Longest single sleep while waiting.
     pub max_wait: Duration,
 }
@@ -167,7 +178,6 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             buf: Vec::new(),
             completed: Vec::new(),
             peer_left: false,
-            resend: None,
             max_wait: Duration::from_millis(50),
         };
         d.drive();
@@ -387,8 +397,18 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 // An evacuation: its caller polls `resumed`.
                 None => self.resumed.push(ticket),
             },
-            // The host writes it to TCP (`take_resend`), then says so.
-            Action::Resend(r) => self.resend = Some(r),
+            Action::CheckStream => {
+                let (now, clean) = (self.now(), self.host.stream_clean());
+                self.conn.stream_checked(now, clean, &mut self.host);
+            }
+            Action::Resend(r) => {
+                let now = self.now();
+                if self.host.write_stream(&r) {
+                    self.conn.resend_written(now, &mut self.host);
+                } else {
+                    self.conn.stream_failed(now, &mut self.host);
+                }
+            }
         }
     }
 
@@ -652,24 +672,22 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     }
 
     /// Leave the fabric for the TCP connection beneath (see
-    /// `Connection::leave_fabric`): [`Driver::take_resend`] then has what
-    /// this side must write to TCP.
+    /// `Connection::leave_fabric`); the host writes this side's resend
+    /// ([`Host::write_stream`]) when both sides have left.
     pub fn leave_fabric(&mut self) {
         let now = self.now();
         self.conn.leave_fabric(now, &mut self.host);
         self.drive();
     }
 
-    /// What this side must write to TCP, once both sides have left the
-    /// fabric; then call [`Driver::resend_written`].
-    pub fn take_resend(&mut self) -> Option<Resend> {
-        self.resend.take()
-    }
-
-    /// The resend is on TCP: the connection lets go of the fabric.
-    pub fn resend_written(&mut self) {
+    /// Look at the TCP connection beneath: bytes there while on the fabric
+    /// were written behind our back, and reset the connection.
+    pub fn check_stream(&mut self) {
+        if self.conn.switch_sent() || self.host.stream_clean() {
+            return;
+        }
         let now = self.now();
-        self.conn.resend_written(now, &mut self.host);
+        self.conn.stray_bytes(now, &mut self.host);
         self.drive();
     }
 

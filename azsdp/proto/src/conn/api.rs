@@ -202,10 +202,16 @@ pub enum Action {
     },
     /// A blocked access (fault or lifetime request) may proceed.
     Resume { ticket: Ticket },
+    /// This side is about to send its SWITCH: is the TCP connection beneath
+    /// still untouched (nothing arrived on it)? Answer with
+    /// `Connection::stream_checked`. (The peer writes to it only after our
+    /// SWITCH, so anything there now was written behind azsdp's back.)
+    CheckStream,
     /// Both sides left the fabric (SWITCH both ways): write this side's
     /// stream from where the peer's application stopped to the TCP
-    /// connection beneath, then call `Connection::resend_written`. Until
-    /// then the bytes stay where the pieces say.
+    /// connection beneath, then call `Connection::resend_written` (or
+    /// `Connection::stream_failed`). Until then the bytes stay where the
+    /// pieces say.
     Resend(Resend),
 }
 
@@ -347,6 +353,10 @@ pub enum AbortReason {
     LingerTimeout,
     #[error("no common protocol version")]
     Incompatible,
+    #[error("bytes arrived on the TCP connection behind azsdp's back")]
+    StrayBytes,
+    #[error("the TCP connection beneath failed while the connection moved onto it")]
+    StreamFailed,
 }
 
 impl AbortReason {

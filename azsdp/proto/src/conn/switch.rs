@@ -30,6 +30,8 @@ pub(super) enum Switch {
     No,
     /// Leaving: our SWITCH goes once nothing of ours is in flight.
     Leaving,
+    /// The driver checks the TCP connection before our SWITCH goes.
+    Checking,
     /// Our SWITCH is out; the peer's may not be in yet.
     Sent,
     /// Both are: our resend is with the driver.
@@ -77,6 +79,49 @@ impl Connection {
     /// peer are its resend, not stray.
     pub fn switch_sent(&self) -> bool {
         matches!(self.switch, Switch::Sent | Switch::Resending) || self.state == State::Switched
+    }
+
+    /// The driver's answer to [`Action::CheckStream`]: `clean` if nothing
+    /// arrived on the TCP connection; then our SWITCH goes, else the
+    /// connection is reset (those bytes were written behind our back, and
+    /// would otherwise be taken for the peer's resend).
+    pub fn stream_checked(
+        &mut self,
+        now: crate::time::Timestamp,
+        clean: bool,
+        mem: &mut dyn UserMemory,
+    ) {
+        self.now = now;
+        if self.switch != Switch::Checking || self.is_aborted() {
+            return;
+        }
+        if !clean {
+            self.abort(super::AbortReason::StrayBytes, Some(AbortCode::Reset));
+            return;
+        }
+        let (consumed, sent) = (self.rx_consumed(), self.posted_end());
+        self.out.push_back(OutMsg::Switch { consumed, sent });
+        self.switch = Switch::Sent;
+        self.progress(mem);
+    }
+
+    /// The resend could not be written: the stream is broken.
+    pub fn stream_failed(&mut self, now: crate::time::Timestamp, mem: &mut dyn UserMemory) {
+        self.now = now;
+        self.abort(super::AbortReason::StreamFailed, Some(AbortCode::Reset));
+        self.progress(mem);
+    }
+
+    /// Something arrived on the TCP connection while on the fabric: it was
+    /// written behind azsdp's back; the connection is reset.
+    pub fn stray_bytes(&mut self, now: crate::time::Timestamp, mem: &mut dyn UserMemory) {
+        self.now = now;
+        if self.switch_sent() {
+            // The peer's resend, not stray.
+            return;
+        }
+        self.abort(super::AbortReason::StrayBytes, Some(AbortCode::Reset));
+        self.progress(mem);
     }
 
     /// The driver wrote the [`Action::Resend`] to TCP: let go of everything.
@@ -180,14 +225,12 @@ impl Connection {
             return;
         }
         match self.switch {
-            Switch::No | Switch::Resending => {}
+            Switch::No | Switch::Checking | Switch::Resending => {}
             Switch::Leaving => {
                 self.finish_filled_recvs();
                 if self.switch_quiet() {
-                    let (consumed, sent) = (self.rx_consumed(), self.posted_end());
-                    self.out.push_back(OutMsg::Switch { consumed, sent });
-                    self.switch = Switch::Sent;
-                    self.progress_switch();
+                    self.switch = Switch::Checking;
+                    self.push(Action::CheckStream);
                 }
             }
             Switch::Sent => {

@@ -7,13 +7,13 @@
 //! the driver.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
 use super::memory::{Prot, SharedMems};
 use super::rng::Rng;
-use crate::conn::{DisarmOutcome, OpError, Unprotectable, UserMemory};
+use crate::conn::{DisarmOutcome, OpError, Resend, ResendPiece, Unprotectable, UserMemory};
 use crate::driver::{Host, Protectable};
 use crate::protect::Protector;
 use crate::time::Timestamp;
@@ -64,6 +64,17 @@ impl Trace {
 /// Ranges a host says cannot be protected, and why.
 pub type Unprotectables = Rc<RefCell<Vec<(Range<u64>, Unprotectable)>>>;
 
+/// The TCP connection beneath a simulated pair: what each side wrote to it
+/// and the other has not read yet, and whether it shut its sending side.
+#[derive(Debug, Default)]
+pub struct SimTcp {
+    pub wrote: [VecDeque<u8>; 2],
+    pub shut: [bool; 2],
+}
+
+/// The TCP connection, shared by both hosts and the world.
+pub type SharedTcp = Rc<RefCell<SimTcp>>;
+
 /// One side's host: its memory and the clock.
 #[derive(Debug)]
 pub struct SimHost {
@@ -72,15 +83,18 @@ pub struct SimHost {
     clock: SimClock,
     /// Memory this host calls unprotectable (all else is private).
     pub unprotectable: Unprotectables,
+    /// The TCP connection beneath.
+    pub tcp: SharedTcp,
 }
 
 impl SimHost {
-    pub fn new(side: usize, mems: SharedMems, clock: SimClock) -> SimHost {
+    pub fn new(side: usize, mems: SharedMems, clock: SimClock, tcp: SharedTcp) -> SimHost {
         SimHost {
             side,
             mems,
             clock,
             unprotectable: Rc::default(),
+            tcp,
         }
     }
 }
@@ -98,6 +112,28 @@ impl Host for SimHost {
     fn now(&self) -> Timestamp {
         self.clock.now()
     }
+    /// Until this side's SWITCH the peer writes nothing: whatever is there
+    /// came behind azsdp's back.
+    fn stream_clean(&mut self) -> bool {
+        self.tcp.borrow().wrote[1 - self.side].is_empty()
+    }
+
+    fn write_stream(&mut self, r: &Resend) -> bool {
+        let mut tcp = self.tcp.borrow_mut();
+        for p in &r.pieces {
+            match p {
+                ResendPiece::Bytes(b) => tcp.wrote[self.side].extend(b),
+                ResendPiece::Memory { addr, len } => {
+                    let mut b = vec![0u8; *len as usize];
+                    self.mems.borrow_mut()[self.side].read_raw(*addr, &mut b);
+                    tcp.wrote[self.side].extend(b);
+                }
+            }
+        }
+        tcp.shut[self.side] |= r.shutdown;
+        true
+    }
+
     fn protectable(&mut self, pages: &Range<u64>) -> Protectable {
         let overlaps = |r: &Range<u64>| r.start < pages.end && pages.start < r.end;
         match self

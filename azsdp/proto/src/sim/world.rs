@@ -5,18 +5,18 @@
 
 use std::cell::RefCell;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
 use super::SimReport;
-use super::host::{ProtectLog, SimClock, SimHost, SimProtector, Trace};
+use super::host::{ProtectLog, SharedTcp, SimClock, SimHost, SimProtector, Trace};
 use super::memory::{SharedMems, SimMemory};
 use super::rng::Rng;
 use super::scenario::{Injection, Scenario};
 use crate::conn::{
-    Access, CallError, CallId, Counters, RecvFlags, ResendPiece, SendFlags, Shutdown, State,
-    Ticket, Unprotectable,
+    Access, CallError, CallId, Counters, RecvFlags, SendFlags, Shutdown, State, Ticket,
+    Unprotectable,
 };
 use crate::driver::Driver;
 use crate::fabric::sim::{SimEndpoint, SimFabric};
@@ -170,10 +170,8 @@ pub struct World {
     violations: Vec<String>,
     trace: Trace,
     events_run: u64,
-    /// The TCP connection beneath: what each side wrote to it (and not yet
-    /// read by the other), and whether it shut its sending side.
-    tcp: [VecDeque<u8>; 2],
-    tcp_shut: [bool; 2],
+    /// The TCP connection beneath (the hosts write resends into it).
+    tcp: SharedTcp,
 }
 
 fn pattern_word(dir: usize, seed: u64, w: u64) -> u64 {
@@ -225,10 +223,11 @@ impl World {
             sc.injection,
         )
         .shared();
+        let tcp = SharedTcp::default();
         let side = |s: usize, rng: &mut Rng| {
             let p = SimProtector::new(s, Rc::clone(&mems), rng.fork(), sc.p_arm_fail);
             let log = Rc::clone(&p.log);
-            let host = SimHost::new(s, Rc::clone(&mems), clock.clone());
+            let host = SimHost::new(s, Rc::clone(&mems), clock.clone(), Rc::clone(&tcp));
             let ep = SimEndpoint::new(Rc::clone(&fabric), s);
             (Driver::with_host(sc.engine[s].clone(), ep, p, host), log)
         };
@@ -282,8 +281,7 @@ impl World {
             seq: 0,
             calls: BTreeMap::new(),
             violations: Vec::new(),
-            tcp: [VecDeque::new(), VecDeque::new()],
-            tcp_shut: [false; 2],
+            tcp,
             trace,
             events_run: 0,
             sc,
@@ -462,7 +460,7 @@ impl World {
                 self.procs[side].dead = true;
                 self.fabric.borrow_mut().kill(side);
                 // Its kernel closes its TCP socket: what it wrote, then the end.
-                self.tcp_shut[side] = true;
+                self.tcp.borrow_mut().shut[side] = true;
                 self.wake_tcp_readers(1 - side);
             }
         }
@@ -475,29 +473,16 @@ impl World {
         if self.procs[side].dead {
             return;
         }
-        if let Some(r) = self.drivers[side].take_resend() {
-            // Both sides left the fabric: this side writes its stream from
-            // where the peer's application stopped, then lets go.
-            self.note(|| format!("side {side}: resend {} bytes from {}", r.len(), r.from));
-            for p in &r.pieces {
-                match p {
-                    ResendPiece::Bytes(b) => self.tcp[side].extend(b),
-                    ResendPiece::Memory { addr, len } => {
-                        let mut b = vec![0u8; *len as usize];
-                        self.mems.borrow_mut()[side].read_raw(*addr, &mut b);
-                        self.tcp[side].extend(b);
-                    }
-                }
-            }
-            self.tcp_shut[side] |= r.shutdown;
-            self.drivers[side].resend_written();
-            self.wake_tcp_readers(1 - side);
-        }
+        // A resend may have gone onto TCP (the host writes it).
+        self.wake_tcp_readers(1 - side);
         let c = self.drivers[side].connection();
-        if matches!(c.state(), State::Aborted(_)) && c.switch_sent() && !self.tcp_shut[side] {
+        if matches!(c.state(), State::Aborted(_))
+            && c.switch_sent()
+            && !self.tcp.borrow().shut[side]
+        {
             // Aborted halfway through the switch: the shim resets the TCP
             // connection, which the peer may be reading already.
-            self.tcp_shut[side] = true;
+            self.tcp.borrow_mut().shut[side] = true;
             self.wake_tcp_readers(1 - side);
         }
         let ended: Vec<((usize, CallId), Result<u64, CallError>)> = self
@@ -557,7 +542,7 @@ impl World {
     fn tcp_send(&mut self, side: usize, addr: u64, len: u64) -> u64 {
         let mut b = vec![0u8; len as usize];
         self.mems.borrow_mut()[side].read_raw(addr, &mut b);
-        self.tcp[side].extend(b);
+        self.tcp.borrow_mut().wrote[side].extend(b);
         self.wake_tcp_readers(1 - side);
         len
     }
@@ -570,8 +555,8 @@ impl World {
         len: u64,
         flags: RecvFlags,
     ) -> Option<Result<u64, CallError>> {
-        let have = self.tcp[1 - side].len() as u64;
-        let shut = self.tcp_shut[1 - side];
+        let have = self.tcp.borrow().wrote[1 - side].len() as u64;
+        let shut = self.tcp.borrow().shut[1 - side];
         let enough =
             have > 0 && (!flags.waitall || flags.peek || flags.nonblocking || have >= len || shut);
         if !enough {
@@ -584,12 +569,14 @@ impl World {
             };
         }
         let n = have.min(len);
-        let from = &mut self.tcp[1 - side];
+        let mut tcp = self.tcp.borrow_mut();
+        let from = &mut tcp.wrote[1 - side];
         let b: Vec<u8> = if flags.peek {
             from.iter().take(n as usize).copied().collect()
         } else {
             from.drain(..n as usize).collect()
         };
+        drop(tcp);
         self.mems.borrow_mut()[side].write_raw(addr, &b);
         Some(Ok(n))
     }
@@ -887,7 +874,7 @@ impl World {
             }
             Phase::Finish => {
                 if self.on_tcp(side) {
-                    self.tcp_shut[side] = true;
+                    self.tcp.borrow_mut().shut[side] = true;
                     self.wake_tcp_readers(1 - side);
                 }
                 self.drivers[side].shutdown(Shutdown::Write);

@@ -19,7 +19,9 @@ use std::time::Duration;
 use super::*;
 use crate::conn::{AbortReason, Counters, FaultPolicy, LockRegion, Role, Shutdown};
 use crate::fabric::sim::{SimEndpoint, SimFabric, SimFabricParams};
-use crate::sim::host::{ProtectLog, SimClock, SimHost, SimProtector, Trace, Unprotectables};
+use crate::sim::host::{
+    ProtectLog, SharedTcp, SimClock, SimHost, SimProtector, Trace, Unprotectables,
+};
 use crate::sim::memory::{Prot, SharedMems, SimMemory};
 use crate::sim::rng::Rng;
 use crate::sim::scenario::Injection;
@@ -59,6 +61,8 @@ struct Pair {
     logs: [Rc<RefCell<ProtectLog>>; 2],
     /// What each side's host calls unprotectable.
     unprotectable: [Unprotectables; 2],
+    /// The TCP connection beneath.
+    tcp: SharedTcp,
 }
 
 /// Messages take 1 µs, operations 2 µs (plus 4 µs per 16 KiB a GET
@@ -87,12 +91,13 @@ impl Pair {
         let trace = Trace::new(false, clock.clone());
         let fabric = SimFabric::new(1, params, Rc::clone(&mems), trace, Injection::None).shared();
         let mut rng = Rng::new(7);
+        let tcp = SharedTcp::default();
         let mut logs = Vec::new();
         let mut hosts = Vec::new();
         let mut mk = |s: usize, c: EngineConfig| {
             let p = SimProtector::new(s, Rc::clone(&mems), rng.fork(), 0.0);
             logs.push(Rc::clone(&p.log));
-            let host = SimHost::new(s, Rc::clone(&mems), clock.clone());
+            let host = SimHost::new(s, Rc::clone(&mems), clock.clone(), Rc::clone(&tcp));
             hosts.push(Rc::clone(&host.unprotectable));
             Driver::with_host(c, SimEndpoint::new(Rc::clone(&fabric), s), p, host)
         };
@@ -106,6 +111,7 @@ impl Pair {
             d,
             logs,
             unprotectable,
+            tcp,
         };
         p.run_for(Duration::from_millis(1));
         assert_eq!(*p.d[0].connection().state(), State::Established);

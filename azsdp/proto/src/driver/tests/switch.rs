@@ -5,49 +5,34 @@
 use std::time::Duration;
 
 use super::*;
-use crate::conn::{Resend, ResendPiece};
 
-/// The TCP connection beneath a pair: what each side wrote to it.
-#[derive(Default)]
+/// What each side wrote to the TCP connection beneath, and whether it
+/// shut its sending side.
 struct Tcp {
     wrote: [Vec<u8>; 2],
     shut: [bool; 2],
 }
 
 impl Pair {
-    /// Write side `s`'s resend to `tcp` (as the shim writes it to the
-    /// kernel socket), then tell the driver.
-    fn resend(&mut self, s: usize, tcp: &mut Tcp) -> Resend {
-        let r = self.d[s].take_resend().expect("a resend");
-        for p in &r.pieces {
-            match p {
-                ResendPiece::Bytes(b) => tcp.wrote[s].extend_from_slice(b),
-                ResendPiece::Memory { addr, len } => {
-                    let bytes = self.read(s, *addr, *len as usize);
-                    tcp.wrote[s].extend(bytes);
-                }
-            }
-        }
-        tcp.shut[s] = r.shutdown;
-        self.d[s].resend_written();
-        r
-    }
-
-    /// Both sides leave (side `first` starts): their resends go to `tcp`.
-    fn switch(&mut self, first: usize, tcp: &mut Tcp) -> [Resend; 2] {
+    /// Both sides leave (side `first` starts); what they wrote to TCP.
+    fn switch(&mut self, first: usize) -> Tcp {
         self.d[first].leave_fabric();
         self.run_until(Duration::from_secs(1), |p| {
-            p.d[0].connection().switch_sent() && p.d[1].connection().switch_sent()
+            p.d.iter()
+                .all(|d| *d.connection().state() == State::Switched)
         });
         self.run_for(Duration::from_millis(1));
-        let r0 = self.resend(0, tcp);
-        let r1 = self.resend(1, tcp);
-        self.run_for(Duration::from_millis(1));
         for d in &self.d {
-            assert_eq!(*d.connection().state(), State::Switched);
             assert!(d.is_finished());
         }
-        [r0, r1]
+        let mut t = self.tcp.borrow_mut();
+        Tcp {
+            wrote: [
+                t.wrote[0].drain(..).collect(),
+                t.wrote[1].drain(..).collect(),
+            ],
+            shut: t.shut,
+        }
     }
 
     /// Nothing is left protected, armed, registered or pooled anywhere.
@@ -92,10 +77,7 @@ fn a_switch_loses_nothing_in_flight_either_way() {
     let n = p.wait(1, r).unwrap();
     let mut got0 = p.read(1, DST, n as usize);
     assert!(p.counters(1).gets > 0, "part of the advertisement was read");
-    let mut tcp = Tcp::default();
-    let [r0, r1] = p.switch(0, &mut tcp);
-    assert_eq!(r0.from, n);
-    assert_eq!(r1.from, 1000);
+    let tcp = p.switch(0);
     got0.extend(&tcp.wrote[0]);
     got1.extend(&tcp.wrote[1]);
     assert_eq!(got0, sent0);
@@ -115,8 +97,7 @@ fn a_copy_on_write_copy_goes_again_not_the_rewritten_pages() {
     p.run_until(Duration::from_millis(10), |p| p.woken(0, BUF + PAGE));
     assert_eq!(p.counters(0).cow_copies, 1);
     p.write(0, BUF, &[0xff; 4 * PAGE as usize]);
-    let mut tcp = Tcp::default();
-    p.switch(1, &mut tcp);
+    let tcp = p.switch(1);
     assert_eq!(tcp.wrote[0], data);
     assert!(tcp.wrote[1].is_empty());
     p.all_released();
@@ -130,9 +111,7 @@ fn both_sides_leaving_at_once_and_a_shut_stream_carry_over() {
     p.d[0].shutdown(Shutdown::Write);
     assert_eq!(p.poll(0, s), Some(Ok(14)));
     p.d[0].leave_fabric();
-    p.d[1].leave_fabric();
-    let mut tcp = Tcp::default();
-    p.switch(1, &mut tcp);
+    let tcp = p.switch(1);
     assert_eq!(tcp.wrote[0], b"before the end");
     assert!(tcp.shut[0] && !tcp.shut[1], "{:?}", tcp.shut);
 }
@@ -149,8 +128,7 @@ fn calls_in_progress_end_to_go_again_over_tcp() {
     p.write(0, BUF, &data);
     let s = p.send(0, BUF, 3 * PAGE);
     assert_eq!(p.poll(0, s), None);
-    let mut tcp = Tcp::default();
-    p.switch(0, &mut tcp);
+    let tcp = p.switch(0);
     assert_eq!(p.d[0].take_result(r), Some(Err(CallError::Switched)));
     assert_eq!(
         p.d[0].take_result(s),
@@ -170,8 +148,30 @@ fn a_switch_after_everything_was_read_resends_nothing() {
     assert_eq!(p.wait(1, r), Ok(20_000));
     assert_eq!(p.wait(0, s), Ok(20_000));
     p.run_for(Duration::from_millis(1));
-    let mut tcp = Tcp::default();
-    let [r0, _] = p.switch(0, &mut tcp);
-    assert!(r0.pieces.is_empty(), "{r0:?}");
-    assert_eq!(r0.from, 20_000);
+    let tcp = p.switch(0);
+    assert!(tcp.wrote[0].is_empty() && tcp.wrote[1].is_empty());
+}
+
+#[test]
+fn bytes_on_tcp_before_the_switch_reset_the_connection() {
+    let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    // Side 1's program wrote to the TCP socket behind azsdp's back.
+    p.tcp.borrow_mut().wrote[1].extend(b"stray");
+    // Seen when looking at it on the fabric...
+    p.d[0].check_stream();
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(
+        *p.d[0].connection().state(),
+        State::Aborted(AbortReason::StrayBytes)
+    );
+    // ... and before a SWITCH would make them look like the peer's resend.
+    let mut q = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    q.tcp.borrow_mut().wrote[1].extend(b"stray");
+    q.d[0].leave_fabric();
+    q.run_for(Duration::from_millis(1));
+    assert_eq!(
+        *q.d[0].connection().state(),
+        State::Aborted(AbortReason::StrayBytes)
+    );
+    assert!(matches!(q.d[1].connection().state(), State::Aborted(_)));
 }
