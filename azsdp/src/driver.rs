@@ -12,9 +12,11 @@
 //! address, as the engine asks.
 
 use std::ops::Range;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use crate::conn::{Unprotectable, UserMemory};
+use crate::beneath::TcpBeneath;
+use crate::conn::{Resend, ResendPiece, Unprotectable, UserMemory};
 use crate::time::Timestamp;
 
 pub use azsdp_proto::driver::{Host, Protectable, capabilities};
@@ -39,6 +41,10 @@ pub struct ProcessHost {
     /// Turn private file mappings a send comes from into anonymous memory
     /// ([`crate::anonymize`]).
     pub convert_private_files: bool,
+    /// The TCP socket beneath the connection, if it has one.
+    pub beneath: Option<Arc<TcpBeneath>>,
+    /// How long writing the resend to it may take.
+    pub write_timeout: Duration,
 }
 
 impl Default for ProcessHost {
@@ -46,6 +52,8 @@ impl Default for ProcessHost {
         ProcessHost {
             epoch: Instant::now(),
             convert_private_files: true,
+            beneath: None,
+            write_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -91,5 +99,38 @@ impl Host for ProcessHost {
 
     fn memory_changed(&mut self) {
         crate::memory_map::invalidate();
+    }
+
+    fn stream_clean(&mut self) -> bool {
+        self.beneath.as_ref().is_none_or(|b| b.waiting() == 0)
+    }
+
+    fn write_stream(&mut self, r: &Resend) -> bool {
+        let Some(b) = &self.beneath else {
+            return false;
+        };
+        let pieces: Vec<&[u8]> = r
+            .pieces
+            .iter()
+            .map(|p| match p {
+                ResendPiece::Bytes(v) => v.as_slice(),
+                // SAFETY: our own memory the engine still holds for the
+                // resend: advertised pages (write-protected, or the buffer
+                // of a call that has not returned) or a copy in the
+                // fabric's pool; released only once this returns.
+                ResendPiece::Memory { addr, len } => unsafe {
+                    std::slice::from_raw_parts(*addr as *const u8, *len as usize)
+                },
+            })
+            .collect();
+        let deadline = Instant::now() + self.write_timeout;
+        match b.write_all(&pieces, r.shutdown, deadline) {
+            Ok(()) => true,
+            Err(e) => {
+                crate::protect::log_once(&format!("writing to TCP on leaving the fabric: {e}"));
+                b.reset();
+                false
+            }
+        }
     }
 }

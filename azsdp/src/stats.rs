@@ -144,10 +144,13 @@ pub enum TcpReason {
     /// Client and listener are one process: its `accept()` may come only
     /// after this `connect()` returns, so pairing could only time out.
     SameProcess,
+    /// The connection was on azsdp and moved onto its TCP socket (an
+    /// `exec`, or processes sharing it after a fork).
+    Switched,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 10] = [
+    pub const ALL: [TcpReason; 11] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -158,6 +161,7 @@ impl TcpReason {
         TcpReason::Unsupported,
         TcpReason::PeerUnverified,
         TcpReason::SameProcess,
+        TcpReason::Switched,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -179,6 +183,7 @@ impl TcpReason {
             TcpReason::Unsupported => "unsupported",
             TcpReason::PeerUnverified => "peer-unverified",
             TcpReason::SameProcess => "same-process",
+            TcpReason::Switched => "switched",
         }
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use azsdp::beneath::TcpBeneath;
 use azsdp::config::Settings;
 use azsdp::conn::{Capabilities, LockRegion, Role, TxMode};
 use azsdp::driver::threaded::ThreadedDriver;
@@ -44,6 +45,9 @@ type ConnDriver = ThreadedDriver<ActiveEndpoint, Box<dyn Protector + Send>>;
 /// An upgraded connection.
 pub struct Conn {
     pub driver: ConnDriver,
+    /// The TCP socket beneath (the program's descriptor, or ours once the
+    /// program closed it while the connection finishes).
+    pub beneath: Arc<TcpBeneath>,
     /// The epoll sets watching this connection.
     pub watchers: Arc<crate::epoll::Watchers>,
     pub local: SocketAddr,
@@ -65,6 +69,7 @@ impl Conn {
     /// `peer_timeout`, and by the peer process's life).
     pub fn start(
         ep: ActiveEndpoint,
+        fd: i32,
         role: Role,
         settings: &Settings,
         local: SocketAddr,
@@ -79,8 +84,11 @@ impl Conn {
         caps.zcopy_source &= Endpoint::same_user(&ep);
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let waiter = Endpoint::waiter(&ep);
+        let beneath = Arc::new(TcpBeneath::new(fd));
         let mut host = ProcessHost::default();
         host.convert_private_files = settings.convert_private_files;
+        host.beneath = Some(Arc::clone(&beneath));
+        host.write_timeout = settings.peer_timeout.max(Duration::from_secs(1));
         let d = Driver::with_host(cfg, ep, p.protector, host);
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);
@@ -104,6 +112,7 @@ impl Conn {
         crate::runtime::ensure_exit_handler();
         let c = Arc::new(Conn {
             driver,
+            beneath,
             watchers,
             local,
             peer,
@@ -177,6 +186,28 @@ impl Conn {
         self.close_with(false);
     }
 
+    /// Which end of the connection this is.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The program is closing (or replacing) its descriptor `fd` of this
+    /// connection, whose other descriptor (if any) is `other`: the socket
+    /// beneath stays reachable while the connection may still need it.
+    pub fn program_closes(&self, fd: i32, other: Option<i32>) {
+        let needed = !self.driver.is_switched() && !self.driver.is_finished();
+        self.beneath.detach(fd, other, needed);
+    }
+
+    /// The connection moved onto its TCP socket: its azsdp life ends here
+    /// (the close line, the stat slot), the program's descriptor is plain.
+    pub fn switched(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.report();
+        self.close_slot();
+        self.beneath.release();
+    }
+
     /// Wait (up to the linger time) for a background close to finish.
     pub fn join_closed(&self) {
         self.driver
@@ -210,6 +241,7 @@ impl Conn {
                 c.bytes_unread_by_peer
             ),
             azsdp::conn::State::Aborted(r) => format!("reset ({r})"),
+            azsdp::conn::State::Switched => "moved to its TCP socket".to_string(),
             _ => "closed".to_string(),
         };
         if let Some(w) = self.driver.stalled() {

@@ -390,7 +390,7 @@ pub fn connect(
     // descriptor of its own from here.
     drop(reg.sock);
     match offer.into_endpoint(fds, answer.peer, peer_page) {
-        Ok(ep) => Outcome::Azsdp(Conn::start(ep, Role::Client, settings, local, dst)),
+        Ok(ep) => Outcome::Azsdp(Conn::start(ep, fd, Role::Client, settings, local, dst)),
         Err(e) => {
             debug!("connect {dst}: {e}");
             Outcome::Tcp(-1, libc::ECONNRESET, None)

@@ -231,6 +231,40 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
     0
 }
 
+/// An upgraded socket is plain TCP again: move it from our sets back into
+/// the kernel's, with its events and data.
+pub fn release(sock: &Arc<Sock>) {
+    let sets: Vec<(c_int, Arc<Lock<Set>>)> = SETS
+        .lock()
+        .iter()
+        .map(|(e, s)| (*e, Arc::clone(s)))
+        .collect();
+    for (epfd, set) in sets {
+        let moved: Vec<(c_int, Interest)> = {
+            let mut set = set.lock();
+            let fds: Vec<c_int> = set
+                .interests
+                .iter()
+                .filter(|(_, it)| Arc::ptr_eq(&it.sock, sock))
+                .map(|(fd, _)| *fd)
+                .collect();
+            fds.into_iter()
+                .filter_map(|fd| set.interests.remove(&fd).map(|it| (fd, it)))
+                .collect()
+        };
+        for (fd, it) in moved {
+            let mut ev = epoll_event {
+                events: it.events,
+                u64: it.data,
+            };
+            // SAFETY: adding the program's descriptor to the program's set,
+            // with an event of ours.
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) };
+        }
+    }
+    crate::ready::notify();
+}
+
 /// A socket in kernel epoll sets was upgraded: move it to ours.
 pub fn adopt(sock: &Arc<Sock>) {
     let regs = std::mem::take(&mut *sock.kernel_epolls.lock());

@@ -60,6 +60,14 @@ pub fn remove(fd: i32) -> Option<Arc<Sock>> {
     m.remove(&fd)
 }
 
+/// Every tracked descriptor and its socket.
+pub fn entries() -> Vec<(i32, Arc<Sock>)> {
+    MAP.read()
+        .iter()
+        .map(|(fd, s)| (*fd, Arc::clone(s)))
+        .collect()
+}
+
 /// Every tracked socket (each once), for exit and stats.
 pub fn all() -> Vec<Arc<Sock>> {
     let mut v: Vec<Arc<Sock>> = MAP.read().values().cloned().collect();

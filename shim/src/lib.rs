@@ -9,7 +9,8 @@
 //!
 //! Modules: [`real`] finds libc's own functions; [`hooks`] are the
 //! interposed ones; [`fdtable`] and [`sock`] track the sockets; [`ready`]
-//! and [`epoll`] emulate readiness of upgraded sockets; [`runtime`] holds
+//! and [`epoll`] emulate readiness of upgraded sockets; [`switch`] moves a
+//! connection onto its TCP socket (before an exec); [`runtime`] holds
 //! the configuration, the stat file and exit handling; [`log`] is the log.
 //! See `docs/shim.md`.
 
@@ -26,6 +27,7 @@ mod real;
 mod runtime;
 mod signals;
 mod sock;
+mod switch;
 mod user_mem;
 
 use std::ffi::c_char;

@@ -456,6 +456,6 @@ impl Listener {
             return Err(TcpReason::PairTimeout);
         }
         azsdp::futex::wake_all(word);
-        Ok(Conn::start(ep, Role::Server, s, local, peer))
+        Ok(Conn::start(ep, fd, Role::Server, s, local, peer))
     }
 }

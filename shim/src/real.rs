@@ -100,6 +100,12 @@ real! {
     fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     fn fork() -> libc::pid_t;
+    fn execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+    fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;
+    fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;
+    fn execvpe(file: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+    fn fexecve(fd: c_int, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+    fn execveat(dirfd: c_int, path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char, flags: c_int) -> c_int;
     fn free(p: *mut c_void) -> ();
     fn realloc(p: *mut c_void, n: size_t) -> *mut c_void;
     fn munmap(addr: *mut c_void, len: size_t) -> c_int;

@@ -196,6 +196,16 @@ pub fn ensure_exit_handler() {
     }
 }
 
+/// Wait for the connections the program closed to finish in the
+/// background (each bounded by its linger time).
+pub fn join_closing() {
+    let v: Vec<Arc<Conn>> = CLOSING.lock().clone();
+    for c in v {
+        c.join_closed();
+        c.report();
+    }
+}
+
 extern "C" fn at_exit() {
     let _ = std::panic::catch_unwind(|| {
         for s in crate::fdtable::all() {
@@ -203,11 +213,7 @@ extern "C" fn at_exit() {
                 c.close();
             }
         }
-        let v: Vec<Arc<Conn>> = CLOSING.lock().clone();
-        for c in v {
-            c.join_closed();
-            c.report();
-        }
+        join_closing();
         // Our stat file goes with us (a forked child's is its own).
         let pid = std::process::id();
         if let Some(s) = STATS.lock().as_ref().filter(|s| s.pid == pid)

@@ -81,6 +81,18 @@ impl Sock {
         *self.role.write() = r;
     }
 
+    /// Replace the role if it is still connection `c` (two threads may
+    /// find a connection moved at once: one takes the move).
+    pub fn replace_conn(&self, c: &Arc<Conn>, with: Role) -> bool {
+        let mut r = self.role.write();
+        if matches!(&*r, Role::Azsdp(x) if Arc::ptr_eq(x, c)) {
+            *r = with;
+            true
+        } else {
+            false
+        }
+    }
+
     pub fn conn(&self) -> Option<Arc<Conn>> {
         match &*self.role.read() {
             Role::Azsdp(c) => Some(Arc::clone(c)),

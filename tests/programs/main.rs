@@ -3,6 +3,7 @@
 //! a peer not under azsdp; and a peer killed mid-stream.
 
 mod conform;
+mod exec;
 mod harness;
 mod hostile;
 mod inputs;
@@ -21,7 +22,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
-/// offset + 32 (32-63); 64 iperf3's zero-copy; 72-82 the trust, input and scale tests; 84-87 the
+/// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 exec.rs; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
 /// 100-115.
@@ -643,8 +644,9 @@ fn pre_fork_server_children_accept_on_the_inherited_listener() {
 }
 
 #[test]
-fn an_execed_program_reads_eof_from_an_inherited_upgraded_socket() {
-    sockcheck_on("exec", 17, &[true]);
+fn an_execed_image_reads_the_rest_of_the_stream_with_or_without_the_shim() {
+    sockcheck("exec", 17);
+    sockcheck_on("exec-bare", 65, &[true]);
 }
 
 #[test]

@@ -875,56 +875,94 @@ fn killed_idle(server: bool, port: u16) -> R {
     Ok(())
 }
 
-/// A child that execs with an upgraded connection open: the new image,
-/// which knows nothing of it, reads EOF and gets EPIPE; the parent's
-/// connection goes on. (Under azsdp only: on plain TCP the probe would
-/// read the live stream.)
-fn exec(server: bool, port: u16) -> R {
-    if server {
-        let l = listen_on(port)?;
-        let c = accept_one(l)?;
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let status = std::process::Command::new(exe)
-            .args(["exec-probe", &c.to_string(), "0"])
-            .status()
-            .map_err(|e| format!("exec: {e}"))?;
-        check!(status.success(), "the exec'd probe failed: {status}");
-        send_all(c, b"parent still works")?;
+/// Bytes of the client's stream, of which the server's first image reads
+/// `BEFORE_EXEC` and the image it execs the rest; then the exec'd image's
+/// answer.
+const EXEC_STREAM: usize = 600_000;
+const BEFORE_EXEC: usize = 50_000;
+const EXEC_ANSWER: usize = 300_000;
+
+/// A server forks and execs a program with the upgraded socket as its
+/// descriptor (inetd style): the connection moves onto the TCP socket
+/// first, so the new image, with the shim (`keep_shim`) or without it,
+/// reads exactly the rest of the client's stream (what the first image had
+/// not read, whether it came by copy or zero-copy) and what it writes
+/// reaches the client after everything sent before.
+fn exec(server: bool, port: u16, keep_shim: bool) -> R {
+    let stream = data(EXEC_STREAM, 17);
+    if !server {
+        let c = connect_to(port)?;
+        send_all(c, &stream[..EXEC_STREAM / 2])?;
+        send_all(c, &stream[EXEC_STREAM / 2..])?;
+        check!(
+            recv_exact(c, EXEC_ANSWER)? == data(EXEC_ANSWER, 18),
+            "the exec'd image's answer"
+        );
         expect_eof(c)?;
         close(c);
-    } else {
-        let c = connect_to(port)?;
-        check!(
-            recv_exact(c, 18)? == b"parent still works",
-            "parent's message"
-        );
-        close(c);
+        return Ok(());
     }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    check!(
+        recv_exact(c, BEFORE_EXEC)? == stream[..BEFORE_EXEC],
+        "what the first image read"
+    );
+    let exe = std::ffi::CString::new(
+        std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .map_err(|e| e.to_string())?;
+    let args: Vec<std::ffi::CString> = ["azsdp-sockcheck", "exec-probe", &c.to_string(), "0"]
+        .iter()
+        .map(|a| std::ffi::CString::new(*a).expect("no NUL"))
+        .collect();
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let env: Vec<std::ffi::CString> = std::env::vars_os()
+        .filter(|(k, _)| keep_shim || k != "LD_PRELOAD")
+        .map(|(k, v)| {
+            let mut kv = k.into_encoded_bytes();
+            kv.push(b'=');
+            kv.extend(v.into_encoded_bytes());
+            std::ffi::CString::new(kv).expect("no NUL")
+        })
+        .collect();
+    let mut envp: Vec<*const libc::c_char> = env.iter().map(|a| a.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    // SAFETY: fork; the child only execs (or exits).
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: execve with NUL-terminated arrays built above.
+        unsafe {
+            libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
+            libc::_exit(127);
+        }
+    }
+    check!(pid > 0, "fork: {}", err_name(errno()));
+    // The child runs the connection now: this copy is only closed.
+    close(c);
+    let mut status = 0;
+    // SAFETY: waitpid for our child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    check!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the exec'd image failed: status {status:#x}"
+    );
     Ok(())
 }
 
-/// The exec'd side of [`exec`]: descriptor `fd` was inherited.
+/// The exec'd side of [`exec`]: descriptor `fd` was inherited, upgraded.
 fn exec_probe(fd: c_int) -> R {
-    // SAFETY: ignoring SIGPIPE in this fresh process.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    let stream = data(EXEC_STREAM, 17);
     check!(
-        poll1(fd, libc::POLLIN, 5000) & libc::POLLIN != 0,
-        "the inherited socket never became readable"
+        recv_exact(fd, EXEC_STREAM - BEFORE_EXEC)? == stream[BEFORE_EXEC..],
+        "the rest of the client's stream, in the exec'd image"
     );
-    let mut b = [0u8; 16];
-    let n = recv_some(fd, &mut b, 0);
-    check!(
-        n == 0,
-        "inherited socket read gave {n} ({})",
-        err_name(errno())
-    );
-    // SAFETY: send(2) from a static buffer.
-    let n = unsafe { libc::send(fd, b"x".as_ptr().cast(), 1, 0) };
-    check!(
-        n == -1 && errno() == libc::EPIPE,
-        "inherited socket write gave {n} ({})",
-        err_name(errno())
-    );
+    send_all(fd, &data(EXEC_ANSWER, 18))?;
+    close(fd);
     Ok(())
 }
 
@@ -1624,7 +1662,8 @@ fn main() {
         "signals" => signals(server, port),
         "descriptors" => descriptors(server, port),
         "prefork" => prefork(server, port),
-        "exec" => exec(server, port),
+        "exec" => exec(server, port, true),
+        "exec-bare" => exec(server, port, false),
         "killed-idle" => killed_idle(server, port),
         "glibc-names" => glibc_names(server, port),
         "fork-child-serves" => fork_after_accept(server, port, true),

@@ -80,7 +80,17 @@ struct Shared<F: Fabric, P: Protector> {
     suspect: AtomicBool,
     /// `mail` or `suspect` has something.
     news: AtomicBool,
+    /// The connection left the fabric (State::Switched): its calls go to
+    /// the TCP socket beneath.
+    switched: AtomicBool,
+    /// When the TCP socket beneath was last looked at for stray bytes
+    /// ([`standby::now_ns`]).
+    stream_looked: AtomicU64,
 }
+
+/// How often an idle connection's TCP socket is looked at for bytes
+/// written behind azsdp's back.
+const STREAM_LOOK_NS: u64 = 1_000_000_000;
 
 /// Bounds of a blocking call (see [`ThreadedDriver::send_bounded`]).
 pub struct CallLimits<'a> {
@@ -434,6 +444,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if total > 0 && self.in_calls.load(Ordering::SeqCst) > others {
             self.waiter.kick();
         }
+        if *d.connection().state() == State::Switched && !self.switched.swap(true, Ordering::SeqCst)
+        {
+            // Every caller looks again (their calls go to TCP now).
+            self.waiter.kick();
+        }
         // Timers change readiness too (a peer that timed out).
         if total > 0 || d.connection().readiness() != before {
             if let Some(n) = &self.notify {
@@ -500,6 +515,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             mail: Lock::new(Vec::new()),
             suspect: AtomicBool::new(false),
             news: AtomicBool::new(false),
+            switched: AtomicBool::new(false),
+            stream_looked: AtomicU64::new(0),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
@@ -664,6 +681,29 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// The connection's state (why it ended, if it did).
+    /// Has the connection left the fabric for the TCP socket beneath?
+    pub fn is_switched(&self) -> bool {
+        self.shared.switched.load(Ordering::SeqCst)
+    }
+
+    /// Leave the fabric for the TCP socket beneath (docs/protocol.md §8a),
+    /// and wait until both sides have, this side's resend is written (the
+    /// socket is the program's from then on), or `timeout` passes. Whether
+    /// the connection is on TCP now.
+    pub fn leave_fabric(&self, timeout: Duration) -> bool {
+        if !self.shared.make_mine() {
+            return false;
+        }
+        self.shared.lock().leave_fabric();
+        self.shared.end_standby();
+        let deadline = Instant::now() + timeout;
+        let end = self.shared.wait_until(Some(deadline), |d| {
+            let s = d.connection().state();
+            (*s == State::Switched || matches!(s, State::Aborted(_))).then(|| s.clone())
+        });
+        end == Some(State::Switched)
+    }
+
     pub fn state(&self) -> State {
         if self.shared.orphaned() {
             return State::Aborted(crate::conn::AbortReason::LocalReset);
@@ -922,6 +962,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                     ..Next::default()
                 };
             }
+        }
+        let at = standby::now_ns();
+        if at.saturating_sub(self.stream_looked.load(Ordering::Relaxed)) >= STREAM_LOOK_NS {
+            self.stream_looked.store(at, Ordering::Relaxed);
+            d.check_stream();
         }
         if let Some(abort) = self.own.take_deferred_close() {
             if abort {

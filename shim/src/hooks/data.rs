@@ -27,14 +27,20 @@ pub(super) fn fail(e: CallError, nosignal: bool) -> ssize_t {
         CallError::ConnReset => libc::ECONNRESET,
         CallError::TimedOut => libc::ETIMEDOUT,
         // (Made again on TCP before it gets here; never the program's.)
-        CallError::Switched => libc::ECONNRESET,
+        CallError::Switched => libc::EAGAIN,
     };
     real::set_errno(errno);
     -1
 }
 
-/// Send the buffers in order on `c`.
-fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -> ssize_t {
+/// Send the buffers in order on `c` (descriptor `fd`).
+fn send_bufs(
+    fd: c_int,
+    sock: &Arc<Sock>,
+    c: &Arc<Conn>,
+    bufs: &[(*const u8, usize)],
+    flags: c_int,
+) -> ssize_t {
     if flags & libc::MSG_OOB != 0 {
         real::set_errno(libc::EOPNOTSUPP);
         return -1;
@@ -57,13 +63,13 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
         // SAFETY: the program's buffer of `len` bytes, which the kernel
         // says it may read.
         let buf = unsafe { std::slice::from_raw_parts(p, len) };
-        let flags = SendFlags {
+        let sf = SendFlags {
             nonblocking,
             protectable: true,
             unprotectable: None,
         };
         let r = if nonblocking {
-            c.driver.send(buf, flags)
+            c.driver.send(buf, sf)
         } else {
             let deadline = sock.opts().sndtimeo.map(|t| Instant::now() + t);
             let signals = signals::CallSignals::default();
@@ -71,7 +77,7 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
                 deadline,
                 on_signal: &|| signals.interrupted(),
             };
-            c.driver.send_bounded(buf, flags, &limits)
+            c.driver.send_bounded(buf, sf, &limits)
         };
         match r {
             Ok(n) => {
@@ -80,6 +86,10 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
                     break;
                 }
             }
+            Err(CallError::Switched) if total == 0 => {
+                // The connection moved onto its TCP socket: the call goes there.
+                return on_tcp(fd, sock, c, true, bufs, flags);
+            }
             Err(e) if total == 0 => return fail(e, nosignal),
             Err(_) => break,
         }
@@ -87,9 +97,52 @@ fn send_bufs(sock: &Sock, c: &Conn, bufs: &[(*const u8, usize)], flags: c_int) -
     total as ssize_t
 }
 
-/// Receive into the buffers in order from `c`: the first call waits as
-/// the socket and flags say; later buffers take only what is there.
-fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> ssize_t {
+/// A call the connection ended because it moved onto its TCP socket, made
+/// there (the descriptor is plain from now on).
+fn on_tcp<T>(
+    fd: c_int,
+    sock: &Arc<Sock>,
+    c: &Arc<Conn>,
+    sent: bool,
+    bufs: &[(*const T, usize)],
+    flags: c_int,
+) -> ssize_t {
+    let t = crate::switch::moved(sock, c);
+    let iov: Vec<libc::iovec> = bufs
+        .iter()
+        .map(|&(p, l)| libc::iovec {
+            iov_base: p.cast_mut().cast(),
+            iov_len: l,
+        })
+        .collect();
+    // SAFETY: a msghdr of ours naming the program's buffers, as it passed
+    // them.
+    let mut m: msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = iov.as_ptr().cast_mut();
+    m.msg_iovlen = iov.len() as _;
+    plain(t, sent, || {
+        // SAFETY: libc's sendmsg/recvmsg on the program's descriptor and
+        // buffers.
+        unsafe {
+            if sent {
+                real::sendmsg(fd, &m, flags)
+            } else {
+                real::recvmsg(fd, &mut m, flags)
+            }
+        }
+    })
+}
+
+/// Receive into the buffers in order from `c` (descriptor `fd`): the
+/// first call waits as the socket and flags say; later buffers take only
+/// what is there.
+fn recv_bufs(
+    fd: c_int,
+    sock: &Arc<Sock>,
+    c: &Arc<Conn>,
+    bufs: &[(*mut u8, usize)],
+    flags: c_int,
+) -> ssize_t {
     if flags & libc::MSG_OOB != 0 {
         real::set_errno(libc::EINVAL);
         return -1;
@@ -101,6 +154,7 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
         let mut scratch = vec![0u8; want.min(1 << 20)];
         let n = scratch.len();
         return recv_bufs(
+            fd,
             sock,
             c,
             &[(scratch.as_mut_ptr(), n)],
@@ -110,7 +164,13 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
     if want == 0 {
         // TCP waits as for data (or EOF, or an error), then takes nothing.
         let mut one = [0u8; 1];
-        let r = recv_bufs(sock, c, &[(one.as_mut_ptr(), 1)], flags | libc::MSG_PEEK);
+        let r = recv_bufs(
+            fd,
+            sock,
+            c,
+            &[(one.as_mut_ptr(), 1)],
+            flags | libc::MSG_PEEK,
+        );
         return r.min(0);
     }
     let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
@@ -155,6 +215,11 @@ fn recv_bufs(sock: &Sock, c: &Conn, bufs: &[(*mut u8, usize)], flags: c_int) -> 
                     break;
                 }
             }
+            Err(CallError::Switched) if first => {
+                let bufs: Vec<(*const u8, usize)> =
+                    bufs.iter().map(|&(p, l)| (p.cast_const(), l)).collect();
+                return on_tcp(fd, sock, c, false, &bufs, flags);
+            }
             Err(e) if first => return fail(e, true),
             Err(_) => break,
         }
@@ -173,6 +238,8 @@ fn target(fd: c_int) -> Target {
     match fdtable::get(fd) {
         None => Target::Plain(None),
         Some(s) => match s.role() {
+            // Moved onto its TCP socket: plain from now on.
+            Role::Azsdp(c) if c.driver.is_switched() => Target::Plain(crate::switch::moved(&s, &c)),
             Role::Azsdp(c) => Target::Azsdp(s, c),
             Role::Tcp(t) => Target::Plain(Some(t)),
             _ => Target::Plain(None),
@@ -201,7 +268,7 @@ pub(super) fn plain(
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, len: size_t, flags: c_int) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(fd, &s, &c, &[(buf.cast(), len)], flags)),
             // SAFETY: libc's send with the program's arguments.
             Target::Plain(t) => plain(t, true, || unsafe { real::send(fd, buf, len, flags) }),
         }
@@ -219,7 +286,7 @@ pub unsafe extern "C" fn sendto(
 ) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(fd, &s, &c, &[(buf.cast(), len)], flags)),
             // SAFETY: libc's sendto with the program's arguments.
             Target::Plain(t) => plain(t, true, || unsafe {
                 real::sendto(fd, buf, len, flags, addr, alen)
@@ -279,7 +346,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
                         Ok(b) => b,
                         Err(e) => return efail(e),
                     };
-                send_bufs(&s, &c, &bufs, flags)
+                send_bufs(fd, &s, &c, &bufs, flags)
             }),
             // SAFETY: libc's sendmsg with the program's arguments.
             Target::Plain(t) => plain(t, true, || unsafe { real::sendmsg(fd, msg, flags) }),
@@ -291,7 +358,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, len: size_t) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || send_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+            Target::Azsdp(s, c) => guard(-1, || send_bufs(fd, &s, &c, &[(buf.cast(), len)], 0)),
             // SAFETY: libc's write with the program's arguments.
             Target::Plain(t) => plain(t, true, || unsafe { real::write(fd, buf, len) }),
         }
@@ -303,7 +370,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
     hook(|| {
         match target(fd) {
             Target::Azsdp(s, c) => guard(-1, || match send_iovs(iov, i64::from(n)) {
-                Ok(bufs) => send_bufs(&s, &c, &bufs, 0),
+                Ok(bufs) => send_bufs(fd, &s, &c, &bufs, 0),
                 Err(e) => efail(e),
             }),
             // SAFETY: libc's writev with the program's arguments.
@@ -316,7 +383,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], flags)),
+            Target::Azsdp(s, c) => guard(-1, || recv_bufs(fd, &s, &c, &[(buf.cast(), len)], flags)),
             // SAFETY: libc's recv with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe { real::recv(fd, buf, len, flags) }),
         }
@@ -341,7 +408,7 @@ pub unsafe extern "C" fn recvfrom(
                 {
                     return efail(e);
                 }
-                recv_bufs(&s, &c, &[(buf.cast(), len)], flags)
+                recv_bufs(fd, &s, &c, &[(buf.cast(), len)], flags)
             }),
             // SAFETY: libc's recvfrom with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe {
@@ -372,7 +439,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
                 if let Err(e) = crate::user_mem::write(msg, &[m]) {
                     return efail(e);
                 }
-                recv_bufs(&s, &c, &bufs, flags)
+                recv_bufs(fd, &s, &c, &bufs, flags)
             }),
             // SAFETY: libc's recvmsg with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
@@ -384,7 +451,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize_t {
     hook(|| {
         match target(fd) {
-            Target::Azsdp(s, c) => guard(-1, || recv_bufs(&s, &c, &[(buf.cast(), len)], 0)),
+            Target::Azsdp(s, c) => guard(-1, || recv_bufs(fd, &s, &c, &[(buf.cast(), len)], 0)),
             // SAFETY: libc's read with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe { real::read(fd, buf, len) }),
         }
@@ -396,7 +463,7 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> 
     hook(|| {
         match target(fd) {
             Target::Azsdp(s, c) => guard(-1, || match iovs(iov, i64::from(n)) {
-                Ok(bufs) => recv_bufs(&s, &c, &bufs, 0),
+                Ok(bufs) => recv_bufs(fd, &s, &c, &bufs, 0),
                 Err(e) => efail(e),
             }),
             // SAFETY: libc's readv with the program's arguments.
@@ -454,7 +521,7 @@ pub unsafe extern "C" fn sendfile(
             if got <= 0 {
                 return got;
             }
-            let sent = send_bufs(&s, &c, &[(buf.as_ptr(), got as usize)], 0);
+            let sent = send_bufs(out, &s, &c, &[(buf.as_ptr(), got as usize)], 0);
             if sent > 0 {
                 // SAFETY: the program's offset, or put back what we did not send.
                 unsafe {

@@ -232,8 +232,8 @@ pub unsafe extern "C" fn getsockopt(
     })
 }
 
-/// An upgraded socket's name, as the kernel would give it: the kernel
-/// socket itself was shut down at the upgrade (see [`seal`]).
+/// An upgraded socket's name, as paired (the kernel's own, which the
+/// connected socket beneath still has).
 fn upgraded_name(fd: c_int, peer: bool, addr: *mut sockaddr, len: *mut socklen_t) -> Option<c_int> {
     let c = fdtable::get(fd)?.conn()?;
     if addr.is_null() || len.is_null() {

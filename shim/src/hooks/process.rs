@@ -1,7 +1,8 @@
 //! Process and memory: fork, and the memory calls that end or move pages
-//! a connection may still hold (free, realloc, munmap, mremap, madvise).
+//! a connection may still hold (free, realloc, munmap, mremap, madvise), and
+//! exec, before which connections move onto their TCP socket.
 
-use libc::{c_int, c_void, off_t, size_t};
+use libc::{c_char, c_int, c_void, off_t, size_t};
 
 use super::{guard, hook, quietly};
 use crate::{real, runtime};
@@ -104,4 +105,72 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
     quietly(|| azsdp::process::before_madvise(addr as u64, len as u64, advice));
     // SAFETY: libc's madvise.
     unsafe { real::madvise(addr, len, advice) }
+}
+
+// ----- exec: connections move onto their TCP socket first ------------------
+
+/// Before any `exec`: the new image may not run the shim, and could not
+/// take an engine's state if it did (docs/shim.md, "exec").
+fn before_exec() {
+    quietly(crate::switch::before_exec);
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execve(
+    path: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: libc's execve with the program's arguments.
+    unsafe { real::execve(path, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
+    before_exec();
+    // SAFETY: libc's execv with the program's arguments.
+    unsafe { real::execv(path, argv) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
+    before_exec();
+    // SAFETY: libc's execvp with the program's arguments.
+    unsafe { real::execvp(file, argv) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execvpe(
+    file: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: libc's execvpe with the program's arguments.
+    unsafe { real::execvpe(file, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fexecve(
+    fd: c_int,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: libc's fexecve with the program's arguments.
+    unsafe { real::fexecve(fd, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execveat(
+    dirfd: c_int,
+    path: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+    flags: c_int,
+) -> c_int {
+    before_exec();
+    // SAFETY: libc's execveat with the program's arguments.
+    unsafe { real::execveat(dirfd, path, argv, envp, flags) }
 }

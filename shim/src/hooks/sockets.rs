@@ -46,13 +46,8 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     hook(|| {
-        // An upgraded connection's kernel socket is closed underneath (see
-        // `seal`), so the kernel would let it bind: refuse as it refuses a
-        // connected socket.
-        if fdtable::get(fd).is_some_and(|s| s.conn().is_some()) {
-            real::set_errno(libc::EINVAL);
-            return -1;
-        }
+        // (An upgraded connection's socket is a connected kernel socket:
+        // the kernel refuses it as any.)
         // SAFETY: libc's bind.
         unsafe { real::bind(fd, addr, len) }
     })
@@ -158,7 +153,6 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
                     Ok(c) => {
                         info!("{local} <- {peer}: azsdp (peer pid {})", c.peer_pid);
                         sock.set_role(Role::Azsdp(c));
-                        seal(nfd);
                     }
                     Err(reason) => {
                         info!("{local} <- {peer}: tcp ({})", reason.name());
@@ -238,7 +232,6 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
                     sock.connect_pending.store(nonblocking, Ordering::SeqCst);
                     sock.set_role(Role::Azsdp(c));
-                    seal(fd);
                     epoll::adopt(&sock);
                     (0, 0)
                 }
@@ -265,17 +258,21 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     })
 }
 
-/// An upgraded connection's kernel socket carries nothing from now on:
-/// shut its sending side, so that a program that inherits the descriptor
-/// across `exec` (and so without the shim's state) reads EOF and gets EPIPE,
-/// instead of waiting for ever or writing into a stream nobody reads.
-pub(super) fn seal(fd: c_int) {
-    // SAFETY: shutdown(2) of the kernel socket behind `fd`.
-    unsafe { real::shutdown(fd, libc::SHUT_WR) };
-}
-
 /// The last descriptor of `sock` in this process is gone.
 pub(super) fn release(fd: c_int, sock: Arc<Sock>) {
+    if let Some(c) = sock.conn() {
+        // The socket beneath may still be needed after the program's
+        // descriptor is gone (`fd` is out of the table already).
+        let other = (sock.fds.load(Ordering::SeqCst) > 1)
+            .then(|| {
+                fdtable::entries()
+                    .into_iter()
+                    .find(|(f, s)| *f != fd && Arc::ptr_eq(s, &sock))
+                    .map(|(f, _)| f)
+            })
+            .flatten();
+        c.program_closes(fd, other);
+    }
     if sock.fds.fetch_sub(1, Ordering::SeqCst) != 1 {
         return;
     }

@@ -1,0 +1,80 @@
+//! Connections moving from the fabric onto their TCP socket
+//! (docs/protocol.md §8a), and the program's descriptor after.
+//!
+//! A connection leaves the fabric when this process is about to `exec`
+//! (the new image may not run the shim, and could not take the engine's
+//! state if it did), or when the peer asks (its process is about to
+//! `exec`). Both sides then write what the other has not consumed to TCP,
+//! and from there on the descriptor is a plain TCP socket to the program:
+//! its calls, `poll` and `epoll` go to the kernel.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use azsdp::stats::TcpReason;
+
+use crate::conn::{Conn, TcpConn};
+use crate::log::{info, warning};
+use crate::sock::{Role, Sock};
+use crate::{epoll, fdtable};
+
+/// `c`, upgraded on `sock`, left the fabric: make the descriptor plain TCP
+/// (idempotent). The TCP connection's counter, for the caller's call.
+pub fn moved(sock: &Arc<Sock>, c: &Arc<Conn>) -> Option<Arc<TcpConn>> {
+    let server = c.role() == azsdp::conn::Role::Server;
+    let t = TcpConn::new(Some(c.local), Some(c.peer), TcpReason::Switched, server);
+    if sock.replace_conn(c, Role::Tcp(Arc::clone(&t))) {
+        epoll::release(sock);
+        c.switched();
+        info!("{} -> {}: moved to its TCP socket", c.local, c.peer);
+    }
+    match sock.role() {
+        Role::Tcp(t) => Some(t),
+        _ => None,
+    }
+}
+
+/// How long an `exec` waits for its connections to move.
+const EXEC_WAIT: Duration = Duration::from_secs(10);
+
+/// This process is about to `exec`: move every connection it runs onto its
+/// TCP socket (what the peer has not consumed is written there, and the
+/// new image reads the rest of the peer's stream from it, whether it runs
+/// the shim or not); let connections the program closed finish first.
+///
+/// A connection a fork left unclaimed moves only if a descriptor of it
+/// survives the exec (inetd-style servers pass the socket as stdin); one
+/// whose descriptors all close on exec stays with the process that uses it.
+pub fn before_exec() {
+    let mut seen: Vec<(Arc<Sock>, bool)> = Vec::new();
+    for (fd, sock) in fdtable::entries() {
+        if sock.conn().is_none() {
+            continue;
+        }
+        // SAFETY: F_GETFD on a descriptor the table tracks.
+        let survives = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
+        match seen.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sock)) {
+            Some((_, any)) => *any |= survives,
+            None => seen.push((sock, survives)),
+        }
+    }
+    for (sock, survives) in seen {
+        let Some(c) = sock.conn() else { continue };
+        let ours = c.driver.is_mine() || (survives && c.driver.claim());
+        if !ours {
+            continue;
+        }
+        if c.driver.leave_fabric(EXEC_WAIT) {
+            moved(&sock, &c);
+        } else {
+            warning!(
+                "{} -> {}: could not move to TCP before exec ({:?}); the new image sees it reset",
+                c.local,
+                c.peer,
+                c.driver.state()
+            );
+            c.beneath.reset();
+        }
+    }
+    crate::runtime::join_closing();
+}

@@ -1,0 +1,145 @@
+//! Real servers that exec a program with an upgraded connection: the
+//! connection moves onto its TCP socket before the exec, so the new image
+//! (with the shim, or with LD_PRELOAD cleared) carries on the stream.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use crate::harness::*;
+use crate::{LISTEN, closing_line, port};
+
+/// An inetd-style server: socat forks per connection and the child execs
+/// `cat` with the socket as its stdin and stdout (`nofork`). `bare`: the
+/// exec'd program runs without the shim.
+fn inetd_echo(bare: bool, offset: u16) {
+    if !have(&["socat"]) {
+        return;
+    }
+    let s = Scratch::new(if bare { "inetd-bare" } else { "inetd" });
+    let p = port(offset);
+    let input = s.path("in.bin");
+    let output = s.path("out.bin");
+    random_file(&input, 24 << 20, 0xe4ec);
+    let listen = format!("TCP-LISTEN:{p},reuseaddr,fork");
+    let exec = if bare {
+        "EXEC:env -u LD_PRELOAD cat,nofork"
+    } else {
+        "EXEC:cat,nofork"
+    };
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "socat", &[&listen, exec]),
+        "socat server",
+    );
+    wait_listening(p, LISTEN);
+    let connect = format!("TCP:127.0.0.1:{p}");
+    let read = format!("OPEN:{}", input.display());
+    let write = format!("OPEN:{},creat,trunc", output.display());
+    // `-t 10`: after its input ends, wait for the echo of all of it.
+    let pipe = format!("{read}!!{write}");
+    let mut cli = Proc::start(
+        s.under_azsdp("client", "socat", &["-t", "10", &pipe, &connect]),
+        "socat client",
+    );
+    cli.expect_success(Duration::from_secs(60), || s.log("client"));
+    srv.kill();
+    assert_eq!(sha256(&input), sha256(&output), "the echo arrived changed");
+    let log = s.log("client");
+    assert!(log.contains(": azsdp (peer pid"), "upgraded first: {log}");
+    assert!(
+        log.contains("moved to its TCP socket"),
+        "and moved before the exec: {log}"
+    );
+}
+
+#[test]
+fn an_inetd_style_server_execs_its_program_on_the_connection() {
+    inetd_echo(false, 66);
+}
+
+#[test]
+fn an_inetd_style_server_execs_a_program_without_the_shim() {
+    inetd_echo(true, 67);
+}
+
+/// `git daemon` fork+execs `git daemon --serve` (and upload-pack) with the
+/// connection: a clone of a repository with 200 MiB of objects is whole.
+#[test]
+fn git_daemon_serves_a_clone_through_its_execs() {
+    if !have(&["git"]) {
+        return;
+    }
+    let s = Scratch::new("git-daemon");
+    let work = s.path("work");
+    let git = |args: &[&str], dir: &std::path::Path| {
+        let st = std::process::Command::new(need("git"))
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .status()
+            .expect("git");
+        assert!(st.success(), "git {args:?}");
+    };
+    std::fs::create_dir_all(&work).unwrap();
+    git(&["init", "-q"], &work);
+    for i in 0..8u64 {
+        random_file(&work.join(format!("blob{i}.bin")), 25 << 20, i);
+    }
+    git(&["add", "."], &work);
+    git(
+        &[
+            "-c",
+            "user.email=t@t",
+            "-c",
+            "user.name=t",
+            "commit",
+            "-qm",
+            "big",
+        ],
+        &work,
+    );
+    git(&["clone", "-q", "--bare", "work", "repo.git"], &s.path(""));
+    let p = port(68);
+    let base = format!("--base-path={}", s.path("").display());
+    let port_arg = format!("--port={p}");
+    let mut srv = Proc::start(
+        s.under_azsdp(
+            "server",
+            "git",
+            &[
+                "daemon",
+                "--reuseaddr",
+                "--export-all",
+                "--listen=127.0.0.1",
+                &base,
+                &port_arg,
+            ],
+        ),
+        "git daemon",
+    );
+    wait_listening(p, LISTEN);
+    let url = format!("git://127.0.0.1:{p}/repo.git");
+    let dest = s.path("clone");
+    let mut cli = Proc::start(
+        s.under_azsdp(
+            "client",
+            "git",
+            &["clone", "-q", &url, dest.to_str().unwrap()],
+        ),
+        "git clone",
+    );
+    cli.expect_success(Duration::from_secs(300), || s.log("client"));
+    srv.kill();
+    let head = |dir: &std::path::Path| {
+        let o = std::process::Command::new(need("git"))
+            .args(["rev-parse", "HEAD"])
+            .current_dir(dir)
+            .output()
+            .expect("git rev-parse");
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    assert_eq!(head(&dest), head(&work), "HEAD equal");
+    git(&["fsck", "--full"], &dest);
+    let log = s.log("client");
+    let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line: {log}"));
+    assert!(line.contains("moved to its TCP socket"), "{line}");
+}
