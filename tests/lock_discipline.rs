@@ -145,3 +145,49 @@ fn the_sans_io_crate_depends_on_nothing_of_the_os() {
         found.join("\n")
     );
 }
+
+/// Code that runs under a connection's lock must not call a libc function
+/// the shim interposes on that connection's socket: in a preloaded process
+/// the call re-enters the shim, which takes the same lock (socat's `exec`
+/// hung on `ioctl(FIONREAD)` so). The socket beneath a connection
+/// (`azsdp/src/beneath.rs`) is reached by raw system calls only.
+#[test]
+fn the_socket_beneath_is_reached_by_raw_system_calls_only() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let code = std::fs::read_to_string(root.join("azsdp/src/beneath.rs")).expect("beneath.rs");
+    // What the shim interposes (shim/src/real.rs) and could meet here.
+    let hooked = [
+        "ioctl",
+        "fcntl",
+        "send",
+        "sendto",
+        "sendmsg",
+        "recv",
+        "recvfrom",
+        "recvmsg",
+        "read",
+        "write",
+        "readv",
+        "writev",
+        "shutdown",
+        "close",
+        "poll",
+        "ppoll",
+        "select",
+        "dup",
+        "dup2",
+        "dup3",
+        "getsockopt",
+        "setsockopt",
+    ];
+    let calls: Vec<&str> = hooked
+        .iter()
+        .copied()
+        .filter(|f| code.contains(&format!("libc::{f}(")))
+        .collect();
+    assert!(
+        calls.is_empty(),
+        "beneath.rs calls libc's hooked {calls:?}: use libc::syscall"
+    );
+    assert!(code.contains("libc::syscall("), "the raw calls are there");
+}
