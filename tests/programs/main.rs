@@ -3,11 +3,11 @@
 //! a peer not under azsdp; and a peer killed mid-stream.
 
 mod conform;
-mod exec;
 mod harness;
 mod hostile;
 mod inputs;
 mod output;
+mod process_models;
 mod scale;
 
 use std::io::Write;
@@ -22,7 +22,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
 /// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
-/// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 exec.rs; 72-82 the trust, input and scale tests; 84-87 the
+/// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 and 70 process_models.rs; 69 (azsdp: 101) fork-both-use; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
 /// 100-115.
@@ -641,6 +641,11 @@ fn dup_dup2_and_close_of_one_descriptor() {
 #[test]
 fn pre_fork_server_children_accept_on_the_inherited_listener() {
     sockcheck("prefork", 16);
+}
+
+#[test]
+fn a_forked_parent_and_child_take_turns_on_one_socket() {
+    sockcheck("fork-both-use", 69);
 }
 
 #[test]

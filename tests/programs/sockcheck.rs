@@ -875,6 +875,76 @@ fn killed_idle(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// Turns a pre-fork server's two processes take on one socket.
+const SHARED_TURNS: usize = 8;
+/// Bytes of each turn, each way (large enough to go zero-copy).
+const SHARED_TURN: usize = 200_000;
+
+/// A server forks after accepting and both processes use the connection,
+/// taking turns (a pipe each way says whose turn it is): each turn reads a
+/// chunk of the client's stream and answers with a chunk of its own, so
+/// the bytes must keep their order across the processes both ways. The
+/// connection moves onto its TCP socket when the second process first uses
+/// it.
+fn fork_both_use(server: bool, port: u16) -> R {
+    let ask = |t: usize| data(SHARED_TURN, 40 + t as u32);
+    let answer = |t: usize| data(SHARED_TURN, 80 + t as u32);
+    if !server {
+        let c = connect_to(port)?;
+        for t in 0..SHARED_TURNS {
+            send_all(c, &ask(t))?;
+            check!(recv_exact(c, SHARED_TURN)? == answer(t), "answer {t}");
+        }
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    let (mut to_child, mut to_parent) = ([0; 2], [0; 2]);
+    // SAFETY: two pipes of ours.
+    unsafe {
+        libc::pipe(to_child.as_mut_ptr());
+        libc::pipe(to_parent.as_mut_ptr());
+    }
+    let turn = |first: usize, wait: c_int, tell: c_int| -> R {
+        for t in (first..SHARED_TURNS).step_by(2) {
+            if t > 0 {
+                let mut b = [0u8; 1];
+                // SAFETY: one byte from our pipe into a local.
+                let n = unsafe { libc::read(wait, b.as_mut_ptr().cast(), 1) };
+                check!(n == 1, "turn {t}: the pipe");
+            }
+            check!(recv_exact(c, SHARED_TURN)? == ask(t), "ask {t}");
+            send_all(c, &answer(t))?;
+            // SAFETY: one byte into our pipe.
+            unsafe { libc::write(tell, b"x".as_ptr().cast(), 1) };
+        }
+        Ok(())
+    };
+    // SAFETY: fork(2); the child takes the odd turns, then _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let r = turn(1, to_child[0], to_parent[1]);
+        if let Err(e) = &r {
+            eprintln!("child: {e}");
+        }
+        close(c);
+        // SAFETY: leave the child without unwinding.
+        unsafe { libc::_exit(i32::from(r.is_err())) };
+    }
+    turn(0, to_parent[0], to_child[1])?;
+    let mut st = 0;
+    // SAFETY: waitpid(2) on our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    check!(
+        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+        "the child failed: {st:#x}"
+    );
+    close(c);
+    Ok(())
+}
+
 /// Bytes of the client's stream, of which the server's first image reads
 /// `BEFORE_EXEC` and the image it execs the rest; then the exec'd image's
 /// answer.
@@ -1664,6 +1734,7 @@ fn main() {
         "prefork" => prefork(server, port),
         "exec" => exec(server, port, true),
         "exec-bare" => exec(server, port, false),
+        "fork-both-use" => fork_both_use(server, port),
         "killed-idle" => killed_idle(server, port),
         "glibc-names" => glibc_names(server, port),
         "fork-child-serves" => fork_after_accept(server, port, true),

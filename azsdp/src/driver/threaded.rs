@@ -88,6 +88,10 @@ struct Shared<F: Fabric, P: Protector> {
     stream_looked: AtomicU64,
 }
 
+/// How long a process sharing a connection after a fork waits for the one
+/// running it to move it onto TCP.
+const SHARE_WAIT: Duration = Duration::from_secs(10);
+
 /// How often an idle connection's TCP socket is looked at for bytes
 /// written behind azsdp's back.
 const STREAM_LOOK_NS: u64 = 1_000_000_000;
@@ -384,6 +388,40 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
     }
 
+    /// What a call gets when another process runs the connection: made
+    /// again on the TCP socket once the connection moved there, else a
+    /// reset.
+    fn elsewhere(&self) -> CallError {
+        if self.share_by_tcp() {
+            CallError::Switched
+        } else {
+            CallError::ConnReset
+        }
+    }
+
+    /// This process shares the connection after a fork but does not run it:
+    /// ask the one that does to move it onto the TCP socket (the kernel
+    /// shares that), and wait until it has. Whether it did (calls then go
+    /// to the socket).
+    fn share_by_tcp(&self) -> bool {
+        if self.switched.load(Ordering::SeqCst) {
+            return true;
+        }
+        let d = self.lock();
+        d.fabric().request_leave();
+        let deadline = Instant::now() + SHARE_WAIT;
+        while !d.fabric().has_left() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            // (The runner's reactor sees the request at its next look,
+            // within a second.)
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.switched.store(true, Ordering::SeqCst);
+        true
+    }
+
     /// The reactor is needed now, though calls ran a moment ago: off
     /// standby (see [`standby`]) until the next call.
     fn end_standby(&self) {
@@ -446,8 +484,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
         if *d.connection().state() == State::Switched && !self.switched.swap(true, Ordering::SeqCst)
         {
-            // Every caller looks again (their calls go to TCP now).
+            // Every caller looks again (their calls go to TCP now), and so
+            // do the processes sharing this side.
+            d.fabric().mark_left();
             self.waiter.kick();
+        } else if d.fabric().leave_requested() && !d.connection().leaving_fabric() {
+            // A process sharing this side after a fork wants to use it:
+            // both go on the TCP socket, which the kernel shares.
+            d.leave_fabric();
         }
         // Timers change readiness too (a peer that timed out).
         if total > 0 || d.connection().readiness() != before {
@@ -552,7 +596,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         limits: &CallLimits<'_>,
     ) -> Result<u64, CallError> {
         if !self.shared.make_mine() {
-            return Err(CallError::ConnReset);
+            return Err(self.shared.elsewhere());
         }
         // Counted before the call is submitted: from then on the engine may
         // touch its memory, which only this thread may do.
@@ -578,7 +622,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         match (r, cut) {
             (Some(Err(CallError::Interrupted)), Some(why)) => Err(why),
             (Some(r), _) => r,
-            (None, _) => Err(CallError::ConnReset),
+            (None, _) => Err(self.shared.elsewhere()),
         }
     }
 
@@ -634,6 +678,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Readiness for poll/select/epoll (a forked child's inert copy is in
     /// error: it cannot move data).
     pub fn readiness(&self) -> Readiness {
+        if !self.shared.make_mine() && self.shared.share_by_tcp() {
+            // The socket's own readiness is what counts: look there.
+            return Readiness {
+                readable: true,
+                writable: true,
+                ..Readiness::default()
+            };
+        }
         if !self.shared.make_mine() {
             return Readiness {
                 readable: true,

@@ -206,6 +206,21 @@ pub trait Fabric {
     fn claim(&self) -> bool {
         true
     }
+    /// A process that shares this side after a fork, but does not run it,
+    /// wants to use the connection: ask the one that runs it to move it
+    /// onto the TCP socket beneath (which the kernel shares between them).
+    fn request_leave(&self) {}
+    /// Has a process sharing this side asked for that?
+    fn leave_requested(&self) -> bool {
+        false
+    }
+    /// This side moved onto TCP: the processes sharing it may use the
+    /// socket.
+    fn mark_left(&self) {}
+    /// Has the process running this side moved it onto TCP?
+    fn has_left(&self) -> bool {
+        false
+    }
     /// This side is done (its connection finished, or is dropped): nothing
     /// more will come from it or be read by it, and the peer may learn so
     /// at once.

@@ -208,6 +208,24 @@ impl Fabric for ShmEndpoint {
         }
     }
 
+    fn request_leave(&self) {
+        self.seg.hdr().leave[self.side].store(1, Ordering::Release);
+    }
+
+    fn leave_requested(&self) -> bool {
+        self.seg.hdr().leave[self.side].load(Ordering::Relaxed) != 0
+    }
+
+    fn mark_left(&self) {
+        let w = &self.seg.hdr().left[self.side];
+        w.store(1, Ordering::Release);
+        crate::futex::wake_all(w);
+    }
+
+    fn has_left(&self) -> bool {
+        self.seg.hdr().left[self.side].load(Ordering::Acquire) != 0
+    }
+
     fn lock_region(&self) -> LockRegion {
         LockRegion {
             addr: self.seg.layout.locks[self.side] as u64,

@@ -1,6 +1,8 @@
-//! Real servers that exec a program with an upgraded connection: the
-//! connection moves onto its TCP socket before the exec, so the new image
-//! (with the shim, or with LD_PRELOAD cleared) carries on the stream.
+//! Real servers of every process model: a program exec'd with an upgraded
+//! connection (the connection moves onto its TCP socket before the exec,
+//! so the new image, with the shim or with LD_PRELOAD cleared, carries on
+//! the stream), and processes sharing one after a fork (it moves onto TCP
+//! when the second one uses it).
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -142,4 +144,82 @@ fn git_daemon_serves_a_clone_through_its_execs() {
     let log = s.log("client");
     let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line: {log}"));
     assert!(line.contains("moved to its TCP socket"), "{line}");
+}
+
+/// rsync in daemon mode: the receiving side forks into a generator and a
+/// receiver that use one socket at once. A `--checksum` pull, a re-pull, a
+/// push and a delta push after changing bytes in a large file, of a tree of
+/// 161 files and 230 MiB: every file equal.
+#[test]
+fn rsync_daemon_pulls_and_pushes_a_tree() {
+    if !have(&["rsync"]) {
+        return;
+    }
+    let s = Scratch::new("rsync");
+    let (src, module) = (s.path("src"), s.path("module"));
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::create_dir_all(&module).unwrap();
+    for i in 0..160u64 {
+        random_file(&src.join(format!("f{i}.bin")), 1 + (i * 7919) % 900_000, i);
+    }
+    random_file(&src.join("big.bin"), 150 << 20, 999);
+    let p = port(70);
+    let conf = s.path("rsyncd.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port = {p}\naddress = 127.0.0.1\nuse chroot = false\npid file = {}\n\
+             [m]\npath = {}\nread only = false\nuid = {}\ngid = {}\n",
+            s.path("rsyncd.pid").display(),
+            module.display(),
+            // SAFETY: getuid/getgid cannot fail. (A daemon started by root
+            // would write as nobody otherwise.)
+            unsafe { libc::getuid() },
+            // SAFETY: as above.
+            unsafe { libc::getgid() },
+        ),
+    )
+    .unwrap();
+    let conf_arg = format!("--config={}", conf.display());
+    let mut daemon = Proc::start(
+        s.under_azsdp("server", "rsync", &["--daemon", "--no-detach", &conf_arg]),
+        "rsync daemon",
+    );
+    wait_listening(p, LISTEN);
+    let url = format!("rsync://127.0.0.1:{p}/m/");
+    let rsync = |name: &str, args: &[&str]| {
+        let mut c = Proc::start(s.under_azsdp(name, "rsync", args), name);
+        c.expect_success(Duration::from_secs(240), || s.log(name));
+    };
+    let same = |a: &std::path::Path, b: &std::path::Path| {
+        for e in std::fs::read_dir(a).unwrap().flatten() {
+            let name = e.file_name();
+            assert_eq!(sha256(&e.path()), sha256(&b.join(&name)), "{name:?}");
+        }
+    };
+    let src_arg = format!("{}/", src.display());
+    // Push, then a delta push after changing bytes in the large file.
+    rsync("push", &["-a", &src_arg, &url]);
+    same(&src, &module);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(src.join("big.bin"))
+            .unwrap();
+        f.seek(SeekFrom::Start(50 << 20)).unwrap();
+        f.write_all(b"changed in the middle").unwrap();
+    }
+    rsync("delta", &["-a", "--no-whole-file", &src_arg, &url]);
+    same(&src, &module);
+    // A checksum pull into an empty tree, then again (nothing to move).
+    let back = s.path("back");
+    let back_arg = format!("{}/", back.display());
+    rsync("pull", &["-a", "--checksum", &url, &back_arg]);
+    same(&src, &back);
+    rsync("repull", &["-a", "--checksum", &url, &back_arg]);
+    same(&src, &back);
+    daemon.kill();
+    let log = s.log("pull");
+    assert!(log.contains(": azsdp (peer pid"), "upgraded: {log}");
 }
