@@ -1198,6 +1198,25 @@ impl Connection {
         }
     }
 
+    /// Forget what our stream held, sent or not (an abort, or a switch
+    /// whose resend carried it).
+    fn drop_tx_stream(&mut self) {
+        self.txq.clear();
+        self.txbuf.clear();
+        self.tx_unposted = 0;
+        self.retained.clear();
+        self.emitted_unacked = 0;
+        self.posted.clear();
+    }
+
+    /// Forget what the peer's stream held that was not consumed.
+    fn drop_rx_stream(&mut self) {
+        self.rxq.clear();
+        self.rxbuf.clear();
+        self.rx_msgs.clear();
+        self.in_avails.clear();
+    }
+
     /// Tear the connection down: tell the peer (if `code`), cut its access,
     /// release every page, fail every call.
     fn abort(&mut self, reason: AbortReason, code: Option<AbortCode>) {
@@ -1223,12 +1242,7 @@ impl Connection {
         for id in ids {
             self.drop_out_avail(id);
         }
-        self.txq.clear();
-        self.txbuf.clear();
-        self.tx_unposted = 0;
-        self.retained.clear();
-        self.emitted_unacked = 0;
-        self.posted.clear();
+        self.drop_tx_stream();
         for call in std::mem::take(&mut self.send_calls) {
             if call.waiting_prepare.is_none() {
                 let result = if call.accepted > 0 {
@@ -1254,10 +1268,7 @@ impl Connection {
                 outcome: DisarmOutcome::Lost,
             });
         }
-        self.rxq.clear();
-        self.rxbuf.clear();
-        self.rx_msgs.clear();
-        self.in_avails.clear();
+        self.drop_rx_stream();
         let calls = std::mem::take(&mut self.recv_calls);
         for mut call in calls {
             call.failed = true;

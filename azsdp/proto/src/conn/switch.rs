@@ -366,16 +366,8 @@ impl Connection {
 
     /// Everything the stream held, gone (the connection left the fabric).
     fn clear_stream_state(&mut self) {
-        self.txq.clear();
-        self.txbuf.clear();
-        self.tx_unposted = 0;
-        self.retained.clear();
-        self.emitted_unacked = 0;
-        self.posted.clear();
-        self.rxq.clear();
-        self.rxbuf.clear();
-        self.rx_msgs.clear();
-        self.in_avails.clear();
+        self.drop_tx_stream();
+        self.drop_rx_stream();
         // `out` keeps our SWITCH until it is posted; DATA not yet written
         // into messages is in the resend (and the peer reads the fabric no
         // more).
