@@ -147,10 +147,12 @@ pub enum TcpReason {
     /// The connection was on azsdp and moved onto its TCP socket (an
     /// `exec`, or processes sharing it after a fork).
     Switched,
+    /// The process may not start threads (a seccomp filter it installed).
+    Sandboxed,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 11] = [
+    pub const ALL: [TcpReason; 12] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -162,6 +164,7 @@ impl TcpReason {
         TcpReason::PeerUnverified,
         TcpReason::SameProcess,
         TcpReason::Switched,
+        TcpReason::Sandboxed,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -184,6 +187,7 @@ impl TcpReason {
             TcpReason::PeerUnverified => "peer-unverified",
             TcpReason::SameProcess => "same-process",
             TcpReason::Switched => "switched",
+            TcpReason::Sandboxed => "sandboxed",
         }
     }
 }
@@ -414,7 +418,9 @@ impl StatFile {
 
     /// Remove the file (at exit). Only the process that made it does.
     pub fn remove(&self) {
-        if crate::process::pid() == self.pid {
+        // (Not from a seccomp sandbox, which may kill for it: a later
+        // process sweeps the file.)
+        if crate::process::pid() == self.pid && !crate::sandbox::marked() {
             let _ = nix::unistd::unlinkat(
                 self.dirfd.as_fd(),
                 file_name(self.pid).as_str(),

@@ -296,6 +296,10 @@ pub fn connect(
     if settings.use_ == Use::Tcp {
         return plain(TcpReason::Rule);
     }
+    if azsdp::sandbox::restricted() {
+        // No thread may start here to run a connection.
+        return plain(TcpReason::Sandboxed);
+    }
     let to = effective_dst(dst);
     if !net::is_local(to.ip()) {
         return plain(TcpReason::PeerRemote);

@@ -32,6 +32,16 @@ mod user_mem;
 
 use std::ffi::c_char;
 
+/// Runs when the library is loaded, before the program's `main`: what the
+/// process starts with that later changes are told from.
+extern "C" fn on_load() {
+    let _ = std::panic::catch_unwind(azsdp::sandbox::note_start);
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static ON_LOAD: extern "C" fn() = on_load;
+
 /// NUL-terminated version string of this library.
 #[unsafe(no_mangle)]
 pub extern "C" fn azsdp_shim_version() -> *const c_char {

@@ -375,6 +375,9 @@ impl Listener {
         peer: SocketAddr,
         s: &Settings,
     ) -> Result<Arc<Conn>, TcpReason> {
+        if azsdp::sandbox::restricted() {
+            return Err(TcpReason::Sandboxed);
+        }
         if !net::is_local(peer.ip()) {
             return Err(TcpReason::PeerRemote);
         }

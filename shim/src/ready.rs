@@ -153,8 +153,9 @@ pub unsafe fn poll(
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> Option<c_int> {
-    if !azsdp::process::active() {
-        // No upgraded socket in this process: nothing to look at.
+    if !azsdp::process::active() || azsdp::sandbox::marked() {
+        // No upgraded socket in this process (a sandboxed one's all moved
+        // onto TCP): nothing to look at.
         return None;
     }
     if n as u64 > crate::user_mem::fd_limit() {
@@ -170,7 +171,7 @@ pub unsafe fn poll(
     };
     let conns: Vec<Option<Arc<crate::conn::Conn>>> = copy
         .iter()
-        .map(|p| crate::fdtable::get(p.fd).and_then(|s| s.conn()))
+        .map(|p| crate::fdtable::get(p.fd).and_then(|s| crate::switch::driven_here(&s)))
         .collect();
     if conns.iter().all(Option::is_none) {
         return None;
@@ -213,12 +214,26 @@ fn poll_upgraded(
             revents: 0,
         });
     }
+    let mut conns = conns.to_vec();
     loop {
+        // A connection that moved onto its TCP socket meanwhile is the
+        // kernel's to answer from now on (never a readiness of ours that
+        // its socket would not confirm: ssh treats EAGAIN after a
+        // readable poll as fatal).
+        for ((p, c), k) in fds.iter().zip(conns.iter_mut()).zip(kernel.iter_mut()) {
+            if c.as_ref().is_some_and(|c| moved_on(c)) {
+                if let Some(s) = crate::fdtable::get(p.fd) {
+                    crate::switch::driven_here(&s);
+                }
+                *c = None;
+                k.fd = p.fd;
+            }
+        }
         if let Some(w) = &wake {
             w.arm();
         }
         let mut ready = 0;
-        for ((p, c), k) in fds.iter_mut().zip(conns).zip(kernel.iter_mut()) {
+        for ((p, c), k) in fds.iter_mut().zip(&conns).zip(kernel.iter_mut()) {
             if let Some(c) = c {
                 p.revents = poll_bits(&c.driver.readiness(), p.events);
                 k.revents = 0;
@@ -226,6 +241,10 @@ fn poll_upgraded(
                     ready += 1;
                 }
             }
+        }
+        if conns.iter().flatten().any(|c| moved_on(c)) {
+            // It moved while we looked: look again.
+            continue;
         }
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let wait = if ready > 0 {
@@ -250,7 +269,7 @@ fn poll_upgraded(
         if r < 0 {
             return -1;
         }
-        for ((p, c), k) in fds.iter_mut().zip(conns).zip(&kernel) {
+        for ((p, c), k) in fds.iter_mut().zip(&conns).zip(&kernel) {
             if c.is_none() {
                 p.revents = k.revents;
                 if k.revents != 0 {
@@ -262,6 +281,12 @@ fn poll_upgraded(
             return ready;
         }
     }
+}
+
+/// Has `c` moved onto its TCP socket (or another process, sharing it,
+/// had it moved there)?
+fn moved_on(c: &crate::conn::Conn) -> bool {
+    c.driver.is_switched() || c.driver.runs_elsewhere()
 }
 
 /// A `poll`-style timeout in milliseconds (negative: none).
@@ -443,7 +468,7 @@ pub fn select(
     }
     let conns: Vec<Option<Arc<crate::conn::Conn>>> = fds
         .iter()
-        .map(|p| crate::fdtable::get(p.fd).and_then(|s| s.conn()))
+        .map(|p| crate::fdtable::get(p.fd).and_then(|s| crate::switch::driven_here(&s)))
         .collect();
     let n = if conns.iter().any(Option::is_some) {
         poll_upgraded(&mut fds, &conns, timeout, mask)

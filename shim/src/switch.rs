@@ -34,6 +34,19 @@ pub fn moved(sock: &Arc<Sock>, c: &Arc<Conn>) -> Option<Arc<TcpConn>> {
     }
 }
 
+/// The connection on `sock` if this process drives it; `None` (and the
+/// descriptor made plain) once it moved onto its TCP socket, or when
+/// another process runs it and this one, sharing it after a fork, has had
+/// it moved there (a sandboxed process always does: it starts no thread).
+pub fn driven_here(sock: &Arc<Sock>) -> Option<Arc<Conn>> {
+    let c = sock.conn()?;
+    if c.driver.is_switched() || c.driver.runs_elsewhere() {
+        moved(sock, &c);
+        return None;
+    }
+    Some(c)
+}
+
 /// How long an `exec` waits for its connections to move.
 const EXEC_WAIT: Duration = Duration::from_secs(10);
 
@@ -77,4 +90,31 @@ pub fn before_exec() {
         }
     }
     crate::runtime::join_closing();
+}
+
+/// The program is about to install a seccomp filter, which allows the
+/// calls it makes, not ours (threads, `process_vm_readv`, `/proc` reads):
+/// move every connection on its descriptors onto its TCP socket first,
+/// the ones this process runs and the ones it shares after a fork with the
+/// process that runs them. From then on its sockets are the kernel's.
+pub fn before_sandbox() {
+    for sock in fdtable::all() {
+        let Some(c) = sock.conn() else { continue };
+        let on_tcp = if c.driver.is_mine() {
+            c.driver.leave_fabric(EXEC_WAIT)
+        } else {
+            c.driver.is_switched() || c.driver.runs_elsewhere()
+        };
+        if on_tcp {
+            moved(&sock, &c);
+        } else if c.driver.is_mine() {
+            warning!(
+                "{} -> {}: could not move to TCP before a seccomp sandbox ({:?}); reset",
+                c.local,
+                c.peer,
+                c.driver.state()
+            );
+            c.beneath.reset();
+        }
+    }
 }

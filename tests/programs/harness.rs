@@ -79,7 +79,9 @@ pub fn need(program: &str) -> PathBuf {
 /// `program` in a directory of PATH.
 fn on_path(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
+    // (Daemons live in sbin, which a user's PATH may leave out.)
     std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/sbin".into()])
         .map(|d| d.join(program))
         .find(|p| p.exists())
 }
@@ -104,6 +106,8 @@ pub fn have(programs: &[&str]) -> bool {
             "redis-server" => "redis-server",
             p if p.starts_with("redis-") => "redis-tools",
             "setpriv" => "util-linux",
+            "sshd" => "openssh-server",
+            "ssh" | "scp" | "ssh-keygen" => "openssh-client",
             p => p,
         })
         .collect();

@@ -25,6 +25,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 and 70 process_models.rs; 69 (azsdp: 101) fork-both-use; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
+/// 124-125 sshd;
 /// 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);

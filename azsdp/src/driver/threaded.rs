@@ -287,7 +287,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if self.own.settled() {
             return true;
         }
-        let can_adopt = self.refresh.lock().is_some();
+        // A sandboxed process may not start the threads a connection
+        // needs: it leaves the connection to the one that runs it.
+        let can_adopt = self.refresh.lock().is_some() && !crate::sandbox::restricted();
         let decision = self.own.for_call(self.lock().fabric(), can_adopt);
         match decision {
             Use::Mine => true,
@@ -408,6 +410,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             return true;
         }
         let d = self.lock();
+        if d.host().beneath.is_none() {
+            // No TCP socket to share (a library user's own channel): the
+            // copy stays inert, and the runner keeps the fabric.
+            return false;
+        }
         d.fabric().request_leave();
         let deadline = Instant::now() + SHARE_WAIT;
         while !d.fabric().has_left() {
@@ -733,6 +740,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// The connection's state (why it ended, if it did).
+    /// Does another process run the connection, which this one shares
+    /// after a fork and has now had moved onto the TCP socket (see
+    /// `share_by_tcp`)? Cheap while no fork touched the connection.
+    pub fn runs_elsewhere(&self) -> bool {
+        !self.shared.own.settled() && !self.shared.make_mine() && self.shared.share_by_tcp()
+    }
+
     /// Has the connection left the fabric for the TCP socket beneath?
     pub fn is_switched(&self) -> bool {
         self.shared.switched.load(Ordering::SeqCst)

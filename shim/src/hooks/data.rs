@@ -121,13 +121,17 @@ fn on_tcp<T>(
     m.msg_iov = iov.as_ptr().cast_mut();
     m.msg_iovlen = iov.len() as _;
     plain(t, sent, || {
-        // SAFETY: libc's sendmsg/recvmsg on the program's descriptor and
-        // buffers.
+        // Without flags, the plain calls the program itself makes: a
+        // seccomp sandbox (sshd's pre-auth child) may allow only those.
+        // SAFETY: libc's calls on the program's descriptor and buffers.
         unsafe {
-            if sent {
-                real::sendmsg(fd, &m, flags)
-            } else {
-                real::recvmsg(fd, &mut m, flags)
+            match (sent, flags, iov.len()) {
+                (true, 0, 1) => real::write(fd, iov[0].iov_base, iov[0].iov_len),
+                (false, 0, 1) => real::read(fd, iov[0].iov_base, iov[0].iov_len),
+                (true, 0, n) => real::writev(fd, iov.as_ptr(), n as c_int),
+                (false, 0, n) => real::readv(fd, iov.as_ptr(), n as c_int),
+                (true, ..) => real::sendmsg(fd, &m, flags),
+                (false, ..) => real::recvmsg(fd, &mut m, flags),
             }
         }
     })

@@ -107,6 +107,25 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
     unsafe { real::madvise(addr, len, advice) }
 }
 
+/// `prctl` is variadic in C; its arguments travel as machine words (see
+/// `real`). A seccomp filter may forbid the threads azsdp starts: we learn
+/// of it here, before it takes effect (`azsdp::sandbox`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn prctl(
+    option: c_int,
+    a2: libc::c_ulong,
+    a3: libc::c_ulong,
+    a4: libc::c_ulong,
+    a5: libc::c_ulong,
+) -> c_int {
+    if option == libc::PR_SET_SECCOMP {
+        quietly(crate::switch::before_sandbox);
+        azsdp::sandbox::mark();
+    }
+    // SAFETY: libc's prctl with the program's argument words.
+    unsafe { real::prctl(option, a2, a3, a4, a5) }
+}
+
 // ----- exec: connections move onto their TCP socket first ------------------
 
 /// Before any `exec`: the new image may not run the shim, and could not

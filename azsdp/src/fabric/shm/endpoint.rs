@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::access::{NoGet, Registrations, get_permission};
 use super::liveness::{HeldGet, shared_bell};
-use super::segment::{FROZEN, LOCAL_KEY, Segment, ShmParams};
+use super::segment::{FORK_GEN, FORK_GEN_ONE, FROZEN, LOCAL_KEY, PID_MASK, Segment, ShmParams};
 use super::waiter::wait_ring;
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use crate::fabric::pool::Pool;
@@ -46,6 +46,9 @@ pub struct ShmEndpoint {
     /// kernel (a system call) at most once per [`ALIVE_EVERY`].
     pub(super) alive_at: Option<Instant>,
     pub(super) held_gets: VecDeque<HeldGet>,
+    /// The generation of the freeze this copy made or was made by (see
+    /// [`FORK_GEN`]); a fork copies it into the child.
+    pub(super) fork_gen: AtomicU32,
 }
 
 /// An endpoint this process runs and lets go of says so in the segment:
@@ -93,6 +96,7 @@ impl ShmEndpoint {
             corrupt: false,
             alive_at: None,
             held_gets: VecDeque::new(),
+            fork_gen: AtomicU32::new(0),
         })
     }
 
@@ -143,12 +147,19 @@ impl ShmEndpoint {
     }
 }
 
+impl ShmEndpoint {
+    /// Is owner word `w` frozen by the fork this copy came from (or made)?
+    fn frozen_by_our_fork(&self, w: u32) -> bool {
+        w & FROZEN != 0 && w & FORK_GEN == self.fork_gen.load(Ordering::Relaxed)
+    }
+}
+
 impl Fabric for ShmEndpoint {
     fn ownership(&self) -> Ownership {
         let w = self.seg.hdr().owner[self.side].load(Ordering::Acquire);
         if w == crate::process::pid() {
             Ownership::Mine
-        } else if w & FROZEN != 0 {
+        } else if self.frozen_by_our_fork(w) {
             Ownership::Unclaimed
         } else {
             Ownership::Other
@@ -173,14 +184,22 @@ impl Fabric for ShmEndpoint {
         }
     }
 
+    /// Frozen with the next generation, which this copy (and the child's,
+    /// made from it by the fork) remembers.
     fn freeze(&self) {
         let me = crate::process::pid();
-        let _ = self.seg.hdr().owner[self.side].compare_exchange(
-            me,
-            me | FROZEN,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+        let generation = self
+            .fork_gen
+            .load(Ordering::Relaxed)
+            .wrapping_add(FORK_GEN_ONE)
+            & FORK_GEN;
+        let frozen = me | FROZEN | generation;
+        if self.seg.hdr().owner[self.side]
+            .compare_exchange(me, frozen, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.fork_gen.store(generation, Ordering::Relaxed);
+        }
     }
 
     /// Take the side for this process, and tell the peer so with our kernel
@@ -193,12 +212,12 @@ impl Fabric for ShmEndpoint {
             if w == me {
                 return true;
             }
-            if w & FROZEN == 0 {
+            if !self.frozen_by_our_fork(w) {
                 return false;
             }
             match word.compare_exchange(w, me, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(was) => {
-                    if was & !FROZEN != me {
+                    if was & PID_MASK != me {
                         self.send_claim();
                     }
                     return true;

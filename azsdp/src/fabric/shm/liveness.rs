@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::access::get_permission;
 use super::endpoint::{ShmEndpoint, page_size};
-use super::segment::FROZEN;
+use super::segment::PID_MASK;
 use crate::conn::{OpError, OpId, RemoteBuf};
 use crate::driver::reactor::{self, Mail, Reactor};
 use crate::fabric::OpResult;
@@ -67,7 +67,7 @@ impl ShmEndpoint {
     /// Does the owner word say another process took the peer side, whose
     /// claim (with its kernel identity) has not reached us yet?
     pub(super) fn claim_pending(&self) -> bool {
-        let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
+        let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & PID_MASK;
         w != 0 && w != self.peer.pid()
     }
 
@@ -131,7 +131,7 @@ impl crate::fabric::Watched for ShmEndpoint {
         let Ok(intro) = Intro::parse(&mail.body) else {
             return;
         };
-        let owner = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & !FROZEN;
+        let owner = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & PID_MASK;
         if intro.kind != IntroKind::Claim
             || mail.from.peer.uid() != self.peer.uid()
             || mail.from.peer.pid() != owner

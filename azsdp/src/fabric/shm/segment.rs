@@ -82,8 +82,19 @@ pub(super) struct RegEntry {
 const REG_ENTRY_LEN: usize = std::mem::size_of::<RegEntry>();
 const _: () = assert!(REG_ENTRY_LEN == 32);
 
-/// In an owner word: frozen since a fork (pids stay below 2^22).
+/// In an owner word: frozen since a fork. The word is the pid of the
+/// process that runs the side (pids stay below 2^22: [`PID_MASK`]) and,
+/// while frozen, which freeze this is ([`FORK_GEN`]): only the copies that
+/// fork made (the process that froze it, its child) may claim it; a copy
+/// from an earlier fork whose connection was claimed and frozen again by a
+/// later one is not the runner's any more.
 pub(super) const FROZEN: u32 = 1 << 31;
+/// The pid part of an owner word.
+pub(super) const PID_MASK: u32 = (1 << 22) - 1;
+/// The freeze's generation in an owner word (9 bits, wrapping).
+pub(super) const FORK_GEN: u32 = !(FROZEN | PID_MASK);
+/// One step of [`FORK_GEN`].
+pub(super) const FORK_GEN_ONE: u32 = 1 << 22;
 
 /// Sizes of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,90 @@
+//! Is this process sandboxed, so that it may not create threads?
+//!
+//! A seccomp filter may kill a thread that calls `clone3` (sshd's pre-auth
+//! child does: "only that thread dies", and its parent then waits for
+//! ever). azsdp runs a connection on threads of its own (the reactor, the
+//! userfaultfd dispatcher), so in such a process it never starts one: the
+//! process makes no new upgraded connection, and one it inherited from a
+//! fork is left to the process that runs it, which moves it onto its TCP
+//! socket when this one uses it.
+//!
+//! Known from the program's own `prctl(PR_SET_SECCOMP)`, which the shim
+//! sees before it takes effect, or from the kernel: strict mode, or more
+//! seccomp filters (`Seccomp_filters:` in `/proc/self/status`) than the
+//! process started with. Filters a process starts with come from its
+//! container or launcher, which let it start threads (a container's
+//! default profile does), so they alone do not count.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+/// The program asked for a seccomp filter (or strict mode).
+static MARKED: AtomicBool = AtomicBool::new(false);
+/// Seccomp filters the process started with (-1: not read yet).
+static BASELINE: AtomicI64 = AtomicI64::new(-1);
+
+/// Read the filters the process starts with: at load, before the program
+/// runs (a forked child inherits the parent's count and its baseline).
+pub fn note_start() {
+    if BASELINE.load(Ordering::SeqCst) < 0 {
+        let n = status().map_or(0, |s| field(&s, "Seccomp_filters:").unwrap_or(0));
+        BASELINE.store(i64::from(n), Ordering::SeqCst);
+    }
+}
+
+/// The program is installing a seccomp filter: no thread of ours starts
+/// from now on.
+pub fn mark() {
+    MARKED.store(true, Ordering::SeqCst);
+}
+
+/// Did the program install a seccomp filter itself (cheap: no read of
+/// `/proc`)? Such a filter allows what the program calls, not what azsdp
+/// would (a log line's signal-mask calls kill sshd's pre-auth child), so
+/// azsdp stays quiet there.
+pub fn marked() -> bool {
+    MARKED.load(Ordering::SeqCst)
+}
+
+/// May azsdp start threads in this process?
+pub fn restricted() -> bool {
+    if MARKED.load(Ordering::SeqCst) {
+        return true;
+    }
+    // Asked when a thread would start (rarely): the kernel says whether a
+    // filter came in some way the shim did not see. A filter that refuses
+    // the read itself says enough.
+    let Some(s) = status() else {
+        return true;
+    };
+    let base = BASELINE.load(Ordering::SeqCst).max(0);
+    field(&s, "Seccomp:") == Some(1)
+        || field(&s, "Seccomp_filters:").is_some_and(|n| i64::from(n) > base)
+}
+
+fn status() -> Option<String> {
+    std::fs::read_to_string("/proc/self/status").ok()
+}
+
+/// A numeric field (`Seccomp:`, `Seccomp_filters:`) of a status text.
+fn field(status: &str, name: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_fields_say_the_mode_and_the_filters() {
+        let st = "Name:\tx\nSeccomp:\t2\nSeccomp_filters:\t3\n";
+        assert_eq!(field(st, "Seccomp:"), Some(2));
+        assert_eq!(field(st, "Seccomp_filters:"), Some(3));
+        assert_eq!(field("Name:\tx\n", "Seccomp:"), None);
+        // Whatever filters this test process started with, it added none.
+        note_start();
+        assert!(!restricted());
+    }
+}
