@@ -185,6 +185,14 @@ impl Connection {
                 if self.error_reported { Ok(0) } else { Err(err) }
             } else if call.failed {
                 Err(CallError::ConnReset)
+            } else if self.state == State::Switched {
+                // Made after the switch (it raced the caller's look): it
+                // goes again over TCP.
+                if filled > 0 {
+                    Ok(filled)
+                } else {
+                    Err(CallError::Switched)
+                }
             } else if stop == Stop::Full
                 || (filled > 0 && (!f.waitall || f.peek))
                 || (stop == Stop::Empty && (self.rx_eof || self.rx_shut))

@@ -321,6 +321,22 @@ impl Connection {
 
     /// Advance the send at the head of the queue as far as it can go.
     pub(super) fn progress_sends(&mut self, mem: &mut dyn UserMemory) {
+        if self.state == State::Switched {
+            // A call made after the switch (it raced the caller's look):
+            // it goes again over TCP.
+            for call in std::mem::take(&mut self.send_calls) {
+                let result = if call.accepted > 0 {
+                    Ok(call.accepted)
+                } else {
+                    Err(CallError::Switched)
+                };
+                self.push(Action::CallDone {
+                    call: call.call,
+                    result,
+                });
+            }
+            return;
+        }
         if self.state != State::Established {
             return self.fail_sends_if_aborted();
         }

@@ -138,6 +138,29 @@ fn calls_in_progress_end_to_go_again_over_tcp() {
     assert_eq!(tcp.wrote[0], data);
 }
 
+/// A call made once the connection has switched (the caller looked just
+/// before) ends at once, to go again over TCP; it does not wait for ever.
+#[test]
+fn calls_made_after_the_switch_end_at_once() {
+    let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    p.switch(1);
+    p.write(0, BUF, &pattern(100, 7));
+    let s = p.send(0, BUF, 100);
+    let r = p.recv(0, DST, 100);
+    let nb = p.d[0].submit_recv(
+        DST,
+        100,
+        RecvFlags {
+            nonblocking: true,
+            ..RecvFlags::default()
+        },
+    );
+    p.run_for(Duration::from_millis(1));
+    for call in [s, r, nb] {
+        assert_eq!(p.d[0].take_result(call), Some(Err(CallError::Switched)));
+    }
+}
+
 #[test]
 fn a_switch_after_everything_was_read_resends_nothing() {
     let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
