@@ -221,7 +221,7 @@ fn poll_upgraded(
         // its socket would not confirm: ssh treats EAGAIN after a
         // readable poll as fatal).
         for ((p, c), k) in fds.iter().zip(conns.iter_mut()).zip(kernel.iter_mut()) {
-            if c.as_ref().is_some_and(|c| moved_on(c)) {
+            if c.as_ref().is_some_and(|c| c.driver.on_tcp()) {
                 if let Some(s) = crate::fdtable::get(p.fd) {
                     crate::switch::driven_here(&s);
                 }
@@ -242,7 +242,7 @@ fn poll_upgraded(
                 }
             }
         }
-        if conns.iter().flatten().any(|c| moved_on(c)) {
+        if conns.iter().flatten().any(|c| c.driver.on_tcp()) {
             // It moved while we looked: look again.
             continue;
         }
@@ -281,12 +281,6 @@ fn poll_upgraded(
             return ready;
         }
     }
-}
-
-/// Has `c` moved onto its TCP socket (or another process, sharing it,
-/// had it moved there)?
-fn moved_on(c: &crate::conn::Conn) -> bool {
-    c.driver.is_switched() || c.driver.runs_elsewhere()
 }
 
 /// A `poll`-style timeout in milliseconds (negative: none).

@@ -40,7 +40,7 @@ pub fn moved(sock: &Arc<Sock>, c: &Arc<Conn>) -> Option<Arc<TcpConn>> {
 /// it moved there (a sandboxed process always does: it starts no thread).
 pub fn driven_here(sock: &Arc<Sock>) -> Option<Arc<Conn>> {
     let c = sock.conn()?;
-    if c.driver.is_switched() || c.driver.runs_elsewhere() {
+    if c.driver.on_tcp() {
         moved(sock, &c);
         return None;
     }
@@ -100,14 +100,15 @@ pub fn before_exec() {
 pub fn before_sandbox() {
     for sock in fdtable::all() {
         let Some(c) = sock.conn() else { continue };
-        let on_tcp = if c.driver.is_mine() {
+        let mine = c.driver.is_mine();
+        let on_tcp = if mine {
             c.driver.leave_fabric(EXEC_WAIT)
         } else {
-            c.driver.is_switched() || c.driver.runs_elsewhere()
+            c.driver.on_tcp()
         };
         if on_tcp {
             moved(&sock, &c);
-        } else if c.driver.is_mine() {
+        } else if mine {
             warning!(
                 "{} -> {}: could not move to TCP before a seccomp sandbox ({:?}); reset",
                 c.local,

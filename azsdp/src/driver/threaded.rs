@@ -739,12 +739,18 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
     }
 
-    /// The connection's state (why it ended, if it did).
     /// Does another process run the connection, which this one shares
     /// after a fork and has now had moved onto the TCP socket (see
-    /// `share_by_tcp`)? Cheap while no fork touched the connection.
+    /// `share_by_tcp`)? Cheap while no fork touched the connection
+    /// (`make_mine` answers from the settled view).
     pub fn runs_elsewhere(&self) -> bool {
-        !self.shared.own.settled() && !self.shared.make_mine() && self.shared.share_by_tcp()
+        !self.shared.make_mine() && self.shared.share_by_tcp()
+    }
+
+    /// Is the connection on its TCP socket now: moved there by this
+    /// process, or by the one that runs it at this one's request?
+    pub fn on_tcp(&self) -> bool {
+        self.is_switched() || self.runs_elsewhere()
     }
 
     /// Has the connection left the fabric for the TCP socket beneath?
@@ -770,6 +776,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         end == Some(State::Switched)
     }
 
+    /// The connection's state (why it ended, if it did).
     pub fn state(&self) -> State {
         if self.shared.orphaned() {
             return State::Aborted(crate::conn::AbortReason::LocalReset);
