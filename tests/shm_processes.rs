@@ -217,7 +217,7 @@ fn azsdp_stream(
             describe_process(child)
         );
         off += n;
-        if word(i ^ 5) % touch_one_in != 0 {
+        if !word(i ^ 5).is_multiple_of(touch_one_in) {
             continue;
         }
         // Rewrite part of what was just sent: must not reach the receiver,

@@ -26,10 +26,10 @@ pub fn check(config: Option<&Path>) -> Vec<String> {
             problems.push(format!("AZSDP_LOG={}: cannot open it: {e}", path.display()));
         }
     }
-    if let Some(dir) = std::env::var_os("AZSDP_STAT_DIR") {
-        if let Err(e) = azsdp::stats::open_dir(Path::new(&dir)) {
-            problems.push(format!("AZSDP_STAT_DIR: {e}"));
-        }
+    if let Some(dir) = std::env::var_os("AZSDP_STAT_DIR")
+        && let Err(e) = azsdp::stats::open_dir(Path::new(&dir))
+    {
+        problems.push(format!("AZSDP_STAT_DIR: {e}"));
     }
     problems
 }

@@ -113,10 +113,10 @@ fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
 /// Bind `fd` to an ephemeral port if the program did not bind it; the
 /// port names the connection in the offer.
 fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
-    if let Some(a) = net::local_of(fd) {
-        if a.port() != 0 {
-            return Some(a.port());
-        }
+    if let Some(a) = net::local_of(fd)
+        && a.port() != 0
+    {
+        return Some(a.port());
     }
     let any = if family == libc::AF_INET6 {
         SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)

@@ -27,10 +27,10 @@ fn flagged(fd: i32) -> bool {
 }
 
 fn set_flag(fd: i32, on: bool) {
-    if let Ok(i) = usize::try_from(fd) {
-        if i < FAST {
-            FLAGS[i].store(on, Ordering::Relaxed);
-        }
+    if let Ok(i) = usize::try_from(fd)
+        && i < FAST
+    {
+        FLAGS[i].store(on, Ordering::Relaxed);
     }
 }
 

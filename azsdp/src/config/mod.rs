@@ -458,7 +458,7 @@ fn duration(raw: &Raw<'_>) -> Result<Duration, String> {
 /// A size as the configuration writes it: "64KiB", "8MiB", or bytes.
 pub fn format_size(n: u64) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if n >= 1 << shift && n % (1 << shift) == 0 {
+        if n >= 1 << shift && n.is_multiple_of(1 << shift) {
             return format!("{}{unit}", n >> shift);
         }
     }
@@ -469,11 +469,11 @@ pub fn format_size(n: u64) -> String {
 fn show(d: Duration) -> String {
     if d.is_zero() {
         "0".into()
-    } else if d.as_secs() >= 60 && d.as_secs() % 60 == 0 && d.subsec_nanos() == 0 {
+    } else if d.as_secs() >= 60 && d.as_secs().is_multiple_of(60) && d.subsec_nanos() == 0 {
         format!("{}m", d.as_secs() / 60)
     } else if d.subsec_nanos() == 0 {
         format!("{}s", d.as_secs())
-    } else if d.as_micros() % 1000 == 0 {
+    } else if d.as_micros().is_multiple_of(1000) {
         format!("{}ms", d.as_millis())
     } else {
         format!("{}us", d.as_micros())

@@ -501,10 +501,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             d.leave_fabric();
         }
         // Timers change readiness too (a peer that timed out).
-        if total > 0 || d.connection().readiness() != before {
-            if let Some(n) = &self.notify {
-                n();
-            }
+        if (total > 0 || d.connection().readiness() != before)
+            && let Some(n) = &self.notify
+        {
+            n();
         }
         total
     }

@@ -145,7 +145,7 @@ impl Ring {
     /// to 64, for the life of the returned `Ring`; at most one producer and
     /// one consumer may use the ring at a time.
     pub unsafe fn attach(region: *mut u8, len: usize) -> Result<Ring, RingError> {
-        if len < HEADER + 64 || region as usize % 64 != 0 {
+        if len < HEADER + 64 || !(region as usize).is_multiple_of(64) {
             return Err(RingError::BadSize);
         }
         let hdr = region.cast::<Header>();
@@ -193,7 +193,10 @@ impl Ring {
         let head = h.head.load(Ordering::Acquire);
         let tail = h.tail.load(Ordering::Acquire);
         let used = tail.wrapping_sub(head);
-        if used > self.cap as u64 || head % ALIGN as u64 != 0 || tail % ALIGN as u64 != 0 {
+        if used > self.cap as u64
+            || !head.is_multiple_of(ALIGN as u64)
+            || !tail.is_multiple_of(ALIGN as u64)
+        {
             return Err(RingError::Corrupt);
         }
         Ok((head, tail))

@@ -330,7 +330,7 @@ impl MprotectProtect {
 
     /// Write-protect whole pages `r`.
     pub fn protect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
-        debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
+        debug_assert!(r.start.is_multiple_of(self.page) && r.end.is_multiple_of(self.page));
         // In the table before the pages turn read-only: any fault on them
         // finds its owner.
         self.take_slot(r.clone())?;

@@ -505,7 +505,7 @@ impl UffdProtect {
     /// Shared memory is protected at every address it is mapped at in this
     /// process (its aliases), or not at all.
     pub fn protect(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
-        debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
+        debug_assert!(r.start.is_multiple_of(self.page) && r.end.is_multiple_of(self.page));
         let mapping = crate::memory_map::mapping_of(r.start);
         let shared = mapping
             .as_ref()
@@ -654,7 +654,7 @@ impl UffdProtect {
     /// [`UffdProtect::disarm`], any access to them faults to the handler.
     /// Their current pages move into staging, where the GET will land.
     pub fn arm(&mut self, r: Range<u64>) -> Result<(), ProtectError> {
-        debug_assert!(r.start % self.page == 0 && r.end % self.page == 0);
+        debug_assert!(r.start.is_multiple_of(self.page) && r.end.is_multiple_of(self.page));
         let fail = |why: String| ProtectError::Arm {
             range: r.clone(),
             why,

@@ -47,16 +47,16 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
 
 /// Follow what a successful `fcntl` did to a tracked socket.
 fn fcntl_done(fd: c_int, cmd: c_int, arg: usize, r: c_int) -> c_int {
-    if r >= 0 {
-        if let Some(sock) = fdtable::get(fd) {
-            guard((), || match cmd {
-                libc::F_SETFL => sock
-                    .nonblocking
-                    .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed),
-                libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => dup_into(r, sock),
-                _ => {}
-            });
-        }
+    if r >= 0
+        && let Some(sock) = fdtable::get(fd)
+    {
+        guard((), || match cmd {
+            libc::F_SETFL => sock
+                .nonblocking
+                .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed),
+            libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => dup_into(r, sock),
+            _ => {}
+        });
     }
     r
 }
@@ -65,18 +65,18 @@ fn fcntl_done(fd: c_int, cmd: c_int, arg: usize, r: c_int) -> c_int {
 pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
     hook(|| {
         if let Some(sock) = fdtable::get(fd) {
-            if req == libc::FIONREAD as c_ulong {
-                if let Some(c) = sock.conn() {
-                    let n = guard(0, || c.driver.readable_bytes());
-                    let n = n.min(c_int::MAX as u64) as c_int;
-                    return match crate::user_mem::write(arg as *mut c_int, &[n]) {
-                        Ok(()) => 0,
-                        Err(e) => {
-                            real::set_errno(e);
-                            -1
-                        }
-                    };
-                }
+            if req == libc::FIONREAD as c_ulong
+                && let Some(c) = sock.conn()
+            {
+                let n = guard(0, || c.driver.readable_bytes());
+                let n = n.min(c_int::MAX as u64) as c_int;
+                return match crate::user_mem::write(arg as *mut c_int, &[n]) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        real::set_errno(e);
+                        -1
+                    }
+                };
             }
             // SAFETY: libc's ioctl.
             let r = unsafe { real::ioctl(fd, req, arg) };
@@ -97,10 +97,10 @@ pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
     hook(|| {
         // SAFETY: libc's dup.
         let r = unsafe { real::dup(fd) };
-        if r >= 0 {
-            if let Some(sock) = fdtable::get(fd) {
-                guard((), || dup_into(r, sock));
-            }
+        if r >= 0
+            && let Some(sock) = fdtable::get(fd)
+        {
+            guard((), || dup_into(r, sock));
         }
         r
     })
@@ -167,24 +167,23 @@ pub unsafe extern "C" fn setsockopt(
         // keepalive...): harmless for an upgraded one, and right if it stays TCP.
         // SAFETY: libc's setsockopt.
         let r = unsafe { real::setsockopt(fd, level, name, val, len) };
-        if r == 0 && level == libc::SOL_SOCKET {
-            if let Some(sock) = fdtable::get(fd) {
-                guard((), || {
-                    let mut o = sock.opts.lock();
-                    match name {
-                        libc::SO_RCVTIMEO => o.rcvtimeo = timeval_duration(val, len),
-                        libc::SO_SNDTIMEO => o.sndtimeo = timeval_duration(val, len),
-                        libc::SO_LINGER
-                            if (len as usize) >= std::mem::size_of::<libc::linger>() =>
-                        {
-                            // SAFETY: a linger of the program's, length checked.
-                            let l = unsafe { std::ptr::read_unaligned(val.cast::<libc::linger>()) };
-                            o.linger_abort = l.l_onoff != 0 && l.l_linger == 0;
-                        }
-                        _ => {}
+        if r == 0
+            && level == libc::SOL_SOCKET
+            && let Some(sock) = fdtable::get(fd)
+        {
+            guard((), || {
+                let mut o = sock.opts.lock();
+                match name {
+                    libc::SO_RCVTIMEO => o.rcvtimeo = timeval_duration(val, len),
+                    libc::SO_SNDTIMEO => o.sndtimeo = timeval_duration(val, len),
+                    libc::SO_LINGER if (len as usize) >= std::mem::size_of::<libc::linger>() => {
+                        // SAFETY: a linger of the program's, length checked.
+                        let l = unsafe { std::ptr::read_unaligned(val.cast::<libc::linger>()) };
+                        o.linger_abort = l.l_onoff != 0 && l.l_linger == 0;
                     }
-                });
-            }
+                    _ => {}
+                }
+            });
         }
         r
     })
@@ -199,33 +198,34 @@ pub unsafe extern "C" fn getsockopt(
     len: *mut socklen_t,
 ) -> c_int {
     hook(|| {
-        if level == libc::SOL_SOCKET && name == libc::SO_ERROR {
-            if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
-                // The pending error, once, as the kernel's.
-                let err = match c.driver.take_error() {
-                    Some(CallError::TimedOut) => libc::ETIMEDOUT,
-                    Some(_) => libc::ECONNRESET,
-                    None => 0,
-                };
-                // As the kernel: at most `*len` bytes of the int, and the
-                // length it wrote.
-                let put = || -> Result<(), c_int> {
-                    let room = crate::user_mem::read(len.cast_const(), 1)?[0];
-                    if (room as i32) < 0 {
-                        return Err(libc::EINVAL);
-                    }
-                    let n = (room as usize).min(std::mem::size_of::<c_int>());
-                    crate::user_mem::write(val.cast::<u8>(), &err.to_ne_bytes()[..n])?;
-                    crate::user_mem::write(len, &[n as socklen_t])
-                };
-                return match put() {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        real::set_errno(e);
-                        -1
-                    }
-                };
-            }
+        if level == libc::SOL_SOCKET
+            && name == libc::SO_ERROR
+            && let Some(c) = fdtable::get(fd).and_then(|s| s.conn())
+        {
+            // The pending error, once, as the kernel's.
+            let err = match c.driver.take_error() {
+                Some(CallError::TimedOut) => libc::ETIMEDOUT,
+                Some(_) => libc::ECONNRESET,
+                None => 0,
+            };
+            // As the kernel: at most `*len` bytes of the int, and the
+            // length it wrote.
+            let put = || -> Result<(), c_int> {
+                let room = crate::user_mem::read(len.cast_const(), 1)?[0];
+                if (room as i32) < 0 {
+                    return Err(libc::EINVAL);
+                }
+                let n = (room as usize).min(std::mem::size_of::<c_int>());
+                crate::user_mem::write(val.cast::<u8>(), &err.to_ne_bytes()[..n])?;
+                crate::user_mem::write(len, &[n as socklen_t])
+            };
+            return match put() {
+                Ok(()) => 0,
+                Err(e) => {
+                    real::set_errno(e);
+                    -1
+                }
+            };
         }
         // SAFETY: libc's getsockopt.
         unsafe { real::getsockopt(fd, level, name, val, len) }
