@@ -52,7 +52,9 @@ pub fn restricted() -> bool {
     }
     // Asked when a thread would start (rarely): the kernel says whether a
     // filter came in some way the shim did not see. A filter that refuses
-    // the read itself says enough.
+    // the read itself says enough, and so does a chroot without /proc
+    // (sshd's pre-auth child chroots and drops its user before its filter:
+    // such a process must not take the connection over either).
     let Some(s) = status() else {
         return true;
     };
@@ -86,5 +88,44 @@ mod tests {
         // Whatever filters this test process started with, it added none.
         note_start();
         assert!(!restricted());
+    }
+
+    #[test]
+    fn a_filter_installed_behind_our_back_is_seen() {
+        note_start();
+        // SAFETY: fork; the child installs an allow-all filter with the
+        // raw system call (no prctl the shim would see), asks, and exits.
+        unsafe {
+            let pid = libc::fork();
+            if pid == 0 {
+                let allow = [libc::sock_filter {
+                    code: (libc::BPF_RET | libc::BPF_K) as u16,
+                    jt: 0,
+                    jf: 0,
+                    k: libc::SECCOMP_RET_ALLOW,
+                }];
+                let prog = libc::sock_fprog {
+                    len: 1,
+                    filter: allow.as_ptr().cast_mut(),
+                };
+                libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+                let r = libc::syscall(
+                    libc::SYS_seccomp,
+                    libc::SECCOMP_SET_MODE_FILTER,
+                    0,
+                    &raw const prog,
+                );
+                let code = match (r, restricted(), restricted()) {
+                    (0, true, true) => 0,
+                    (0, ..) => 1,
+                    _ => 2,
+                };
+                libc::_exit(code);
+            }
+            let mut st = 0;
+            libc::waitpid(pid, &mut st, 0);
+            assert_eq!(libc::WEXITSTATUS(st), 0, "status {st:#x}");
+        }
+        assert!(!restricted(), "the parent has no filter of its own");
     }
 }

@@ -617,14 +617,24 @@ impl ConnStat {
     }
 }
 
-/// Is `pid` a live process?
+/// Is `pid` a live process? A zombie (exited, not yet waited for by its
+/// parent) is not: its connections are gone.
 fn alive(pid: u32) -> bool {
     let Ok(p) = i32::try_from(pid) else {
         return false;
     };
     // SAFETY: kill with signal 0 only checks for existence.
     let r = unsafe { libc::kill(p, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let exists = r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists
+        && std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .map_or(true, |st| !matches!(process_state(&st), Some('Z' | 'X')))
+}
+
+/// The state letter of a `/proc/PID/stat` line (after the command name,
+/// which may itself hold spaces and parentheses).
+fn process_state(stat: &str) -> Option<char> {
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// Read every live process's connections in `dirs`.
@@ -753,6 +763,26 @@ fn read_file(path: &Path, pid: u32, owner: u32) -> Option<Vec<ConnStat>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zombie_is_not_alive() {
+        assert_eq!(process_state("12 (a) b) c) Z 1 2"), Some('Z'));
+        assert_eq!(process_state("12 (sleep) S 1"), Some('S'));
+        assert_eq!(process_state("garbage"), None);
+        assert!(alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Not waited for: a zombie once it has exited.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while alive(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "child {pid} never exited"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+    }
 
     #[test]
     fn rows_round_trip_and_dead_files_are_removed() {

@@ -34,6 +34,12 @@ fn resolve(name: &'static [u8]) -> usize {
     p as usize
 }
 
+/// Address of the next definition of `name` (NUL-terminated), for a
+/// call that cannot go through a typed wrapper (variadic functions).
+pub fn next_definition(name: &'static [u8]) -> usize {
+    resolve(name)
+}
+
 macro_rules! real {
     ($( fn $name:ident($($arg:ident: $t:ty),*) -> $ret:ty; )*) => {
         $(
@@ -70,6 +76,9 @@ real! {
     fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int) -> ssize_t;
     fn recvfrom(fd: c_int, buf: *mut c_void, len: size_t, flags: c_int, addr: *mut sockaddr, alen: *mut socklen_t) -> ssize_t;
     fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t;
+    fn sendmmsg(fd: c_int, v: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int) -> c_int;
+    fn recvmmsg(fd: c_int, v: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int, timeout: *mut timespec) -> c_int;
+    fn splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: libc::c_uint) -> ssize_t;
     fn read(fd: c_int, buf: *mut c_void, len: size_t) -> ssize_t;
     fn write(fd: c_int, buf: *const c_void, len: size_t) -> ssize_t;
     fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t;
@@ -107,6 +116,21 @@ real! {
     fn execvpe(file: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
     fn fexecve(fd: c_int, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
     fn execveat(dirfd: c_int, path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char, flags: c_int) -> c_int;
+    fn posix_spawn_file_actions_init(fa: *mut libc::posix_spawn_file_actions_t) -> c_int;
+    fn posix_spawn_file_actions_destroy(fa: *mut libc::posix_spawn_file_actions_t) -> c_int;
+    fn posix_spawn_file_actions_adddup2(fa: *mut libc::posix_spawn_file_actions_t, fd: c_int, newfd: c_int) -> c_int;
+    fn posix_spawn(pid: *mut libc::pid_t, path: *const libc::c_char, fa: *const libc::posix_spawn_file_actions_t, attr: *const libc::posix_spawnattr_t, argv: *const *mut libc::c_char, envp: *const *mut libc::c_char) -> c_int;
+    fn posix_spawnp(pid: *mut libc::pid_t, file: *const libc::c_char, fa: *const libc::posix_spawn_file_actions_t, attr: *const libc::posix_spawnattr_t, argv: *const *mut libc::c_char, envp: *const *mut libc::c_char) -> c_int;
+    fn system(cmd: *const libc::c_char) -> c_int;
+    fn popen(cmd: *const libc::c_char, mode: *const libc::c_char) -> *mut libc::FILE;
+    fn setuid(id: libc::uid_t) -> c_int;
+    fn setgid(id: libc::gid_t) -> c_int;
+    fn seteuid(id: libc::uid_t) -> c_int;
+    fn setegid(id: libc::gid_t) -> c_int;
+    fn setreuid(r: libc::uid_t, e: libc::uid_t) -> c_int;
+    fn setregid(r: libc::gid_t, e: libc::gid_t) -> c_int;
+    fn setresuid(r: libc::uid_t, e: libc::uid_t, s: libc::uid_t) -> c_int;
+    fn setresgid(r: libc::gid_t, e: libc::gid_t, s: libc::gid_t) -> c_int;
     fn free(p: *mut c_void) -> ();
     fn realloc(p: *mut c_void, n: size_t) -> *mut c_void;
     fn munmap(addr: *mut c_void, len: size_t) -> c_int;

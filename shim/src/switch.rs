@@ -59,37 +59,88 @@ const EXEC_WAIT: Duration = Duration::from_secs(10);
 /// survives the exec (inetd-style servers pass the socket as stdin); one
 /// whose descriptors all close on exec stays with the process that uses it.
 pub fn before_exec() {
+    for (sock, survives) in connections_on_descriptors(&[]) {
+        let Some(c) = sock.conn() else { continue };
+        let ours = c.driver.is_mine() || (survives && c.driver.claim());
+        if ours {
+            leave_or_reset(&sock, &c, "exec");
+        }
+    }
+    crate::runtime::join_closing();
+}
+
+/// This process is about to start a program (`posix_spawn`, `system`,
+/// `popen`) that inherits the descriptors that do not close on exec, and
+/// `dup_sources` (the spawn's file actions give them new numbers): move
+/// every connection on those onto its TCP socket, whoever runs it, since
+/// the new program may use it without the shim. The others stay.
+pub fn before_spawn(dup_sources: &[libc::c_int]) {
+    for (sock, survives) in connections_on_descriptors(dup_sources) {
+        if survives {
+            move_whoever_runs_it(&sock, "spawning a program");
+        }
+    }
+}
+
+/// This process is about to change its user or group: the peer could not
+/// read a process of another user (nor it the peer), and a forked child
+/// that drops root before it uses a connection (privilege-separated
+/// servers) could not take it over. So every connection on its
+/// descriptors moves onto its TCP socket first, while the process is
+/// still who it was; connections it makes afterwards upgrade as the new
+/// user.
+pub fn before_identity_change() {
+    for (sock, _) in connections_on_descriptors(&[]) {
+        move_whoever_runs_it(&sock, "a change of user");
+    }
+}
+
+/// Move the connection on `sock` onto its TCP socket: this process runs it
+/// (or takes it, if a fork left it unclaimed), or asks the process that
+/// runs it.
+fn move_whoever_runs_it(sock: &Arc<Sock>, what: &str) {
+    let Some(c) = sock.conn() else { return };
+    if c.driver.is_mine() || c.driver.claim() {
+        leave_or_reset(sock, &c, what);
+    } else if c.driver.on_tcp() {
+        // Run by a process that shares it after a fork, which moved it.
+        moved(sock, &c);
+    }
+}
+
+/// Each upgraded connection on this process's descriptors, once, and
+/// whether one of its descriptors survives an exec (or is in `extra`).
+fn connections_on_descriptors(extra: &[libc::c_int]) -> Vec<(Arc<Sock>, bool)> {
     let mut seen: Vec<(Arc<Sock>, bool)> = Vec::new();
     for (fd, sock) in fdtable::entries() {
         if sock.conn().is_none() {
             continue;
         }
         // SAFETY: F_GETFD on a descriptor the table tracks.
-        let survives = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
+        let survives = extra.contains(&fd)
+            || unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
         match seen.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sock)) {
             Some((_, any)) => *any |= survives,
             None => seen.push((sock, survives)),
         }
     }
-    for (sock, survives) in seen {
-        let Some(c) = sock.conn() else { continue };
-        let ours = c.driver.is_mine() || (survives && c.driver.claim());
-        if !ours {
-            continue;
-        }
-        if c.driver.leave_fabric(EXEC_WAIT) {
-            moved(&sock, &c);
-        } else {
-            warning!(
-                "{} -> {}: could not move to TCP before exec ({:?}); the new image sees it reset",
-                c.local,
-                c.peer,
-                c.driver.state()
-            );
-            c.beneath.reset();
-        }
+    seen
+}
+
+/// Move `c` (this process runs it) onto its TCP socket before `what`; if
+/// that cannot be done, reset it rather than let bytes go astray.
+fn leave_or_reset(sock: &Arc<Sock>, c: &Arc<Conn>, what: &str) {
+    if c.driver.leave_fabric(EXEC_WAIT) {
+        moved(sock, c);
+    } else {
+        warning!(
+            "{} -> {}: could not move to TCP before {what} ({:?}); reset",
+            c.local,
+            c.peer,
+            c.driver.state()
+        );
+        c.beneath.reset();
     }
-    crate::runtime::join_closing();
 }
 
 /// The program is about to install a seccomp filter, which allows the
@@ -101,21 +152,10 @@ pub fn before_sandbox() {
     for sock in fdtable::all() {
         let Some(c) = sock.conn() else { continue };
         let mine = c.driver.is_mine();
-        let on_tcp = if mine {
-            c.driver.leave_fabric(EXEC_WAIT)
-        } else {
-            c.driver.on_tcp()
-        };
-        if on_tcp {
+        if mine {
+            leave_or_reset(&sock, &c, "a seccomp sandbox");
+        } else if c.driver.on_tcp() {
             moved(&sock, &c);
-        } else if mine {
-            warning!(
-                "{} -> {}: could not move to TCP before a seccomp sandbox ({:?}); reset",
-                c.local,
-                c.peer,
-                c.driver.state()
-            );
-            c.beneath.reset();
         }
     }
 }

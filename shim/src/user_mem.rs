@@ -38,6 +38,8 @@ unsafe impl Plain for libc::iovec {}
 // SAFETY: as above.
 unsafe impl Plain for libc::msghdr {}
 // SAFETY: as above.
+unsafe impl Plain for libc::mmsghdr {}
+// SAFETY: as above.
 unsafe impl Plain for libc::epoll_event {}
 // SAFETY: as above.
 unsafe impl Plain for libc::timespec {}

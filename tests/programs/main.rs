@@ -21,7 +21,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
-/// in use: 0-31 plain tests and sockcheck scenarios, whose azsdp runs take
+/// in use: 0-31 plain tests and sockcheck scenarios (2 execl, posix_spawn
+/// and system; 20 a setuid child; 27 batched calls; 21 free), whose azsdp runs take
 /// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 and 70 process_models.rs; 69 (azsdp: 101) fork-both-use; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
@@ -649,10 +650,28 @@ fn a_forked_parent_and_child_take_turns_on_one_socket() {
     sockcheck("fork-both-use", 69);
 }
 
+/// A privilege-separated server: the child it forks drops root, then
+/// serves the connection.
+#[test]
+fn a_forked_child_that_drops_root_serves_the_connection() {
+    sockcheck("fork-setuid", 20);
+}
+
 #[test]
 fn an_execed_image_reads_the_rest_of_the_stream_with_or_without_the_shim() {
     sockcheck("exec", 17);
     sockcheck_on("exec-bare", 65, &[true]);
+}
+
+/// The other ways a program starts another with the socket: `execl`
+/// (variadic), `posix_spawn` whose file actions `dup2` a close-on-exec
+/// socket, and `system()`'s shell.
+#[test]
+fn programs_started_by_execl_posix_spawn_and_system_read_the_rest_of_the_stream() {
+    // One after the other, on one port (the listener reuses it).
+    sockcheck("exec-l", 2);
+    sockcheck("spawn", 2);
+    sockcheck("system", 2);
 }
 
 #[test]
@@ -904,6 +923,13 @@ fn a_rule_keeps_a_port_on_tcp_and_stat_says_so() {
 #[test]
 fn sendfile64_fortified_reads_and_fcntl64() {
     sockcheck("glibc-names", 26);
+}
+
+/// `sendmmsg`/`recvmmsg` and `splice` carry the stream through the engine
+/// (they used to reach the kernel socket behind the shim's back).
+#[test]
+fn batched_messages_and_splice() {
+    sockcheck("batch-calls", 27);
 }
 
 #[test]

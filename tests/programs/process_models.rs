@@ -229,7 +229,7 @@ fn rsync_daemon_pulls_and_pushes_a_tree() {
 /// that kills for a thread, a `process_vm_readv` or a `sendmsg` (the
 /// connection moves onto its TCP socket before the filter applies, and the
 /// shim keeps to the program's own calls there). With `-r` the child is
-/// forked only; without, sshd re-execs itself per connection. 64 MiB goes
+/// forked only; without, sshd re-execs itself per connection. 256 MiB goes
 /// each way by scp, byte-exact.
 fn sshd_copies(rexec: bool, offset: u16) {
     // SAFETY: geteuid cannot fail.
@@ -275,7 +275,7 @@ fn sshd_copies(rexec: bool, offset: u16) {
     let mut daemon = Proc::start(s.under_azsdp("server", "sshd", &args), "sshd");
     wait_listening(p, LISTEN);
     let up = s.path("up.bin");
-    random_file(&up, 64 << 20, 0x55d);
+    random_file(&up, 256 << 20, 0x55d);
     let key = s.path("userkey").display().to_string();
     let port_arg = p.to_string();
     let scp = |name: &str, from: &str, to: &str| {

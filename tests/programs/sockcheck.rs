@@ -945,6 +945,245 @@ fn fork_both_use(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// `sendmmsg`/`recvmmsg` and `splice` on a connected socket, both ways:
+/// every byte arrives, in order, whichever call carried it.
+fn batch_calls(server: bool, port: u16) -> R {
+    const SIZES: [usize; 4] = [1000, 70_000, 5, 200_000];
+    const SPLICED: usize = 3 << 20;
+    const BATCH_BACK: usize = 512 << 10;
+    let batch_total: usize = SIZES.iter().sum::<usize>() * 2;
+    if !server {
+        let c = connect_to(port)?;
+        check!(
+            recv_exact(c, batch_total)? == data(batch_total, 50),
+            "sendmmsg's bytes"
+        );
+        check!(
+            recv_exact(c, SPLICED)? == data(SPLICED, 51),
+            "spliced bytes"
+        );
+        send_all(c, &data(BATCH_BACK, 52))?;
+        send_all(c, &data(SPLICED, 53))?;
+        check!(recv_exact(c, 2)? == b"ok", "ok");
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    // sendmmsg: four messages of two buffers each.
+    let out = data(batch_total, 50);
+    let mut iov = Vec::new();
+    let mut at = 0;
+    for &n in &SIZES {
+        for _ in 0..2 {
+            iov.push(libc::iovec {
+                iov_base: out[at..].as_ptr().cast_mut().cast(),
+                iov_len: n,
+            });
+            at += n;
+        }
+    }
+    let mut msgs: Vec<libc::mmsghdr> = (0..SIZES.len())
+        .map(|i| {
+            // SAFETY: a C structure of integers and pointers: zero is valid.
+            let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+            m.msg_hdr.msg_iov = iov[2 * i..].as_mut_ptr();
+            m.msg_hdr.msg_iovlen = 2;
+            m
+        })
+        .collect();
+    // SAFETY: sendmmsg(2) of our own vector.
+    let n = unsafe { libc::sendmmsg(c, msgs.as_mut_ptr(), msgs.len() as u32, 0) };
+    check!(
+        n == SIZES.len() as c_int,
+        "sendmmsg: {n} ({})",
+        err_name(errno())
+    );
+    for (m, &size) in msgs.iter().zip(&SIZES) {
+        check!(
+            m.msg_len as usize == 2 * size,
+            "sendmmsg's msg_len {}",
+            m.msg_len
+        );
+    }
+    // splice from a pipe that a thread fills.
+    let (mut p, mut q) = ([0; 2], [0; 2]);
+    // SAFETY: two pipes of ours.
+    unsafe {
+        libc::pipe(p.as_mut_ptr());
+        libc::pipe(q.as_mut_ptr());
+    }
+    let writer = p[1];
+    let filler = std::thread::spawn(move || {
+        let d = data(SPLICED, 51);
+        let mut at = 0;
+        while at < d.len() {
+            // SAFETY: write(2) of our buffer into our pipe.
+            let n = unsafe {
+                libc::write(writer, d[at..].as_ptr().cast(), (d.len() - at).min(100_000))
+            };
+            assert!(n > 0);
+            at += n as usize;
+        }
+        close(writer);
+    });
+    let mut moved = 0;
+    loop {
+        // SAFETY: splice(2) between our pipe and our socket.
+        let n = unsafe {
+            libc::splice(
+                p[0],
+                std::ptr::null_mut(),
+                c,
+                std::ptr::null_mut(),
+                1 << 20,
+                0,
+            )
+        };
+        check!(n >= 0, "splice to the socket: {}", err_name(errno()));
+        if n == 0 {
+            break;
+        }
+        moved += n as usize;
+    }
+    filler.join().map_err(|_| "the pipe's filler panicked")?;
+    check!(moved == SPLICED, "spliced {moved} of {SPLICED}");
+    close(p[0]);
+    // recvmmsg with MSG_WAITFORONE, three 64 KiB messages at a time; each
+    // message's bytes follow the last one's.
+    let mut back = Vec::with_capacity(BATCH_BACK);
+    while back.len() < BATCH_BACK {
+        let mut space = vec![0u8; 3 * 65536];
+        let mut bufs: Vec<libc::iovec> = space
+            .chunks_mut(65536)
+            .map(|b| libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: b.len(),
+            })
+            .collect();
+        let mut msgs: Vec<libc::mmsghdr> = (0..3)
+            .map(|i| {
+                // SAFETY: a C structure of integers and pointers: zero is valid.
+                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                m.msg_hdr.msg_iov = &raw mut bufs[i];
+                m.msg_hdr.msg_iovlen = 1;
+                m
+            })
+            .collect();
+        // SAFETY: recvmmsg(2) into our own vector.
+        let n = unsafe {
+            libc::recvmmsg(
+                c,
+                msgs.as_mut_ptr(),
+                3,
+                libc::MSG_WAITFORONE,
+                std::ptr::null_mut(),
+            )
+        };
+        check!(n > 0, "recvmmsg: {n} ({})", err_name(errno()));
+        for (i, m) in msgs[..n as usize].iter().enumerate() {
+            check!(m.msg_len > 0, "recvmmsg: an empty message before EOF");
+            back.extend_from_slice(&space[i * 65536..i * 65536 + m.msg_len as usize]);
+        }
+    }
+    check!(back == data(BATCH_BACK, 52), "recvmmsg's bytes");
+    // splice from the socket into a pipe that a thread drains.
+    let reader = q[0];
+    let drainer = std::thread::spawn(move || {
+        let mut v = Vec::with_capacity(SPLICED);
+        let mut b = vec![0u8; 100_000];
+        while v.len() < SPLICED {
+            // SAFETY: read(2) from our pipe into our buffer.
+            let n = unsafe { libc::read(reader, b.as_mut_ptr().cast(), b.len()) };
+            if n <= 0 {
+                break;
+            }
+            v.extend_from_slice(&b[..n as usize]);
+        }
+        close(reader);
+        v
+    });
+    let mut moved = 0;
+    while moved < SPLICED {
+        let want = (SPLICED - moved).min(1 << 20);
+        // SAFETY: splice(2) between our socket and our pipe.
+        let n =
+            unsafe { libc::splice(c, std::ptr::null_mut(), q[1], std::ptr::null_mut(), want, 0) };
+        check!(n > 0, "splice from the socket: {n} ({})", err_name(errno()));
+        moved += n as usize;
+    }
+    close(q[1]);
+    let v = drainer.join().map_err(|_| "the pipe's drainer panicked")?;
+    check!(
+        v == data(SPLICED, 53),
+        "spliced bytes from the socket ({} of {SPLICED})",
+        v.len()
+    );
+    send_all(c, b"ok")?;
+    close(c);
+    close(l);
+    Ok(())
+}
+
+/// A server forks after accept; the child drops root for nobody, as
+/// privilege-separated servers do, and serves the connection; the parent
+/// closes its copy. (Root only: as anyone else the scenario is skipped.)
+fn fork_setuid(server: bool, port: u16) -> R {
+    const ASK: usize = 700_000;
+    const ANSWER: usize = 300_000;
+    if !server {
+        let c = connect_to(port)?;
+        send_all(c, &data(ASK, 61))?;
+        check!(
+            recv_exact(c, ANSWER)? == data(ANSWER, 62),
+            "the child's answer"
+        );
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    // SAFETY: fork; the child serves and _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let r = (|| -> R {
+            // SAFETY: dropping to nobody, as a root server's child does.
+            unsafe {
+                if libc::geteuid() == 0 {
+                    check!(
+                        libc::setgid(65534) == 0 && libc::setuid(65534) == 0,
+                        "setuid: {}",
+                        err_name(errno())
+                    );
+                }
+            }
+            check!(
+                recv_exact(c, ASK)? == data(ASK, 61),
+                "the ask, in the child"
+            );
+            send_all(c, &data(ANSWER, 62))
+        })();
+        if let Err(e) = &r {
+            eprintln!("child: {e}");
+        }
+        close(c);
+        // SAFETY: leave the child without unwinding.
+        unsafe { libc::_exit(i32::from(r.is_err())) };
+    }
+    check!(pid > 0, "fork: {}", err_name(errno()));
+    close(c);
+    let mut st = 0;
+    // SAFETY: waitpid(2) on our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    check!(
+        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+        "the child failed: {st:#x}"
+    );
+    Ok(())
+}
+
 /// Bytes of the client's stream, of which the server's first image reads
 /// `BEFORE_EXEC` and the image it execs the rest; then the exec'd image's
 /// answer.
@@ -958,7 +1197,21 @@ const EXEC_ANSWER: usize = 300_000;
 /// reads exactly the rest of the client's stream (what the first image had
 /// not read, whether it came by copy or zero-copy) and what it writes
 /// reaches the client after everything sent before.
-fn exec(server: bool, port: u16, keep_shim: bool) -> R {
+/// How [`exec`] starts the new image.
+#[derive(Clone, Copy, PartialEq)]
+enum Exec {
+    /// fork, then execve, with LD_PRELOAD kept or cleared.
+    Execve { keep_shim: bool },
+    /// fork, then execl (variadic in C).
+    Execl,
+    /// posix_spawn, the socket (close-on-exec here) given to the new
+    /// program by the file actions' dup2.
+    Spawn,
+    /// system(): a shell that runs the program, which inherits the socket.
+    System,
+}
+
+fn exec(server: bool, port: u16, how: Exec) -> R {
     let stream = data(EXEC_STREAM, 17);
     if !server {
         let c = connect_to(port)?;
@@ -978,45 +1231,90 @@ fn exec(server: bool, port: u16, keep_shim: bool) -> R {
         recv_exact(c, BEFORE_EXEC)? == stream[..BEFORE_EXEC],
         "what the first image read"
     );
-    let exe = std::ffi::CString::new(
-        std::env::current_exe()
-            .map_err(|e| e.to_string())?
-            .into_os_string()
-            .into_encoded_bytes(),
-    )
-    .map_err(|e| e.to_string())?;
-    let args: Vec<std::ffi::CString> = ["azsdp-sockcheck", "exec-probe", &c.to_string(), "0"]
-        .iter()
-        .map(|a| std::ffi::CString::new(*a).expect("no NUL"))
-        .collect();
+    let exe_path = std::env::current_exe().map_err(|e| e.to_string())?;
+    let cstr = |b: Vec<u8>| std::ffi::CString::new(b).expect("no NUL");
+    let exe = cstr(exe_path.clone().into_os_string().into_encoded_bytes());
+    // The descriptor the new image finds the connection on.
+    let fd_there: c_int = if how == Exec::Spawn { 100 } else { c };
+    let args: Vec<std::ffi::CString> =
+        ["azsdp-sockcheck", "exec-probe", &fd_there.to_string(), "0"]
+            .iter()
+            .map(|a| cstr(a.as_bytes().to_vec()))
+            .collect();
     let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
+    let keep_shim = how != Exec::Execve { keep_shim: false };
     let env: Vec<std::ffi::CString> = std::env::vars_os()
         .filter(|(k, _)| keep_shim || k != "LD_PRELOAD")
         .map(|(k, v)| {
             let mut kv = k.into_encoded_bytes();
             kv.push(b'=');
             kv.extend(v.into_encoded_bytes());
-            std::ffi::CString::new(kv).expect("no NUL")
+            cstr(kv)
         })
         .collect();
     let mut envp: Vec<*const libc::c_char> = env.iter().map(|a| a.as_ptr()).collect();
     envp.push(std::ptr::null());
-    // SAFETY: fork; the child only execs (or exits).
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        // SAFETY: execve with NUL-terminated arrays built above.
-        unsafe {
-            libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
-            libc::_exit(127);
+    let status = match how {
+        Exec::Execve { .. } | Exec::Execl => {
+            // SAFETY: fork; the child only execs (or exits).
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: exec with NUL-terminated arrays built above.
+                unsafe {
+                    if how == Exec::Execl {
+                        libc::execl(exe.as_ptr(), argv[0], argv[1], argv[2], argv[3], argv[4]);
+                    } else {
+                        libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
+                    }
+                    libc::_exit(127);
+                }
+            }
+            check!(pid > 0, "fork: {}", err_name(errno()));
+            // The child runs the connection now: this copy is only closed.
+            close(c);
+            let mut status = 0;
+            // SAFETY: waitpid for our child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            status
         }
-    }
-    check!(pid > 0, "fork: {}", err_name(errno()));
-    // The child runs the connection now: this copy is only closed.
-    close(c);
-    let mut status = 0;
-    // SAFETY: waitpid for our child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
+        Exec::Spawn => {
+            // SAFETY: the file actions and spawn of our own arrays; the
+            // socket closes on exec, so only the dup2 gives it over.
+            unsafe {
+                libc::fcntl(c, libc::F_SETFD, libc::FD_CLOEXEC);
+                let mut fa: libc::posix_spawn_file_actions_t = std::mem::zeroed();
+                libc::posix_spawn_file_actions_init(&mut fa);
+                libc::posix_spawn_file_actions_adddup2(&mut fa, c, fd_there);
+                let mut pid = 0;
+                let r = libc::posix_spawn(
+                    &mut pid,
+                    exe.as_ptr(),
+                    &fa,
+                    std::ptr::null(),
+                    argv.as_ptr().cast(),
+                    envp.as_ptr().cast(),
+                );
+                libc::posix_spawn_file_actions_destroy(&mut fa);
+                check!(r == 0, "posix_spawn: {}", err_name(r));
+                close(c);
+                let mut status = 0;
+                libc::waitpid(pid, &mut status, 0);
+                status
+            }
+        }
+        Exec::System => {
+            let cmd = format!(
+                "'{}' exec-probe {c} 0",
+                exe_path.display().to_string().replace('\'', "'\\''")
+            );
+            let cmd = cstr(cmd.into_bytes());
+            // SAFETY: system(3) of our own command line.
+            let status = unsafe { libc::system(cmd.as_ptr()) };
+            close(c);
+            status
+        }
+    };
     check!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "the exec'd image failed: status {status:#x}"
@@ -1732,11 +2030,16 @@ fn main() {
         "signals" => signals(server, port),
         "descriptors" => descriptors(server, port),
         "prefork" => prefork(server, port),
-        "exec" => exec(server, port, true),
-        "exec-bare" => exec(server, port, false),
+        "exec" => exec(server, port, Exec::Execve { keep_shim: true }),
+        "exec-bare" => exec(server, port, Exec::Execve { keep_shim: false }),
+        "exec-l" => exec(server, port, Exec::Execl),
+        "spawn" => exec(server, port, Exec::Spawn),
+        "system" => exec(server, port, Exec::System),
         "fork-both-use" => fork_both_use(server, port),
+        "fork-setuid" => fork_setuid(server, port),
         "killed-idle" => killed_idle(server, port),
         "glibc-names" => glibc_names(server, port),
+        "batch-calls" => batch_calls(server, port),
         "fork-child-serves" => fork_after_accept(server, port, true),
         "fork-parent-serves" => fork_after_accept(server, port, false),
         "names" => names(server, port),

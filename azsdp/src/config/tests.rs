@@ -38,10 +38,9 @@ fn example_file_parses_and_rules_match_first() {
     let d = c.decide(&conn("redis-server", Role::Client, "192.168.100.7", 6379));
     assert_eq!(d.rule, Some(2));
     assert_eq!(d.settings.use_, Use::Tcp);
-    let d = c.decide(&conn("rsync", Role::Client, "10.0.0.1", 873));
+    let d = c.decide(&conn("/usr/sbin/sshd", Role::Server, "10.0.0.1", 22));
     assert_eq!(d.rule, Some(3));
-    assert_eq!(d.settings.write_fault, FaultPolicy::Block);
-    assert_eq!(d.settings.block_escalate, Duration::from_millis(50));
+    assert_eq!(d.settings.use_, Use::Tcp);
     let d = c.decide(&conn("curl", Role::Client, "10.0.0.1", 80));
     assert_eq!(d.rule, None);
     assert_eq!(d.settings, c.global);

@@ -1,11 +1,12 @@
-//! Data: send, recv and their variants, read/write on sockets, sendfile.
+//! Data: send, recv and their variants, read/write on sockets (batches
+//! in [`super::batched`], files and pipes in [`super::file_data`]).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use azsdp::conn::{CallError, RecvFlags, SendFlags};
 use azsdp::driver::threaded::CallLimits;
-use libc::{c_int, c_void, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{c_int, c_void, msghdr, size_t, sockaddr, socklen_t, ssize_t};
 
 use super::{guard, hook};
 use crate::conn::Conn;
@@ -34,7 +35,7 @@ pub(super) fn fail(e: CallError, nosignal: bool) -> ssize_t {
 }
 
 /// Send the buffers in order on `c` (descriptor `fd`).
-fn send_bufs(
+pub(super) fn send_bufs(
     fd: c_int,
     sock: &Arc<Sock>,
     c: &Arc<Conn>,
@@ -140,7 +141,7 @@ fn on_tcp<T>(
 /// Receive into the buffers in order from `c` (descriptor `fd`): the
 /// first call waits as the socket and flags say; later buffers take only
 /// what is there.
-fn recv_bufs(
+pub(super) fn recv_bufs(
     fd: c_int,
     sock: &Arc<Sock>,
     c: &Arc<Conn>,
@@ -232,13 +233,13 @@ fn recv_bufs(
 }
 
 /// Where a data call goes.
-enum Target {
+pub(super) enum Target {
     Azsdp(Arc<Sock>, Arc<Conn>),
     /// libc's call; counted when it is a connection left on TCP.
     Plain(Option<Arc<crate::conn::TcpConn>>),
 }
 
-fn target(fd: c_int) -> Target {
+pub(super) fn target(fd: c_int) -> Target {
     match fdtable::get(fd) {
         None => Target::Plain(None),
         Some(s) => match s.role() {
@@ -303,7 +304,7 @@ pub unsafe extern "C" fn sendto(
 /// kernel, with the kernel's checks: EINVAL for more than `IOV_MAX`
 /// entries or a total beyond `ssize_t`, EFAULT for an array it cannot
 /// read.
-fn iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*mut u8, usize)>, c_int> {
+pub(super) fn iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*mut u8, usize)>, c_int> {
     const IOV_MAX: i64 = 1024;
     if !(0..=IOV_MAX).contains(&n) {
         return Err(libc::EINVAL);
@@ -322,7 +323,7 @@ fn iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*mut u8, usize)>, c_int>
 }
 
 /// [`iovs`] of bytes to send.
-fn send_iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*const u8, usize)>, c_int> {
+pub(super) fn send_iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*const u8, usize)>, c_int> {
     Ok(iovs(iov, n)?
         .into_iter()
         .map(|(p, l)| (p.cast_const(), l))
@@ -330,7 +331,7 @@ fn send_iovs(iov: *const libc::iovec, n: i64) -> Result<Vec<(*const u8, usize)>,
 }
 
 /// The program's msghdr, read through the kernel.
-fn msghdr_of(msg: *const msghdr) -> Result<msghdr, c_int> {
+pub(super) fn msghdr_of(msg: *const msghdr) -> Result<msghdr, c_int> {
     Ok(crate::user_mem::read(msg, 1)?[0])
 }
 
@@ -473,72 +474,5 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> 
             // SAFETY: libc's readv with the program's arguments.
             Target::Plain(t) => plain(t, false, || unsafe { real::readv(fd, iov, n) }),
         }
-    })
-}
-
-/// The same call under its large-file name (python's `os.sendfile`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn sendfile64(
-    out: c_int,
-    inp: c_int,
-    off: *mut off_t,
-    count: size_t,
-) -> ssize_t {
-    hook(|| {
-        if !matches!(target(out), Target::Azsdp(..)) {
-            // SAFETY: libc's sendfile64 with the program's arguments.
-            return unsafe { real::sendfile64(out, inp, off, count) };
-        }
-        // SAFETY: the same call (off_t is 64-bit here).
-        unsafe { sendfile(out, inp, off, count) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn sendfile(
-    out: c_int,
-    inp: c_int,
-    off: *mut off_t,
-    count: size_t,
-) -> ssize_t {
-    hook(|| {
-        let (s, c) = match target(out) {
-            Target::Azsdp(s, c) => (s, c),
-            Target::Plain(t) => {
-                // SAFETY: libc's sendfile with the program's arguments.
-                return plain(t, true, || unsafe { real::sendfile(out, inp, off, count) });
-            }
-        };
-        guard(-1, || {
-            // Read a chunk from the file, then send it: one copy more than the
-            // kernel's sendfile, the price of keeping the byte stream ours.
-            let chunk = count.min(1 << 20);
-            let mut buf = vec![0u8; chunk];
-            // SAFETY: reading into our own buffer; `off` is the program's.
-            let got = unsafe {
-                if off.is_null() {
-                    real::read(inp, buf.as_mut_ptr().cast(), chunk)
-                } else {
-                    libc::pread(inp, buf.as_mut_ptr().cast(), chunk, *off)
-                }
-            };
-            if got <= 0 {
-                return got;
-            }
-            let sent = send_bufs(out, &s, &c, &[(buf.as_ptr(), got as usize)], 0);
-            if sent > 0 {
-                // SAFETY: the program's offset, or put back what we did not send.
-                unsafe {
-                    if off.is_null() {
-                        if sent < got {
-                            libc::lseek(inp, (sent - got) as off_t, libc::SEEK_CUR);
-                        }
-                    } else {
-                        *off += sent as off_t;
-                    }
-                }
-            }
-            sent
-        })
     })
 }

@@ -1,7 +1,9 @@
 //! The interposed C functions, by family: connection set-up
-//! ([`sockets`]), data ([`data`], and the `_FORTIFY_SOURCE` variants in
-//! [`fortify`]), readiness ([`readiness`]), descriptors and options
-//! ([`descriptors`]), process and memory ([`process`]).
+//! ([`sockets`]), data ([`data`], batches in [`batched`], files and pipes
+//! in [`file_data`], and the `_FORTIFY_SOURCE` variants in [`fortify`]),
+//! readiness ([`readiness`]), descriptors and options ([`descriptors`]),
+//! process and memory ([`process`]), programs spawned inside libc
+//! ([`spawn`]).
 //!
 //! Each one first asks whether the descriptor is a socket the shim looks
 //! after (one relaxed load for the others) and otherwise calls libc's own
@@ -13,12 +15,17 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+mod batched;
 mod data;
 mod descriptors;
+#[cfg(target_arch = "x86_64")]
+mod exec_variadic;
+mod file_data;
 mod fortify;
 mod process;
 mod readiness;
 mod sockets;
+mod spawn;
 
 use std::panic::AssertUnwindSafe;
 

@@ -1,6 +1,7 @@
 //! Process and memory: fork, and the memory calls that end or move pages
-//! a connection may still hold (free, realloc, munmap, mremap, madvise), and
-//! exec, before which connections move onto their TCP socket.
+//! a connection may still hold (free, realloc, munmap, mremap, madvise);
+//! exec and changes of user or group, before which connections move onto
+//! their TCP socket.
 
 use libc::{c_char, c_int, c_void, off_t, size_t};
 
@@ -130,7 +131,7 @@ pub unsafe extern "C" fn prctl(
 
 /// Before any `exec`: the new image may not run the shim, and could not
 /// take an engine's state if it did (docs/shim.md, "exec").
-fn before_exec() {
+pub(super) fn before_exec() {
     quietly(crate::switch::before_exec);
 }
 
@@ -192,4 +193,94 @@ pub unsafe extern "C" fn execveat(
     before_exec();
     // SAFETY: libc's execveat with the program's arguments.
     unsafe { real::execveat(dirfd, path, argv, envp, flags) }
+}
+
+// ----- user and group changes: connections move onto TCP first ---------------
+
+/// Would setting these ids (real, effective, saved; [`SAME`]: unchanged)
+/// change any of the current ones?
+fn changes(ids: [libc::uid_t; 3], current: [libc::uid_t; 3]) -> bool {
+    ids.iter().zip(current).any(|(&n, c)| n != SAME && n != c)
+}
+
+/// The process's real, effective and saved user (or group) ids.
+fn current(group: bool) -> [libc::uid_t; 3] {
+    let mut v = [0; 3];
+    // SAFETY: getresuid/getresgid into our own array.
+    unsafe {
+        if group {
+            libc::getresgid(&mut v[0], &mut v[1], &mut v[2]);
+        } else {
+            libc::getresuid(&mut v[0], &mut v[1], &mut v[2]);
+        }
+    }
+    v
+}
+
+/// Before a change to `ids` (real, effective, saved; -1 for "unchanged")
+/// of the user or group ids.
+fn before_id_change(group: bool, ids: [libc::uid_t; 3]) {
+    quietly(|| {
+        if changes(ids, current(group)) {
+            crate::switch::before_identity_change();
+        }
+    });
+}
+
+const SAME: libc::uid_t = libc::uid_t::MAX;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setuid(id: libc::uid_t) -> c_int {
+    before_id_change(false, [id, id, id]);
+    // SAFETY: libc's function with the program's argument.
+    unsafe { real::setuid(id) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setgid(id: libc::gid_t) -> c_int {
+    before_id_change(true, [id, id, id]);
+    // SAFETY: libc's function with the program's argument.
+    unsafe { real::setgid(id) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn seteuid(id: libc::uid_t) -> c_int {
+    before_id_change(false, [SAME, id, SAME]);
+    // SAFETY: libc's function with the program's argument.
+    unsafe { real::seteuid(id) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setegid(id: libc::gid_t) -> c_int {
+    before_id_change(true, [SAME, id, SAME]);
+    // SAFETY: libc's function with the program's argument.
+    unsafe { real::setegid(id) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setreuid(r: libc::uid_t, e: libc::uid_t) -> c_int {
+    before_id_change(false, [r, e, SAME]);
+    // SAFETY: libc's function with the program's arguments.
+    unsafe { real::setreuid(r, e) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setregid(r: libc::gid_t, e: libc::gid_t) -> c_int {
+    before_id_change(true, [r, e, SAME]);
+    // SAFETY: libc's function with the program's arguments.
+    unsafe { real::setregid(r, e) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setresuid(r: libc::uid_t, e: libc::uid_t, s: libc::uid_t) -> c_int {
+    before_id_change(false, [r, e, s]);
+    // SAFETY: libc's function with the program's arguments.
+    unsafe { real::setresuid(r, e, s) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setresgid(r: libc::gid_t, e: libc::gid_t, s: libc::gid_t) -> c_int {
+    before_id_change(true, [r, e, s]);
+    // SAFETY: libc's function with the program's arguments.
+    unsafe { real::setresgid(r, e, s) }
 }
