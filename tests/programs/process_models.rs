@@ -129,7 +129,9 @@ fn git_daemon_serves_a_clone_through_its_execs() {
         ),
         "git clone",
     );
-    cli.expect_success(Duration::from_secs(300), || s.log("client"));
+    cli.expect_success(Duration::from_secs(300), || {
+        format!("{}\ngit daemon: {}", s.log("client"), s.log("server"))
+    });
     srv.kill();
     let head = |dir: &std::path::Path| {
         let o = std::process::Command::new(need("git"))
