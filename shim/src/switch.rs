@@ -90,7 +90,7 @@ pub fn before_spawn(dup_sources: &[libc::c_int]) {
 /// still who it was; connections it makes afterwards upgrade as the new
 /// user.
 pub fn before_identity_change() {
-    for (sock, _) in connections_on_descriptors(&[]) {
+    for sock in fdtable::all() {
         move_whoever_runs_it(&sock, "a change of user");
     }
 }
