@@ -105,7 +105,6 @@ fn convertible(pages: &Range<u64>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
     use std::os::fd::AsRawFd;
 
     fn page() -> u64 {
@@ -115,7 +114,8 @@ mod tests {
     #[test]
     fn a_private_file_mapping_becomes_anonymous_with_the_same_bytes() {
         let p = page() as usize;
-        let f = tempfile_with((0..4 * p).map(|i| (i % 251) as u8).collect());
+        let bytes: Vec<u8> = (0..4 * p).map(|i| (i % 251) as u8).collect();
+        let f = crate::test_files::unlinked_tempfile("anonymize", &bytes);
         // SAFETY: a fresh private mapping of the file, unmapped below.
         let base = unsafe {
             libc::mmap(
@@ -171,7 +171,7 @@ mod tests {
     #[test]
     fn anonymous_shared_and_read_only_memory_are_left_alone() {
         let p = page() as usize;
-        let f = tempfile_with(vec![7; 2 * p]);
+        let f = crate::test_files::unlinked_tempfile("anonymize", &vec![7; 2 * p]);
         for (prot, flags, fd) in [
             (libc::PROT_READ, libc::MAP_PRIVATE, f.as_raw_fd()),
             (
@@ -194,23 +194,5 @@ mod tests {
             // SAFETY: the mapping made above.
             unsafe { libc::munmap(base as *mut libc::c_void, 2 * p) };
         }
-    }
-
-    fn tempfile_with(bytes: Vec<u8>) -> std::fs::File {
-        let path = std::env::temp_dir().join(format!(
-            "azsdp-anonymize-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        f.write_all(&bytes).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        f
     }
 }

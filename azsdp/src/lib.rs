@@ -43,3 +43,6 @@ pub mod stats;
 pub mod sync;
 pub mod threads;
 pub mod transport;
+
+#[cfg(test)]
+mod test_files;

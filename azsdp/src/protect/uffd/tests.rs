@@ -100,7 +100,7 @@ fn reprotecting_reuses_the_registration_and_reads_never_fault() {
 #[test]
 fn file_backed_memory_cannot_be_registered() {
     let Some(mut u) = uffd() else { return };
-    let f = tempfile_in_tmp();
+    let f = crate::test_files::unlinked_tempfile("uffd", &[]);
     f.set_len(8192).unwrap();
     // SAFETY: mapping our own temporary file.
     let ptr = unsafe {
@@ -123,23 +123,6 @@ fn file_backed_memory_cannot_be_registered() {
     ));
     // SAFETY: unmapping what we mapped.
     unsafe { libc::munmap(ptr, 8192) };
-}
-
-fn tempfile_in_tmp() -> std::fs::File {
-    let path = std::env::temp_dir().join(format!(
-        "azsdp-uffd-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)
-        .unwrap();
-    std::fs::remove_file(&path).unwrap();
-    f
 }
 
 /// Arm `p`, check that a reader of page 1 waits, write `fill` into staging
