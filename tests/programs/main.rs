@@ -21,8 +21,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
-/// in use: 0-31 plain tests and sockcheck scenarios (2 execl, posix_spawn
-/// and system; 20 a setuid child; 27 batched calls; 21 free), whose azsdp runs take
+/// in use: 0-31 plain tests and sockcheck scenarios (2 execl, 21
+/// posix_spawn, 20 a setuid child, 27 batched calls; 96 and 98 system), whose azsdp runs take
 /// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 and 70 process_models.rs; 69 (azsdp: 101) fork-both-use; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
@@ -549,48 +549,61 @@ fn sockcheck(scenario: &str, offset: u16) {
 }
 
 fn sockcheck_on(scenario: &str, offset: u16, modes: &[bool]) {
-    let bin = env!("CARGO_BIN_EXE_azsdp-sockcheck");
     for &azsdp in modes {
-        let s = Scratch::new(&format!("{scenario}-{azsdp}"));
-        let p = port(offset + 32 * u16::from(azsdp)).to_string();
-        let args = |role: &'static str| vec![scenario.to_string(), role.to_string(), p.clone()];
-        let run = |name: &str, role: &'static str| {
-            let a = args(role);
-            let a: Vec<&str> = a.iter().map(String::as_str).collect();
-            s.command(azsdp, name, bin, &a)
-        };
-        let mut srv_cmd = run("server", "server");
-        srv_cmd.stdout(Stdio::piped());
-        let mut srv = Proc::start(srv_cmd, "sockcheck server");
-        let mut line = [0u8; 10];
-        let started = srv
-            .child
-            .stdout
-            .as_mut()
-            .map(|o| std::io::Read::read_exact(o, &mut line).is_ok())
-            .unwrap_or(false);
-        assert!(started, "the server did not start:\n{}", s.log("server"));
-        let mut cli = Proc::start(run("client", "client"), "sockcheck client");
-        let how = if azsdp {
-            "under azsdp"
-        } else {
-            "on kernel TCP"
-        };
-        let t = Duration::from_secs(60);
-        cli.expect_success(t, || {
-            format!("{how}: {}\nserver: {}", s.log("client"), s.log("server"))
-        });
-        srv.expect_success(t, || {
-            format!("{how}: {}\nclient: {}", s.log("server"), s.log("client"))
-        });
-        if azsdp {
-            for side in ["client", "server"] {
-                let log = s.log(side);
-                assert!(
-                    log.contains(": azsdp (peer pid"),
-                    "{scenario}: the {side} stayed on TCP:\n{log}"
-                );
-            }
+        sockcheck_run(scenario, azsdp, offset + 32 * u16::from(azsdp));
+    }
+}
+
+/// [`sockcheck`] at port offsets of its own for each run (where no
+/// offset + 32 is free).
+fn sockcheck_at(scenario: &str, plain: u16, azsdp: u16) {
+    sockcheck_run(scenario, false, plain);
+    sockcheck_run(scenario, true, azsdp);
+}
+
+/// One run of `azsdp-sockcheck SCENARIO`, server and client, on kernel TCP
+/// or under azsdp, at port offset `offset`.
+fn sockcheck_run(scenario: &str, azsdp: bool, offset: u16) {
+    let bin = env!("CARGO_BIN_EXE_azsdp-sockcheck");
+    let s = Scratch::new(&format!("{scenario}-{azsdp}"));
+    let p = port(offset).to_string();
+    let args = |role: &'static str| vec![scenario.to_string(), role.to_string(), p.clone()];
+    let run = |name: &str, role: &'static str| {
+        let a = args(role);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        s.command(azsdp, name, bin, &a)
+    };
+    let mut srv_cmd = run("server", "server");
+    srv_cmd.stdout(Stdio::piped());
+    let mut srv = Proc::start(srv_cmd, "sockcheck server");
+    let mut line = [0u8; 10];
+    let started = srv
+        .child
+        .stdout
+        .as_mut()
+        .map(|o| std::io::Read::read_exact(o, &mut line).is_ok())
+        .unwrap_or(false);
+    assert!(started, "the server did not start:\n{}", s.log("server"));
+    let mut cli = Proc::start(run("client", "client"), "sockcheck client");
+    let how = if azsdp {
+        "under azsdp"
+    } else {
+        "on kernel TCP"
+    };
+    let t = Duration::from_secs(60);
+    cli.expect_success(t, || {
+        format!("{how}: {}\nserver: {}", s.log("client"), s.log("server"))
+    });
+    srv.expect_success(t, || {
+        format!("{how}: {}\nclient: {}", s.log("server"), s.log("client"))
+    });
+    if azsdp {
+        for side in ["client", "server"] {
+            let log = s.log(side);
+            assert!(
+                log.contains(": azsdp (peer pid"),
+                "{scenario}: the {side} stayed on TCP:\n{log}"
+            );
         }
     }
 }
@@ -668,10 +681,9 @@ fn an_execed_image_reads_the_rest_of_the_stream_with_or_without_the_shim() {
 /// socket, and `system()`'s shell.
 #[test]
 fn programs_started_by_execl_posix_spawn_and_system_read_the_rest_of_the_stream() {
-    // One after the other, on one port (the listener reuses it).
     sockcheck("exec-l", 2);
-    sockcheck("spawn", 2);
-    sockcheck("system", 2);
+    sockcheck("spawn", 21);
+    sockcheck_at("system", 96, 98);
 }
 
 #[test]
