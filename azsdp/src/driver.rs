@@ -22,6 +22,7 @@ use crate::time::Timestamp;
 pub use azsdp_proto::driver::{Host, Protectable, capabilities};
 pub use azsdp_proto::protect::{NoProtection, Protector};
 
+pub mod delegation;
 pub mod ownership;
 pub mod reactor;
 pub mod standby;

@@ -619,7 +619,7 @@ impl ConnStat {
 
 /// Is `pid` a live process? A zombie (exited, not yet waited for by its
 /// parent) is not: its connections are gone.
-fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     let Ok(p) = i32::try_from(pid) else {
         return false;
     };

@@ -231,7 +231,8 @@ impl Conn {
 
     /// One line at the end: what moved over which path.
     pub fn report(&self) {
-        if self.reported.swap(true, Ordering::SeqCst) {
+        if self.reported.swap(true, Ordering::SeqCst) || self.driver.inherited_only() {
+            // (A forked child's copy it never ran: its process reports it.)
             return;
         }
         let (c, _, _) = self.driver.snapshot();
@@ -253,6 +254,15 @@ impl Conn {
             s if s.is_empty() => String::new(),
             s => format!(" (copied: {s})"),
         };
+        let served = self.driver.served();
+        let served = if served.requests == 0 {
+            String::new()
+        } else {
+            format!(
+                "; for the processes it shares the connection with: {} calls, sent {} received {} bytes (one copy each)",
+                served.requests, served.bytes_sent, served.bytes_received
+            )
+        };
         info!(
             "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes{copied}, received zero-copy {} bsdp {} bytes; \
              gets {}, faults {}, copy-on-writes {}, fallbacks {}",
@@ -268,6 +278,9 @@ impl Conn {
             c.cow_copies,
             c.fallbacks
         );
+        if !served.is_empty() {
+            info!("{} -> {}: {}", self.local, self.peer, &served[2..]);
+        }
     }
 }
 

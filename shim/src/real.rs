@@ -109,6 +109,7 @@ real! {
     fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     fn fork() -> libc::pid_t;
+    fn _exit(status: c_int) -> ();
     fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int;
     fn execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
     fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;

@@ -206,6 +206,16 @@ pub fn join_closing() {
     }
 }
 
+/// [`join_closing`] for the connections that other processes use too
+/// (closed here, moving onto TCP for them).
+pub fn join_closing_served() {
+    let v: Vec<Arc<Conn>> = CLOSING.lock().clone();
+    for c in v.iter().filter(|c| c.driver.serves_others()) {
+        c.join_closed();
+        c.report();
+    }
+}
+
 extern "C" fn at_exit() {
     let _ = std::panic::catch_unwind(|| {
         for s in crate::fdtable::all() {

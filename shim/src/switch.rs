@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use azsdp::driver::threaded::Handed;
 use azsdp::stats::TcpReason;
 
 use crate::conn::{Conn, TcpConn};
@@ -64,6 +65,10 @@ pub fn before_exec() {
         let ours = c.driver.is_mine() || (survives && c.driver.claim());
         if ours {
             leave_or_reset(&sock, &c, "exec");
+        } else if survives && (c.driver.on_tcp() || c.driver.ask_runner_to_leave()) {
+            // Served by another process after a fork: the new image will
+            // not be, so that process moves it onto TCP.
+            moved(&sock, &c);
         }
     }
     crate::runtime::join_closing();
@@ -102,7 +107,7 @@ fn move_whoever_runs_it(sock: &Arc<Sock>, what: &str) {
     let Some(c) = sock.conn() else { return };
     if c.driver.is_mine() || c.driver.claim() {
         leave_or_reset(sock, &c, what);
-    } else if c.driver.on_tcp() {
+    } else if c.driver.on_tcp() || c.driver.ask_runner_to_leave() {
         // Run by a process that shares it after a fork, which moved it.
         moved(sock, &c);
     }
@@ -143,6 +148,31 @@ fn leave_or_reset(sock: &Arc<Sock>, c: &Arc<Conn>, what: &str) {
     }
 }
 
+/// The program leaves by `_exit`, which runs no exit handler: connections
+/// this process serves for others after a fork move onto their TCP socket
+/// first (see `azsdp::driver::delegation`), the ones it still holds and
+/// the ones it closed that are still finishing.
+pub fn before_exit_without_handlers() {
+    for sock in fdtable::all() {
+        let Some(c) = sock.conn() else { continue };
+        if c.driver.serves_others() {
+            match c.driver.hand_to_others(EXEC_WAIT) {
+                Handed::Moved => {
+                    moved(&sock, &c);
+                }
+                Handed::Ended => {}
+                Handed::Failed => warning!(
+                    "{} -> {}: could not move to TCP before exit ({:?}); reset",
+                    c.local,
+                    c.peer,
+                    c.driver.state()
+                ),
+            }
+        }
+    }
+    crate::runtime::join_closing_served();
+}
+
 /// The program is about to install a seccomp filter, which allows the
 /// calls it makes, not ours (threads, `process_vm_readv`, `/proc` reads):
 /// move every connection on its descriptors onto its TCP socket first,
@@ -154,7 +184,7 @@ pub fn before_sandbox() {
         let mine = c.driver.is_mine();
         if mine {
             leave_or_reset(&sock, &c, "a seccomp sandbox");
-        } else if c.driver.on_tcp() {
+        } else if c.driver.on_tcp() || c.driver.ask_runner_to_leave() {
             moved(&sock, &c);
         }
     }

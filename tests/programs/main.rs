@@ -26,7 +26,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// offset + 32 (32-63); 64 iperf3's zero-copy; 65 (azsdp: 97) exec without the shim; 66-68 and 70 process_models.rs; 69 (azsdp: 101) fork-both-use; 72-82 the trust, input and scale tests; 84-87 the
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
-/// 124-125 sshd;
+/// 124-125 sshd; 99 and 120 (azsdp) fork-split, 122 and 126 (azsdp)
+/// fork-split-reader-runs;
 /// 100-115.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 128);
@@ -562,8 +563,8 @@ fn sockcheck_at(scenario: &str, plain: u16, azsdp: u16) {
 }
 
 /// One run of `azsdp-sockcheck SCENARIO`, server and client, on kernel TCP
-/// or under azsdp, at port offset `offset`.
-fn sockcheck_run(scenario: &str, azsdp: bool, offset: u16) {
+/// or under azsdp, at port offset `offset`; the server's log.
+fn sockcheck_run(scenario: &str, azsdp: bool, offset: u16) -> String {
     let bin = env!("CARGO_BIN_EXE_azsdp-sockcheck");
     let s = Scratch::new(&format!("{scenario}-{azsdp}"));
     let p = port(offset).to_string();
@@ -606,6 +607,7 @@ fn sockcheck_run(scenario: &str, azsdp: bool, offset: u16) {
             );
         }
     }
+    s.log("server")
 }
 
 #[test]
@@ -661,6 +663,41 @@ fn pre_fork_server_children_accept_on_the_inherited_listener() {
 #[test]
 fn a_forked_parent_and_child_take_turns_on_one_socket() {
     sockcheck("fork-both-use", 69);
+}
+
+/// rsync's shape: after a fork one process reads while the other writes,
+/// at once, 24 MiB each way; then the reader exits and the writer goes on
+/// both ways. The connection stays on the fabric throughout: the process
+/// that runs it serves the other's calls.
+#[test]
+fn forked_processes_share_a_connection_one_direction_each() {
+    sockcheck_run("fork-split", false, 99);
+    let log = sockcheck_run("fork-split", true, 120);
+    assert!(
+        !log.contains("moved to its TCP socket"),
+        "the shared connection left the fabric:\n{log}"
+    );
+    let served = log
+        .lines()
+        .find(|l| l.contains("for the processes it shares the connection with"))
+        .unwrap_or_else(|| panic!("nothing served for the other process:\n{log}"));
+    assert!(
+        count_after(served, "received") >= 24 << 20,
+        "the reader's bytes went through the runner: {served}"
+    );
+}
+
+/// The same, with the reader running the connection: it leaves by
+/// `_exit` while the writer still sends, so the connection moves onto its
+/// TCP socket, where the writer carries on (tail and last word checked).
+#[test]
+fn the_process_left_carries_on_when_the_one_running_the_connection_exits() {
+    sockcheck_run("fork-split-reader-runs", false, 122);
+    let log = sockcheck_run("fork-split-reader-runs", true, 126);
+    assert!(
+        !log.contains("reset"),
+        "the connection was reset when its runner left:\n{log}"
+    );
 }
 
 /// A privilege-separated server: the child it forks drops root, then

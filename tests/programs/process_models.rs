@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use crate::harness::*;
-use crate::{LISTEN, closing_line, port};
+use crate::{LISTEN, closing_line, count_after, port};
 
 /// An inetd-style server: socat forks per connection and the child execs
 /// `cat` with the socket as its stdin and stdout (`nofork`). `bare`: the
@@ -151,7 +151,11 @@ fn git_daemon_serves_a_clone_through_its_execs() {
 /// rsync in daemon mode: the receiving side forks into a generator and a
 /// receiver that use one socket at once. A `--checksum` pull, a re-pull, a
 /// push and a delta push after changing bytes in a large file, of a tree of
-/// 161 files and 230 MiB: every file equal.
+/// 161 files and 230 MiB: every file equal. The shared connections stay on
+/// the fabric (the process that runs each serves the other's calls), and
+/// with the zero-copy threshold at rsync's 32 KiB writes some of the bytes
+/// go zero-copy (rsync rewrites its buffer at once, so the fault rate soon
+/// sends the rest by copy).
 #[test]
 fn rsync_daemon_pulls_and_pushes_a_tree() {
     if !have(&["rsync"]) {
@@ -183,14 +187,18 @@ fn rsync_daemon_pulls_and_pushes_a_tree() {
     )
     .unwrap();
     let conf_arg = format!("--config={}", conf.display());
+    let tuned = |mut c: std::process::Command| {
+        c.env("AZSDP_ZCOPY_THRESHOLD", "32KiB");
+        c
+    };
     let mut daemon = Proc::start(
-        s.under_azsdp("server", "rsync", &["--daemon", "--no-detach", &conf_arg]),
+        tuned(s.under_azsdp("server", "rsync", &["--daemon", "--no-detach", &conf_arg])),
         "rsync daemon",
     );
     wait_listening(p, LISTEN);
     let url = format!("rsync://127.0.0.1:{p}/m/");
     let rsync = |name: &str, args: &[&str]| {
-        let mut c = Proc::start(s.under_azsdp(name, "rsync", args), name);
+        let mut c = Proc::start(tuned(s.under_azsdp(name, "rsync", args)), name);
         c.expect_success(Duration::from_secs(240), || s.log(name));
     };
     let same = |a: &std::path::Path, b: &std::path::Path| {
@@ -222,8 +230,33 @@ fn rsync_daemon_pulls_and_pushes_a_tree() {
     rsync("repull", &["-a", "--checksum", &url, &back_arg]);
     same(&src, &back);
     daemon.kill();
-    let log = s.log("pull");
-    assert!(log.contains(": azsdp (peer pid"), "upgraded: {log}");
+    let mut zero_copy = 0;
+    for name in ["push", "delta", "pull", "repull", "server"] {
+        let log = s.log(name);
+        assert!(log.contains(": azsdp (peer pid"), "{name} upgraded: {log}");
+        // (A process that runs a shared connection and exits first moves
+        // it onto TCP for the other: that is no reset.)
+        assert!(!log.contains("reset"), "{name}: {log}");
+        zero_copy += log
+            .lines()
+            .filter(|l| l.contains("; sent azsdp"))
+            .map(|l| count_after(l, "sent azsdp") + count_after(l, "zsdp"))
+            .sum::<u64>();
+    }
+    assert!(
+        zero_copy > 0,
+        "no byte went zero-copy:\n{}",
+        s.log("server")
+    );
+    // The forked side of each transfer (the client's on a pull, the
+    // daemon's on a push) served its other process.
+    for name in ["pull", "server"] {
+        let log = s.log(name);
+        assert!(
+            log.contains("for the processes it shares the connection with"),
+            "{name}: {log}"
+        );
+    }
 }
 
 /// sshd, both ends under azsdp: a privilege-separated server whose

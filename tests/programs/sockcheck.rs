@@ -945,6 +945,112 @@ fn fork_both_use(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// Bytes each way while two processes share a connection, and after.
+const SPLIT_BYTES: usize = 24 << 20;
+const SPLIT_TAIL: usize = 3 << 20;
+
+/// rsync's shape: after the fork, one process reads the client's stream
+/// (`poll` and non-blocking receives) while the other writes its own (plain
+/// blocking sends), both at once, one direction each. The reader then
+/// exits, and the writer carries on alone both ways: a tail after the
+/// reader's exit, and the client's last word. `reader_first`: the reader
+/// uses the connection first (so it is the process that runs it, and the
+/// one that leaves while the other still uses it).
+fn fork_split(server: bool, port: u16, reader_first: bool) -> R {
+    let up = data(SPLIT_BYTES, 60);
+    let down = data(SPLIT_BYTES, 61);
+    let tail = data(SPLIT_TAIL, 62);
+    if !server {
+        let c = connect_to(port)?;
+        let sender = std::thread::spawn(move || send_all(c, &data(SPLIT_BYTES, 60)));
+        check!(recv_exact(c, SPLIT_BYTES)? == down, "the writer's bytes");
+        sender.join().map_err(|_| "sender panicked".to_string())??;
+        check!(recv_exact(c, SPLIT_TAIL)? == tail, "the tail");
+        send_all(c, b"bye")?;
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    // Who uses the connection first (and so runs it): the reader tells
+    // `started` once it has bytes, the writer `go` once it has sent some.
+    let (mut started, mut go) = ([0; 2], [0; 2]);
+    // SAFETY: two pipes of ours.
+    unsafe {
+        libc::pipe(started.as_mut_ptr());
+        libc::pipe(go.as_mut_ptr());
+    }
+    let wait_pipe = |fd: c_int, what: &str| -> R {
+        let mut b = [0u8; 1];
+        // SAFETY: one byte from our pipe into a local.
+        let n = unsafe { libc::read(fd, b.as_mut_ptr().cast(), 1) };
+        check!(n == 1, "{what}");
+        Ok(())
+    };
+    // SAFETY: fork(2); the child reads, then _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let r = (|| -> R {
+            if !reader_first {
+                wait_pipe(go[0], "the writer did not start")?;
+            }
+            let mut got = vec![0u8; SPLIT_BYTES];
+            let mut at = 0;
+            let mut told = false;
+            while at < SPLIT_BYTES {
+                if at > 0 && !told {
+                    told = true;
+                    // SAFETY: one byte into our pipe.
+                    unsafe { libc::write(started[1], b"x".as_ptr().cast(), 1) };
+                }
+                let mut p = libc::pollfd {
+                    fd: c,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: poll(2) on our own pollfd.
+                let n = unsafe { libc::poll(&mut p, 1, 10_000) };
+                check!(n == 1, "poll after {at}: {n} ({})", err_name(errno()));
+                let n = recv_some(c, &mut got[at..], libc::MSG_DONTWAIT);
+                if n < 0 && errno() == libc::EAGAIN {
+                    continue;
+                }
+                check!(n > 0, "recv after {at}: {n} ({})", err_name(errno()));
+                at += n as usize;
+            }
+            check!(got == up, "the client's bytes");
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            eprintln!("reader: {e}");
+        }
+        close(c);
+        // SAFETY: leave the child without unwinding.
+        unsafe { libc::_exit(i32::from(r.is_err())) };
+    }
+    if reader_first {
+        wait_pipe(started[0], "the reader did not start")?;
+        send_all(c, &down)?;
+    } else {
+        send_all(c, &down[..4096])?;
+        // SAFETY: one byte into our pipe.
+        unsafe { libc::write(go[1], b"x".as_ptr().cast(), 1) };
+        send_all(c, &down[4096..])?;
+    }
+    let mut st = 0;
+    // SAFETY: waitpid(2) on our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    check!(
+        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+        "the reader failed: {st:#x}"
+    );
+    send_all(c, &tail)?;
+    check!(recv_exact(c, 3)? == b"bye", "bye");
+    close(c);
+    Ok(())
+}
+
 /// `sendmmsg`/`recvmmsg` and `splice` on a connected socket, both ways:
 /// every byte arrives, in order, whichever call carried it.
 fn batch_calls(server: bool, port: u16) -> R {
@@ -1054,15 +1160,21 @@ fn batch_calls(server: bool, port: u16) -> R {
     // message's bytes follow the last one's.
     let mut back = Vec::with_capacity(BATCH_BACK);
     while back.len() < BATCH_BACK {
+        // Never more than this stream's rest: the client's next stream
+        // follows at once, and a larger batch would take from it.
+        let left = BATCH_BACK - back.len();
         let mut space = vec![0u8; 3 * 65536];
         let mut bufs: Vec<libc::iovec> = space
             .chunks_mut(65536)
-            .map(|b| libc::iovec {
+            .enumerate()
+            .map(|(i, b)| libc::iovec {
                 iov_base: b.as_mut_ptr().cast(),
-                iov_len: b.len(),
+                iov_len: left.saturating_sub(i * 65536).min(b.len()),
             })
+            .filter(|v| v.iov_len > 0)
             .collect();
-        let mut msgs: Vec<libc::mmsghdr> = (0..3)
+        let batch = bufs.len();
+        let mut msgs: Vec<libc::mmsghdr> = (0..batch)
             .map(|i| {
                 // SAFETY: a C structure of integers and pointers: zero is valid.
                 let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
@@ -1076,7 +1188,7 @@ fn batch_calls(server: bool, port: u16) -> R {
             libc::recvmmsg(
                 c,
                 msgs.as_mut_ptr(),
-                3,
+                batch as u32,
                 libc::MSG_WAITFORONE,
                 std::ptr::null_mut(),
             )
@@ -2037,6 +2149,8 @@ fn main() {
         "system" => exec(server, port, Exec::System),
         "fork-both-use" => fork_both_use(server, port),
         "fork-setuid" => fork_setuid(server, port),
+        "fork-split" => fork_split(server, port, false),
+        "fork-split-reader-runs" => fork_split(server, port, true),
         "killed-idle" => killed_idle(server, port),
         "glibc-names" => glibc_names(server, port),
         "batch-calls" => batch_calls(server, port),

@@ -599,10 +599,18 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     /// (what they consumed is lost to the child, as when two processes
     /// read one TCP socket) and forget their results.
     pub fn forget_calls(&mut self) {
+        self.forget_calls_except(&[]);
+    }
+
+    /// [`Driver::forget_calls`], but for `keep` (calls the adopting
+    /// process goes on with: those it serves for other processes).
+    pub fn forget_calls_except(&mut self, keep: &[CallId]) {
         for call in self.conn.pending_calls() {
-            self.cancel(call);
+            if !keep.contains(&call) {
+                self.cancel(call);
+            }
         }
-        self.done.clear();
+        self.done.retain(|call, _| keep.contains(call));
     }
 
     /// Use `p` from now on (a forked child's own protection); nothing may be

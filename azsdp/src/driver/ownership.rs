@@ -112,16 +112,17 @@ impl ForkOwnership {
     }
 
     /// A call of this process wants the connection: claim it if a fork
-    /// froze it. `can_adopt`: a forked child could run it (it has a way to
-    /// protect its own pages).
-    pub fn for_call(&self, fabric: &impl Fabric, can_adopt: bool) -> Use {
+    /// froze it. `can_adopt`: could a forked child run it (it has a way to
+    /// protect its own pages, and may start threads)? Asked only when the
+    /// answer matters (it may read `/proc`).
+    pub fn for_call(&self, fabric: &impl Fabric, can_adopt: impl FnOnce() -> bool) -> Use {
         match fabric.ownership() {
             Ownership::Mine if self.orphaned() => Use::NotMine,
             Ownership::Mine => Use::Mine,
             Ownership::Other => Use::NotMine,
             Ownership::Unclaimed => {
                 let orphaned = self.orphaned();
-                if (orphaned && !can_adopt) || !fabric.claim() {
+                if (orphaned && !can_adopt()) || !fabric.claim() {
                     return Use::NotMine;
                 }
                 *self.frozen_since.lock() = None;

@@ -140,6 +140,8 @@ pub struct Next {
 const WAKE_TOKEN: u64 = u64::MAX;
 /// The epoll token of the bell.
 const BELL_TOKEN: u64 = u64::MAX - 1;
+/// The epoll token of the family bell (see [`super::delegation`]).
+const FAMILY_TOKEN: u64 = u64::MAX - 2;
 /// Set in the epoll token of a shared descriptor (the rest: its number).
 const SHARED_FLAG: u64 = 1 << 62;
 /// Send buffer of the bell's writing end, in bytes (a ring costs about a
@@ -184,6 +186,9 @@ struct Inner {
     /// Connections whose last service parked them.
     parked: Vec<(usize, u32)>,
     shared: HashMap<i32, SharedWatch>,
+    /// The family bell (watched edge-triggered, never drained) and the
+    /// connections whose guests ring it.
+    family: Option<SharedWatch>,
 }
 
 impl Inner {
@@ -477,6 +482,9 @@ impl Reactor {
                     let shared = std::mem::take(&mut e.shared);
                     st.entries[id] = None;
                     st.free.push(id);
+                    if let Some(f) = st.family.as_mut() {
+                        f.conns.retain(|c| *c != (id, generation));
+                    }
                     let unwatched: Vec<_> = shared
                         .into_iter()
                         .filter_map(|fd| st.unshare(fd, id, generation))
@@ -557,6 +565,18 @@ impl Reactor {
                     }
                     if t == BELL_TOKEN {
                         self.take_bell(&mut st);
+                        continue;
+                    }
+                    if t == FAMILY_TOKEN {
+                        // A guest posted a request to one of them.
+                        let conns = st
+                            .family
+                            .as_ref()
+                            .map(|f| f.conns.clone())
+                            .unwrap_or_default();
+                        for (id, generation) in conns {
+                            st.queue(id, generation, false, true);
+                        }
                         continue;
                     }
                     if t & SHARED_FLAG != 0 {
@@ -756,6 +776,47 @@ impl Registration {
             if let Some(e) = st.entry(self.id, self.generation) {
                 e.shared.push(raw);
             }
+        }
+        Ok(())
+    }
+
+    /// Service the connection whenever a guest rings the family bell `fd`
+    /// (see [`super::delegation`]): watched edge-triggered, so each ring
+    /// is an event for every process's reactor that watches it, and
+    /// nobody drains it.
+    pub fn watch_family(&self, fd: &Arc<std::os::fd::OwnedFd>) -> std::io::Result<()> {
+        let r = &self.reactor;
+        let me = (self.id, self.generation);
+        let mut st = r.inner.lock();
+        if st.entry(self.id, self.generation).is_none() {
+            return Ok(());
+        }
+        if st.family.is_none() {
+            let mut ev = libc::epoll_event {
+                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+                u64: FAMILY_TOKEN,
+            };
+            // SAFETY: an event we own, for the duration of the call.
+            if unsafe {
+                libc::epoll_ctl(
+                    r.epoll.as_raw_fd(),
+                    libc::EPOLL_CTL_ADD,
+                    fd.as_raw_fd(),
+                    &mut ev,
+                )
+            } < 0
+            {
+                return Err(os_err("epoll_ctl"));
+            }
+            st.family = Some(SharedWatch {
+                fd: Arc::clone(fd),
+                conns: Vec::new(),
+            });
+        }
+        if let Some(f) = st.family.as_mut()
+            && !f.conns.contains(&me)
+        {
+            f.conns.push(me);
         }
         Ok(())
     }

@@ -58,6 +58,9 @@ pub fn wanted(in_calls: usize, last_exit: &AtomicU64) -> bool {
 pub fn end() {
     ENDED_AT.store(now_ns(), Ordering::SeqCst);
     super::reactor::unpark_all();
+    // Connections this process shares but does not run: their runners'
+    // changes are heard from now on.
+    super::delegation::readiness_wanted();
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::delegation::{self, Answer, GuestWait, Mailbox, Request, Serving};
 use super::ownership::{Close, FORK_GRACE, ForReactor, ForkOwnership, Use};
 use super::reactor::{self, Next, Reactor, Registration, Serviced, Wake};
 use super::{Driver, Protector, standby};
@@ -86,6 +87,18 @@ struct Shared<F: Fabric, P: Protector> {
     /// When the TCP socket beneath was last looked at for stray bytes
     /// ([`standby::now_ns`]).
     stream_looked: AtomicU64,
+    /// Made by the first fork that copied the connection: the other
+    /// processes' calls come through it (see [`delegation`]).
+    mailbox: Lock<Option<Arc<Mailbox>>>,
+    /// `mailbox` is set (looked at without the lock on every turn).
+    has_mailbox: AtomicBool,
+    /// What this process serves for the others, when it runs the
+    /// connection.
+    serving: Lock<Serving>,
+    /// This process's reactor watches the family bell for us.
+    family_watched: AtomicBool,
+    /// A guest found the runner gone (killed): said once.
+    runner_gone: AtomicBool,
 }
 
 /// How long a process sharing a connection after a fork waits for the one
@@ -123,6 +136,17 @@ impl std::fmt::Debug for CallLimits<'_> {
             .field("deadline", &self.deadline)
             .finish()
     }
+}
+
+/// What [`ThreadedDriver::hand_to_others`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handed {
+    /// The connection is on its TCP socket.
+    Moved,
+    /// The peer is gone: the others were told how the stream ended.
+    Ended,
+    /// It could not move: the others see it reset.
+    Failed,
 }
 
 /// Makes the protection of a forked child that adopts a connection.
@@ -289,7 +313,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
         // A sandboxed process may not start the threads a connection
         // needs: it leaves the connection to the one that runs it.
-        let can_adopt = self.refresh.lock().is_some() && !crate::sandbox::restricted();
+        let can_adopt = || self.refresh.lock().is_some() && !crate::sandbox::restricted();
         let decision = self.own.for_call(self.lock().fabric(), can_adopt);
         match decision {
             Use::Mine => true,
@@ -310,7 +334,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         let fresh = self.refresh.lock().as_ref().map(|f| f());
         let faults = {
             let mut d = self.lock();
-            d.forget_calls();
+            // The calls the parent served for other processes go on here
+            // (this copy has their buffers); its own threads' do not.
+            let served = self.serving.lock().calls();
+            d.forget_calls_except(&served);
             match fresh {
                 Some((p, faults)) => {
                     d.replace_protector(p);
@@ -320,6 +347,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             }
         };
         self.own.adopted();
+        self.family_watched.store(false, Ordering::SeqCst);
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
         self.released.store(false, Ordering::SeqCst);
@@ -429,6 +457,196 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         true
     }
 
+    fn mailbox(&self) -> Option<Arc<Mailbox>> {
+        if !self.has_mailbox.load(Ordering::Acquire) {
+            return None;
+        }
+        self.mailbox.lock().clone()
+    }
+
+    /// Has the connection left the fabric (this process's calls go to the
+    /// TCP socket)? Seen from a process that does not run it.
+    fn left(&self) -> bool {
+        if self.switched.load(Ordering::SeqCst) {
+            return true;
+        }
+        if self.lock().fabric().has_left() {
+            self.switched.store(true, Ordering::SeqCst);
+            return true;
+        }
+        false
+    }
+
+    /// A process that does not run the connection: are its calls served
+    /// by the one that does (see [`delegation`])? If not (no mailbox: the
+    /// connection was not on the fabric at the fork), it shares it by TCP.
+    fn guest(&self) -> Option<Arc<Mailbox>> {
+        self.mailbox().filter(|_| !self.left())
+    }
+
+    /// One request for the runner; `None` when the call must go elsewhere
+    /// (the connection left the fabric: made again on TCP).
+    fn ask(&self, mb: &Mailbox, req: Request, limits: &CallLimits<'_>) -> Result<u64, CallError> {
+        let kick = || self.waiter.kick();
+        let left = || self.left();
+        let w = GuestWait {
+            deadline: limits.deadline,
+            on_signal: limits.on_signal,
+            kick: &kick,
+            left: &left,
+        };
+        match delegation::call(mb, req, &w) {
+            Answer::Done(Err(CallError::Switched)) => {
+                self.switched.store(self.left(), Ordering::SeqCst);
+                Err(CallError::Switched)
+            }
+            // Cut by the deadline (SO_RCVTIMEO/SO_SNDTIMEO): EAGAIN, as
+            // for the runner's own calls.
+            Answer::Done(Err(CallError::Interrupted))
+                if limits.deadline.is_some_and(|t| Instant::now() >= t) =>
+            {
+                Err(CallError::WouldBlock)
+            }
+            Answer::Done(r) => r,
+            // The runner cannot reach our memory: both go on TCP.
+            Answer::Unservable => Err(self.elsewhere()),
+            Answer::RunnerGone => {
+                if !self.runner_gone.swap(true, Ordering::SeqCst) {
+                    crate::protect::log_once(
+                        "the process that ran a shared connection died: it is reset",
+                    );
+                }
+                Err(CallError::ConnReset)
+            }
+        }
+    }
+
+    /// A guest's `send()`: in requests of at most [`delegation::CHUNK`]; a
+    /// blocking one goes on until all is taken (or a request is cut short).
+    fn guest_send(
+        &self,
+        buf: &[u8],
+        flags: SendFlags,
+        limits: &CallLimits<'_>,
+    ) -> Result<u64, CallError> {
+        let addr = buf.as_ptr() as u64;
+        let more = !flags.nonblocking;
+        self.guest_chunks(buf.len() as u64, limits, more, |at, len| Request::Send {
+            addr: addr + at,
+            len,
+            nonblocking: flags.nonblocking,
+        })
+    }
+
+    /// A guest's `recv()`: one request (MSG_WAITALL: until all came).
+    fn guest_recv(
+        &self,
+        buf: &mut [u8],
+        flags: RecvFlags,
+        limits: &CallLimits<'_>,
+    ) -> Result<u64, CallError> {
+        let addr = buf.as_mut_ptr() as u64;
+        let more = flags.waitall && !flags.peek;
+        self.guest_chunks(buf.len() as u64, limits, more, |at, len| Request::Recv {
+            addr: addr + at,
+            len,
+            flags,
+        })
+    }
+
+    /// A guest's call of `len` bytes as requests of at most a chunk each
+    /// (`req(offset, length)`); `more`: go on after a whole chunk until all
+    /// moved (a short answer or an error after some bytes ends it).
+    fn guest_chunks(
+        &self,
+        len: u64,
+        limits: &CallLimits<'_>,
+        more: bool,
+        req: impl Fn(u64, u64) -> Request,
+    ) -> Result<u64, CallError> {
+        let Some(mb) = self.guest() else {
+            return Err(self.elsewhere_or_switched());
+        };
+        let mut total = 0u64;
+        loop {
+            let chunk = (len - total).min(delegation::CHUNK);
+            match self.ask(&mb, req(total, chunk), limits) {
+                Ok(n) => {
+                    total += n;
+                    if total >= len || n < chunk || !more {
+                        return Ok(total);
+                    }
+                }
+                Err(e) if total == 0 => return Err(e),
+                Err(_) => return Ok(total),
+            }
+        }
+    }
+
+    /// The peer is gone, so the connection cannot move onto TCP for the
+    /// guests: how it ends for them (`None`: the peer lives, it can move).
+    fn ending_for_guests(d: &Driver<F, P>) -> Option<delegation::Ending> {
+        let c = d.connection();
+        let gone = d.peer_left() || matches!(c.state(), State::Aborted(_));
+        if !gone {
+            return None;
+        }
+        let r = c.readiness();
+        Some(if r.read_hangup && !r.error && c.readable_bytes() == 0 {
+            delegation::Ending::Eof
+        } else {
+            delegation::Ending::Reset
+        })
+    }
+
+    fn elsewhere_or_switched(&self) -> CallError {
+        if self.switched.load(Ordering::SeqCst) {
+            CallError::Switched
+        } else {
+            self.elsewhere()
+        }
+    }
+
+    /// Readiness as the runner published it, for a guest (and from now on
+    /// this process's waiters hear of changes).
+    fn guest_readiness(&self, mb: &Mailbox) -> Readiness {
+        if let Some(n) = &self.notify {
+            delegation::watch_readiness(mb.family(), n);
+        }
+        if let Some(e) = mb.ending() {
+            return e.readiness();
+        }
+        if self.runner_gone.load(Ordering::SeqCst) || !delegation::runner_alive(mb) {
+            self.runner_gone.store(true, Ordering::SeqCst);
+            return Readiness {
+                readable: true,
+                writable: true,
+                read_hangup: true,
+                hangup: true,
+                error: true,
+                arrived: 0,
+                drained: 0,
+            };
+        }
+        match mb.published() {
+            Some(r) => r,
+            None => {
+                // Nothing published yet: ask the runner to.
+                let _ = delegation::call(
+                    mb,
+                    Request::Look,
+                    &GuestWait {
+                        deadline: Some(Instant::now() + Duration::from_millis(100)),
+                        on_signal: &never,
+                        kick: &|| self.waiter.kick(),
+                        left: &|| self.left(),
+                    },
+                );
+                mb.published().unwrap_or_default()
+            }
+        }
+    }
+
     /// The reactor is needed now, though calls ran a moment ago: off
     /// standby (see [`standby`]) until the next call.
     fn end_standby(&self) {
@@ -485,6 +703,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             if n == 0 {
                 break;
             }
+        }
+        if self.has_mailbox.load(Ordering::Acquire)
+            && let Some(mb) = self.mailbox.lock().clone()
+            && self.serving.lock().serve(&mb, d)
+        {
+            total += 1;
         }
         if total > 0 && self.in_calls.load(Ordering::SeqCst) > others {
             self.waiter.kick();
@@ -568,6 +792,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             news: AtomicBool::new(false),
             switched: AtomicBool::new(false),
             stream_looked: AtomicU64::new(0),
+            mailbox: Lock::new(None),
+            has_mailbox: AtomicBool::new(false),
+            serving: Lock::new(Serving::default()),
+            family_watched: AtomicBool::new(false),
+            runner_gone: AtomicBool::new(false),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
@@ -597,13 +826,16 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// restart, it is cancelled (it then ends with what it moved, or with
     /// `WouldBlock` for a deadline and `Interrupted` for a signal, as
     /// SO_RCVTIMEO/SO_SNDTIMEO and EINTR).
+    ///
+    /// `None` when another process runs the connection (or took it during
+    /// the call): the call is then that process's to serve.
     fn wait_bounded(
         &self,
         submit: impl FnOnce(&mut Driver<F, P>) -> CallId,
         limits: &CallLimits<'_>,
-    ) -> Result<u64, CallError> {
+    ) -> Option<Result<u64, CallError>> {
         if !self.shared.make_mine() {
-            return Err(self.shared.elsewhere());
+            return None;
         }
         // Counted before the call is submitted: from then on the engine may
         // touch its memory, which only this thread may do.
@@ -627,9 +859,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             None
         });
         match (r, cut) {
-            (Some(Err(CallError::Interrupted)), Some(why)) => Err(why),
-            (Some(r), _) => r,
-            (None, _) => Err(self.shared.elsewhere()),
+            (Some(Err(CallError::Interrupted)), Some(why)) => Some(Err(why)),
+            (Some(r), _) => Some(r),
+            (None, _) => None,
         }
     }
 
@@ -644,6 +876,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             |d| d.submit_send(buf.as_ptr() as u64, buf.len() as u64, flags),
             limits,
         )
+        .unwrap_or_else(|| self.shared.guest_send(buf, flags, limits))
     }
 
     /// `recv()` that a deadline or a signal may cut short.
@@ -653,10 +886,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         flags: RecvFlags,
         limits: &CallLimits<'_>,
     ) -> Result<u64, CallError> {
-        self.wait_bounded(
-            |d| d.submit_recv(buf.as_mut_ptr() as u64, buf.len() as u64, flags),
-            limits,
-        )
+        let (addr, len) = (buf.as_mut_ptr() as u64, buf.len() as u64);
+        self.wait_bounded(|d| d.submit_recv(addr, len, flags), limits)
+            .unwrap_or_else(|| self.shared.guest_recv(buf, flags, limits))
     }
 
     /// Blocking `send()`; returns when the engine says the buffer is
@@ -685,6 +917,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Readiness for poll/select/epoll (a forked child's inert copy is in
     /// error: it cannot move data).
     pub fn readiness(&self) -> Readiness {
+        if !self.shared.make_mine()
+            && let Some(mb) = self.shared.guest()
+        {
+            return self.shared.guest_readiness(&mb);
+        }
         if !self.shared.make_mine() && self.shared.share_by_tcp() {
             // The socket's own readiness is what counts: look there.
             return Readiness {
@@ -713,7 +950,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// a forked child's inert copy has ECONNRESET.
     pub fn take_error(&self) -> Option<CallError> {
         if !self.shared.make_mine() {
-            return Some(CallError::ConnReset);
+            let Some(mb) = self.shared.guest() else {
+                return Some(CallError::ConnReset);
+            };
+            return self
+                .shared
+                .ask(&mb, Request::TakeError, &CallLimits::NONE)
+                .err()
+                .filter(|e| *e != CallError::Switched);
         }
         let mut d = self.shared.lock();
         self.shared.turn_all(&mut d, 0);
@@ -723,7 +967,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Bytes a `recv()` could take without waiting (FIONREAD).
     pub fn readable_bytes(&self) -> u64 {
         if !self.shared.make_mine() {
-            return 0;
+            return self.shared.guest().map_or(0, |mb| mb.readable_bytes());
         }
         let mut d = self.shared.lock();
         self.shared.turn_all(&mut d, 0);
@@ -736,6 +980,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             self.shared.lock().shutdown(how);
             self.shared.waiter.kick();
             self.shared.wake_reactor();
+        } else if let Some(mb) = self.shared.guest() {
+            let _ = self
+                .shared
+                .ask(&mb, Request::Shutdown(how), &CallLimits::NONE);
         }
     }
 
@@ -744,6 +992,68 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// `share_by_tcp`)? Cheap while no fork touched the connection
     /// (`make_mine` answers from the settled view).
     pub fn runs_elsewhere(&self) -> bool {
+        if self.shared.make_mine() {
+            return false;
+        }
+        if self.shared.has_mailbox.load(Ordering::Acquire) {
+            // Served by the runner until the connection leaves the fabric.
+            return self.shared.left();
+        }
+        self.shared.share_by_tcp()
+    }
+
+    /// Does this process run the connection for others too (processes
+    /// forked with it that made calls and live)? Cheap when no fork
+    /// copied it.
+    pub fn serves_others(&self) -> bool {
+        let Some(mb) = self.shared.mailbox() else {
+            return false;
+        };
+        !self.shared.orphaned()
+            && !self.shared.own.taken(self.shared.lock().fabric())
+            && mb.has_live_guests(process::pid())
+    }
+
+    /// This process runs the connection for others and is about to go
+    /// without its exit handlers (`_exit`): move the connection onto its
+    /// TCP socket for them (waiting at most `timeout`), or, if the peer is
+    /// gone, tell them how it ended.
+    pub fn hand_to_others(&self, timeout: Duration) -> Handed {
+        let Some(mb) = self.shared.mailbox() else {
+            return Handed::Failed;
+        };
+        let ending = Shared::ending_for_guests(&self.shared.lock());
+        if let Some(how) = ending {
+            mb.end(how);
+            return Handed::Ended;
+        }
+        if self.leave_fabric(timeout) {
+            // The guests' calls the move ended are answered before this
+            // process goes (they are made again on TCP).
+            let mut d = self.shared.lock();
+            self.shared.serving.lock().serve(&mb, &mut *d);
+            Handed::Moved
+        } else {
+            mb.end(delegation::Ending::Reset);
+            Handed::Failed
+        }
+    }
+
+    /// Is this a forked child's copy of a connection it never ran?
+    pub fn inherited_only(&self) -> bool {
+        self.shared.orphaned()
+    }
+
+    /// What this process served for others (see [`delegation`]).
+    pub fn served(&self) -> delegation::Served {
+        self.shared.serving.lock().served
+    }
+
+    /// This process shares the connection with the one that runs it: ask
+    /// that one to move it onto the TCP socket, and wait until it has
+    /// (before an `exec`, a change of user, a sandbox, which the runner
+    /// could not serve). Whether the connection is on TCP now.
+    pub fn ask_runner_to_leave(&self) -> bool {
         !self.shared.make_mine() && self.shared.share_by_tcp()
     }
 
@@ -829,7 +1139,25 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
+            let guests = self
+                .shared
+                .mailbox()
+                .filter(|mb| mb.has_live_guests(process::pid()));
             match self.shared.own.close(d.fabric(), abort) {
+                // Other processes still use it (their descriptors keep the
+                // kernel's socket open): it moves onto that socket, where
+                // they carry on, instead of ending (or, if the peer is
+                // gone, they are told how it ended).
+                Close::Now if guests.is_some() => {
+                    if let Some(how) = Shared::ending_for_guests(&d) {
+                        if let Some(mb) = &guests {
+                            mb.end(how);
+                        }
+                        d.submit_close();
+                    } else {
+                        d.leave_fabric();
+                    }
+                }
                 Close::Now if abort => d.abort(),
                 Close::Now => d.submit_close(),
                 // Frozen by a fork: the child may take it over; if it does
@@ -1020,6 +1348,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             ForReactor::Run => {}
             // A forked child took the connection: this copy is done.
             ForReactor::Gone => {
+                self.serving.lock().forget();
                 self.stop.store(true, Ordering::SeqCst);
                 self.released.store(true, Ordering::SeqCst);
                 return Next {
@@ -1035,6 +1364,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                     ..Next::default()
                 };
             }
+        }
+        if self.has_mailbox.load(Ordering::Acquire)
+            && !self.family_watched.swap(true, Ordering::SeqCst)
+            && let Some(mb) = self.mailbox()
+            && let Some(reg) = self.registration.lock().as_ref()
+            && let Err(e) = reg.watch_family(mb.family().bell())
+        {
+            crate::protect::log_once(&format!("reactor: {e}"));
         }
         let at = standby::now_ns();
         if at.saturating_sub(self.stream_looked.load(Ordering::Relaxed)) >= STREAM_LOOK_NS {
@@ -1122,6 +1459,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
         }
         let guard = self.driver.lock();
         self.own.freeze(guard.fabric());
+        if !self.has_mailbox.load(Ordering::Acquire) {
+            // Before the copy, so both processes have it.
+            let mb = Mailbox::for_fork();
+            self.has_mailbox.store(mb.is_some(), Ordering::Release);
+            *self.mailbox.lock() = mb;
+        }
         // SAFETY: the guard borrows `self.driver`; the Arc stored next to it
         // keeps that alive, and `ForkHold` drops the guard first (field
         // order), so the borrow never outlives the mutex.
@@ -1142,5 +1485,39 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Drop for ThreadedDriver<F, P> {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// The engine operations a runner serves its guests with.
+impl<F: Fabric, P: Protector> delegation::Engine for Driver<F, P> {
+    fn submit_send(&mut self, addr: u64, len: u64, flags: SendFlags) -> CallId {
+        Driver::submit_send(self, addr, len, flags)
+    }
+    fn submit_recv(&mut self, addr: u64, len: u64, flags: RecvFlags) -> CallId {
+        Driver::submit_recv(self, addr, len, flags)
+    }
+    fn cancel(&mut self, call: CallId) {
+        Driver::cancel(self, call);
+    }
+    fn take_result(&mut self, call: CallId) -> Option<Result<u64, CallError>> {
+        Driver::take_result(self, call)
+    }
+    fn shutdown(&mut self, how: Shutdown) {
+        Driver::shutdown(self, how);
+    }
+    fn take_error(&mut self) -> Option<CallError> {
+        Driver::take_error(self)
+    }
+    fn readiness(&self) -> Readiness {
+        self.connection().readiness()
+    }
+    fn readable_bytes(&self) -> u64 {
+        self.connection().readable_bytes()
+    }
+    fn holds_memory(&self, range: &Range<u64>) -> bool {
+        self.connection().holds_memory(range)
+    }
+    fn switched(&self) -> bool {
+        *self.connection().state() == State::Switched
     }
 }

@@ -23,6 +23,27 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     })
 }
 
+/// `_exit` (and `_Exit`, the same function) runs no exit handler, and
+/// forked children leave by it: a connection this process serves for
+/// others after a fork would go with it (its engine is in this process's
+/// memory). So it moves onto its TCP socket first, where they carry on.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn _exit(status: c_int) -> ! {
+    quietly(crate::switch::before_exit_without_handlers);
+    // SAFETY: libc's _exit; it does not return.
+    unsafe { real::_exit(status) };
+    // SAFETY: libc's _exit never returns; this is the raw system call in
+    // case a broken resolver gave us something that did.
+    unsafe { libc::syscall(libc::SYS_exit_group, status) };
+    unreachable!("exit_group returned")
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn _Exit(status: c_int) -> ! {
+    // SAFETY: the same contract.
+    unsafe { _exit(status) }
+}
+
 /// vfork's child would share our address space (and its protected pages)
 /// with a parent whose threads keep running: a real fork is the safe
 /// reading of vfork's contract.
