@@ -98,6 +98,7 @@ pub fn before_identity_change() {
     for sock in fdtable::all() {
         move_whoever_runs_it(&sock, "a change of user");
     }
+    azsdp::driver::delegation::leave_family();
 }
 
 /// Move the connection on `sock` onto its TCP socket: this process runs it
@@ -188,4 +189,5 @@ pub fn before_sandbox() {
             moved(&sock, &c);
         }
     }
+    azsdp::driver::delegation::leave_family();
 }

@@ -230,6 +230,10 @@ struct MailboxPage {
     slots: [Slot; SLOTS],
 }
 
+/// Every [`SharedPages`] mapping of this process (inherited over fork with
+/// the mappings themselves), as (address, length): see [`leave_family`].
+static MAPPED: Lock<Vec<(usize, usize)>> = Lock::new(Vec::new());
+
 /// A page (or a few) of anonymous memory shared with forked children,
 /// zero-filled, holding a `T` made of atomics (all zero is valid).
 struct SharedPages<T> {
@@ -259,7 +263,13 @@ impl<T> SharedPages<T> {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
+        MAPPED.lock().push((p as usize, len));
         Ok(SharedPages { ptr: p.cast(), len })
+    }
+
+    #[cfg(test)]
+    fn detach(&self) {
+        detach(self.ptr as usize, self.len);
     }
 
     fn get(&self) -> &T {
@@ -271,9 +281,55 @@ impl<T> SharedPages<T> {
 
 impl<T> Drop for SharedPages<T> {
     fn drop(&mut self) {
+        let at = self.ptr as usize;
+        MAPPED.lock().retain(|m| m.0 != at);
         // SAFETY: unmapping our own mapping (the other processes keep
         // theirs).
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Replace the shared mapping at `ptr` by private zero pages, in place:
+/// what this process writes there from now on reaches nobody.
+fn detach(ptr: usize, len: usize) {
+    // SAFETY: MAP_FIXED over a mapping of ours that stays valid memory (of
+    // the same size, readable and writable) for everyone holding it.
+    unsafe {
+        libc::mmap(
+            ptr as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+}
+
+/// This process is about to become one the others may not trust (another
+/// user, a seccomp sandbox: privilege-separated servers do this so that a
+/// compromise of the child stays there). A request names a pid and an
+/// address that a runner reads or writes with its own rights, so such a
+/// process must not be able to post any: every shared page of delegation
+/// becomes private memory here (valid, inert: its connections moved onto
+/// TCP just before), and the family bell's number now names an eventfd of
+/// its own. The other processes keep theirs; a fork from here on makes a
+/// new family.
+pub fn leave_family() {
+    for &(ptr, len) in MAPPED.lock().iter() {
+        detach(ptr, len);
+    }
+    // Connections forked from here on start a family of their own.
+    if let Some(f) = FAMILY.lock().take() {
+        // SAFETY: a fresh eventfd put in the bell's place (dup3 closes the
+        // shared one in this process only), then its first number closed.
+        unsafe {
+            let own = libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC);
+            if own >= 0 {
+                libc::dup3(own, f.bell.as_raw_fd(), libc::O_CLOEXEC);
+                libc::close(own);
+            }
+        }
     }
 }
 
@@ -385,7 +441,7 @@ impl Mailbox {
     pub fn has_live_guests(&self, me: u32) -> bool {
         self.p().guests.iter().any(|g| {
             let pid = g.load(Ordering::SeqCst);
-            pid != 0 && pid != me && alive(pid)
+            pid != 0 && pid != me && crate::stats::alive(pid)
         })
     }
 
@@ -396,7 +452,7 @@ impl Mailbox {
         }
         for g in guests {
             let pid = g.load(Ordering::SeqCst);
-            if (pid == 0 || !alive(pid))
+            if (pid == 0 || !crate::stats::alive(pid))
                 && g.compare_exchange(pid, me, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
             {
@@ -481,11 +537,6 @@ impl Ending {
             drained: 0,
         }
     }
-}
-
-/// Is `pid` a live process (not a zombie)?
-fn alive(pid: u32) -> bool {
-    crate::stats::alive(pid)
 }
 
 // ---------------------------------------------------------------- guests
@@ -622,7 +673,7 @@ pub fn runner_alive(mb: &Mailbox) -> bool {
     match mb.runner() {
         // Nobody has served yet: the process that claimed it is starting.
         0 => true,
-        pid => alive(pid),
+        pid => crate::stats::alive(pid),
     }
 }
 
@@ -833,7 +884,7 @@ impl Serving {
         if look && !self.calls.is_empty() {
             self.looked = Some(Instant::now());
             for c in &mut self.calls {
-                if !c.cancelled && !alive(c.pid) {
+                if !c.cancelled && !crate::stats::alive(c.pid) {
                     c.cancelled = true;
                     e.cancel(c.call);
                 }
@@ -1296,6 +1347,37 @@ mod tests {
             flags: RecvFlags::default(),
         };
         assert_eq!(call(&mb, recv, &wait(None)), Answer::Done(Ok(0)));
+    }
+
+    /// The permissions of the mapping at `at` in /proc/self/maps.
+    fn maps_line(at: usize) -> String {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines()
+            .find(|l| {
+                let (a, _) = l.split_once('-').unwrap();
+                usize::from_str_radix(a, 16).unwrap() == at
+            })
+            .map(|l| l.split_whitespace().nth(1).unwrap().to_string())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_detached_page_is_private_and_still_usable() {
+        let p: SharedPages<FamilyPage> = SharedPages::new().expect("shared pages");
+        p.get().epoch.store(7, Ordering::SeqCst);
+        assert_eq!(maps_line(p.ptr as usize), "rw-s");
+        p.detach();
+        assert_eq!(maps_line(p.ptr as usize), "rw-p", "no longer shared");
+        assert_eq!(p.get().epoch.load(Ordering::SeqCst), 0, "fresh pages");
+        p.get().epoch.store(9, Ordering::SeqCst);
+        assert_eq!(p.get().epoch.load(Ordering::SeqCst), 9);
+        let at = p.ptr as usize;
+        assert!(MAPPED.lock().iter().any(|m| m.0 == at));
+        drop(p);
+        assert!(
+            !MAPPED.lock().iter().any(|m| m.0 == at),
+            "forgotten when unmapped"
+        );
     }
 
     #[test]

@@ -618,15 +618,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
         if self.runner_gone.load(Ordering::SeqCst) || !delegation::runner_alive(mb) {
             self.runner_gone.store(true, Ordering::SeqCst);
-            return Readiness {
-                readable: true,
-                writable: true,
-                read_hangup: true,
-                hangup: true,
-                error: true,
-                arrived: 0,
-                drained: 0,
-            };
+            return delegation::Ending::Reset.readiness();
         }
         match mb.published() {
             Some(r) => r,
@@ -931,15 +923,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             };
         }
         if !self.shared.make_mine() {
-            return Readiness {
-                readable: true,
-                writable: true,
-                read_hangup: true,
-                hangup: true,
-                error: true,
-                arrived: 0,
-                drained: 0,
-            };
+            // A copy that cannot be used: as a reset connection.
+            return delegation::Ending::Reset.readiness();
         }
         let mut d = self.shared.lock();
         self.shared.turn_all(&mut d, 0);
