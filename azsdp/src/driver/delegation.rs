@@ -631,17 +631,21 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
         }
         if looked.elapsed() >= LIVENESS_LOOK {
             looked = Instant::now();
+            let left = (w.left)();
             let gone = !runner_alive(mb);
-            if (gone || (w.left)())
+            if (gone || left)
                 && slot
                     .state
                     .compare_exchange(POSTED, FREE, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
             {
-                return if gone {
-                    mb.ending().map_or(Answer::RunnerGone, |e| e.answer(req))
-                } else {
+                // Never taken, so nothing of it moved: made again on TCP if
+                // the connection went there (its runner may have exited
+                // since, having moved it), else answered by the ending.
+                return if left {
                     Answer::Done(Err(CallError::Switched))
+                } else {
+                    mb.ending().map_or(Answer::RunnerGone, |e| e.answer(req))
                 };
             }
             if gone && slot.state.load(Ordering::Acquire) == TAKEN {
