@@ -793,5 +793,8 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     }
 }
 
+mod park;
+pub use park::UnparkError;
+
 #[cfg(test)]
 mod tests;

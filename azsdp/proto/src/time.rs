@@ -8,7 +8,9 @@ use std::ops::{Add, Sub};
 use std::time::Duration;
 
 /// Nanoseconds since an arbitrary, driver-chosen epoch.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 pub struct Timestamp(pub u64);
 
 impl Timestamp {

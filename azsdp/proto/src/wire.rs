@@ -142,7 +142,7 @@ pub mod features {
 const HELLO_BODY: usize = 40;
 
 /// HELLO and HELLO_ACK body: what each side offers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Hello {
     pub min_version: u8,
     pub max_version: u8,
@@ -164,7 +164,7 @@ pub struct Hello {
 }
 
 /// SRC_AVAIL: "bytes `[stream_off, stream_off+len)` are at `addr` under `key`".
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SrcAvail {
     pub id: u32,
     pub lock_slot: u16,
@@ -177,7 +177,7 @@ pub struct SrcAvail {
 
 /// SRC_AVAIL_UPDATE: the rest of advertisement `id`, from byte `base` of it on,
 /// now lives at `addr` under `key` (a private copy made after a write fault).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SrcAvailUpdate {
     pub id: u32,
     pub base: u32,
@@ -186,7 +186,7 @@ pub struct SrcAvailUpdate {
 }
 
 /// GET_COMPLETE: the sink has taken `consumed` bytes of advertisement `id` in all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GetComplete {
     pub id: u32,
     pub consumed: u32,
@@ -195,7 +195,7 @@ pub struct GetComplete {
 }
 
 /// ABORT reason codes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[repr(u16)]
 pub enum AbortCode {
     /// The application asked for it (close with SO_LINGER 0, or unread data on close).

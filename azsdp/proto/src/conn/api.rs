@@ -46,7 +46,7 @@ pub struct SendFlags {
 }
 
 /// Why a buffer's whole pages cannot be write-protected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Unprotectable {
     /// This process has no page protection (no full userfaultfd).
     NoProtector,
@@ -114,7 +114,7 @@ pub trait UserMemory {
 }
 
 /// Memory of the peer, as advertised: an address and the key that guards it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct RemoteBuf {
     pub addr: u64,
     pub key: u32,
@@ -410,7 +410,7 @@ pub struct Readiness {
 }
 
 /// Which side opened the connection (who sends HELLO).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Role {
     Client,
     Server,

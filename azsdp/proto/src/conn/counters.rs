@@ -3,7 +3,7 @@
 use super::api::Unprotectable;
 
 /// Why zero-copy sends are (or were) not asynchronous.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FallbackReason {
     /// Too many write faults on in-flight buffers: AZ-SDP fell back to ZSDP.
     FaultRate,
@@ -19,7 +19,7 @@ pub enum FallbackReason {
 }
 
 /// Why bytes of a send went by copy (BSDP) rather than by zero-copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CopyReason {
     /// Below the zero-copy threshold.
     Small,
@@ -78,7 +78,7 @@ impl CopyReason {
 }
 
 /// Monotonic counters. Byte counts are application bytes.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
     // send side
     pub bytes_sent_bsdp: u64,

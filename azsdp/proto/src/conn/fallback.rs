@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct FaultMonitor {
     faults: u32,
     window: u32,

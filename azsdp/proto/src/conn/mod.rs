@@ -17,6 +17,7 @@ mod api;
 mod counters;
 mod fallback;
 pub mod lockword;
+mod park;
 mod rx;
 mod settings;
 mod switch;
@@ -28,6 +29,7 @@ use std::ops::Range;
 
 pub use api::*;
 pub use counters::{COPY_REASONS, CopyReason, Counters, FallbackReason};
+pub use park::Unparkable;
 pub use settings::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect};
 pub use timers::Timer;
 
@@ -52,7 +54,7 @@ pub enum State {
 }
 
 /// The send mode in force for new zero-copy sends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum TxMode {
     /// AZ-SDP: asynchronous zero-copy.
     Async,
@@ -63,7 +65,7 @@ pub enum TxMode {
 }
 
 /// What the peer told us in its HELLO, plus what we derived.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 struct Peer {
     hello: Hello,
     /// Most DATA payload bytes per message.
@@ -74,7 +76,7 @@ struct Peer {
 }
 
 /// A message waiting to be posted, in wire order.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 enum OutMsg {
     Hello,
     HelloAck,
@@ -145,14 +147,21 @@ struct Waiter {
 }
 
 /// One AZ-SDP connection. See the module documentation.
-#[derive(Debug)]
+///
+/// Serialized only to park it ([`park`]): the skipped fields are what a
+/// parkable connection holds none of (they name application memory or
+/// operations in flight).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct Connection {
     cfg: EngineConfig,
+    #[serde(skip, default = "park::established")]
     state: State,
     peer: Option<Peer>,
     now: Timestamp,
     next_op: u64,
+    #[serde(skip)]
     ops: crate::id_map::IdMap<OpId, OpKind>,
+    #[serde(skip)]
     actions: VecDeque<Action>,
     counters: Counters,
 
@@ -176,7 +185,9 @@ pub struct Connection {
     /// Bytes ever moved from `txbuf` to the out queue (room made).
     tx_drained: u64,
     txq: VecDeque<TxItem>,
+    #[serde(skip)]
     send_calls: VecDeque<SendCall>,
+    #[serde(skip)]
     out_avails: BTreeMap<u32, OutAvail>,
     /// Local handles of advertisements, and the ids they were posted under.
     next_avail_id: u32,
@@ -185,6 +196,7 @@ pub struct Connection {
     /// Generation of each of the peer's lock slots, and whether it is in use.
     slot_gen: Vec<u32>,
     slot_busy: Vec<bool>,
+    #[serde(skip)]
     send_prot: RangeCounter,
     tx_stream_off: u64,
     tx_shutdown: TxShutdown,
@@ -202,7 +214,9 @@ pub struct Connection {
     /// Generation of each of our lock slots, and which advertisement holds it.
     my_slot_gen: Vec<u32>,
     my_slot_user: Vec<Option<u32>>,
+    #[serde(skip)]
     recv_calls: VecDeque<RecvCall>,
+    #[serde(skip)]
     armed: RangeCounter,
     rx_eof: bool,
     rx_shut: bool,
@@ -229,6 +243,7 @@ pub struct Connection {
     emitted_unacked: u64,
 
     // faults and lifetime
+    #[serde(skip)]
     waiters: Vec<Waiter>,
 
     // liveness and teardown
@@ -251,7 +266,7 @@ pub struct Connection {
     stalled: Option<String>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum TxShutdown {
     Open,
     Queued,

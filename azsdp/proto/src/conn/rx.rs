@@ -13,7 +13,7 @@ use crate::time::Timestamp;
 use crate::wire::{self, AbortCode, MsgType};
 
 /// An item of the incoming stream, in order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(super) enum RxItem {
     /// Unconsumed DATA bytes at the front of the receive buffer.
     Data(u64),
@@ -22,7 +22,7 @@ pub(super) enum RxItem {
 }
 
 /// The sink's view of the lock word of one advertisement.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(super) enum Lock {
     Free,
     Taking,
@@ -38,7 +38,7 @@ pub(super) enum Lock {
 }
 
 /// A SRC_AVAIL received from the peer.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(super) struct InAvail {
     pub slot: u16,
     pub gen_: u32,
@@ -111,6 +111,9 @@ enum Stop {
     Empty,
     /// Waiting for a lock, an evacuation, or a cancel to resolve.
     Wait,
+    /// The call was cancelled (whatever the stream still holds: this is
+    /// not its end, even after the peer's SHUTDOWN came).
+    Cancelled,
 }
 
 impl Connection {
@@ -267,7 +270,7 @@ impl Connection {
                 return Stop::Full;
             }
             if call.cancelled {
-                return Stop::Empty;
+                return Stop::Cancelled;
             }
             let dst = call.buf.addr + call.filled;
             let Some(item) = self.rxq.get(idx).copied() else {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::api::Role;
 
 /// What to do when the application writes a page of an in-flight send.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FaultPolicy {
     /// Block the writer until the peer has taken the data (then, after
     /// `block_escalate`, fall back to copying so no wait is unbounded).
@@ -17,7 +17,7 @@ pub enum FaultPolicy {
 }
 
 /// Receive-side protection: may `recv()` return before the data has landed?
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum RecvProtect {
     Off,
     On,
@@ -26,7 +26,7 @@ pub enum RecvProtect {
 }
 
 /// What the host and its fabric can do for this connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Capabilities {
     /// Memory can be exposed for the peer's GET.
     pub zcopy_source: bool,
@@ -59,7 +59,7 @@ impl Capabilities {
 }
 
 /// Where this side's lock words live (one per SRC_AVAIL it may receive).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LockRegion {
     pub addr: u64,
     pub key: u32,
@@ -76,7 +76,7 @@ impl LockRegion {
 }
 
 /// Everything the engine needs to know to run one connection.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EngineConfig {
     pub role: Role,
     /// Local page size (power of two).

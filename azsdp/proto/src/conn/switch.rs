@@ -23,7 +23,7 @@ use super::{
 use crate::wire::{AbortCode, MsgType};
 
 /// Where a connection is in leaving the fabric.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(super) enum Switch {
     /// On the fabric.
     #[default]
@@ -40,7 +40,7 @@ pub(super) enum Switch {
 
 /// A piece of our stream handed to the fabric, in stream order, kept until
 /// the peer has consumed it (its bytes may have to go again over TCP).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) enum Posted {
     /// The `nth` DATA message this side sent (its bytes stay in the send
     /// buffer until its credit comes back).

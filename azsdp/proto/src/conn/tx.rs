@@ -42,7 +42,7 @@ pub(super) struct SendCall {
 }
 
 /// An item of the outgoing stream, waiting for credits or its turn.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) enum TxItem {
     Data(u64),
     Avail(u32),

@@ -41,6 +41,10 @@ pub struct SimReport {
     /// Message-level trace (only with `verbose`).
     pub trace: Vec<String>,
     pub scenario: Scenario,
+    /// Engines parked by an exec and taken up by the new image, and execs
+    /// whose engine did not park in time (it moved onto TCP instead).
+    pub parked: u64,
+    pub park_fallbacks: u64,
 }
 
 impl SimReport {
@@ -67,6 +71,9 @@ pub struct BatchSummary {
     pub aborted: u64,
     /// Seeds whose connection left the fabric for TCP (both sides).
     pub switched: u64,
+    /// Engines parked across an exec, and execs that moved onto TCP.
+    pub parked: u64,
+    pub park_fallbacks: u64,
 }
 
 fn add(total: &mut Counters, c: &Counters) {
@@ -170,6 +177,8 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
                         sum.aborted +=
                             u64::from(r.states.iter().any(|s| matches!(s, State::Aborted(_))));
                         sum.switched += u64::from(r.states.iter().all(|s| *s == State::Switched));
+                        sum.parked += r.parked;
+                        sum.park_fallbacks += r.park_fallbacks;
                         if !r.passed() {
                             sum.failures.push(r);
                         }
@@ -187,6 +196,8 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
         summary.injected += p.injected;
         summary.aborted += p.aborted;
         summary.switched += p.switched;
+        summary.parked += p.parked;
+        summary.park_fallbacks += p.park_fallbacks;
         summary.failures.extend(p.failures);
     }
     let mut sum = summary;

@@ -87,6 +87,10 @@ pub struct Scenario {
     /// A side leaves the fabric for the TCP connection beneath at this
     /// time (its process execs a program without the shim, say).
     pub switch: Option<(usize, Duration)>,
+    /// A side's process `exec`s a program that runs the shim at this
+    /// time: its calls stop, its engine parks when quiet and the new
+    /// image takes it up after a pause.
+    pub exec: Option<(usize, Duration)>,
 }
 
 impl Scenario {
@@ -156,6 +160,7 @@ impl Scenario {
             buffers,
             time_limit: Duration::from_secs(30),
             switch: switch_of(seed),
+            exec: exec_of(seed),
         }
     }
 }
@@ -166,6 +171,20 @@ impl Scenario {
 fn switch_of(seed: u64) -> Option<(usize, Duration)> {
     let mut r = Rng::new(seed ^ 0x5717_c4ed);
     r.chance(1.0 / 6.0).then(|| {
+        let side = r.below(2) as usize;
+        (side, Duration::from_micros(r.range(1, 20_000)))
+    })
+}
+
+/// One seed in five `exec`s a program that takes the connection up
+/// (a stream of its own, as for [`switch_of`]; never in a run that also
+/// switches).
+fn exec_of(seed: u64) -> Option<(usize, Duration)> {
+    if switch_of(seed).is_some() {
+        return None;
+    }
+    let mut r = Rng::new(seed ^ 0xe8ec_0a11);
+    r.chance(1.0 / 5.0).then(|| {
         let side = r.below(2) as usize;
         (side, Duration::from_micros(r.range(1, 20_000)))
     })

@@ -44,6 +44,10 @@ enum WEvent {
     Kill(usize),
     /// The side leaves the fabric for TCP.
     Switch(usize),
+    /// The side's process `exec`s a program that runs the shim.
+    Exec(usize),
+    /// The side's exec gives up waiting for its engine to park.
+    ExecDeadline(usize),
     /// A signal interrupts the call, if it is still blocked.
     Cancel {
         side: usize,
@@ -134,6 +138,8 @@ enum Wait {
     Evacuate(Ticket),
     /// In a receive on the TCP connection, for bytes or its end.
     Tcp,
+    /// Stopped by the process's exec (resumes in the new image).
+    Exec,
     Sleep,
 }
 
@@ -148,6 +154,11 @@ struct Proc {
     busy: Vec<bool>,
     /// The process is stopped (SIGSTOP) during this interval.
     stalled: Option<(Timestamp, Timestamp)>,
+    /// An exec is under way: its calls stop until the engine parks.
+    exec: bool,
+    /// Execs whose engine parked, and those that moved onto TCP.
+    parked: u64,
+    park_fallbacks: u64,
 }
 
 pub struct World {
@@ -299,6 +310,9 @@ impl World {
         if let Some((side, at)) = w.sc.switch {
             w.schedule(Timestamp::ZERO + at, WEvent::Switch(side));
         }
+        if let Some((side, at)) = w.sc.exec {
+            w.schedule(Timestamp::ZERO + at, WEvent::Exec(side));
+        }
         w.settle(0);
         w.settle(1);
         w
@@ -325,6 +339,8 @@ impl World {
             | WEvent::Poll(side)
             | WEvent::Kill(side)
             | WEvent::Switch(side)
+            | WEvent::Exec(side)
+            | WEvent::ExecDeadline(side)
             | WEvent::Cancel { side, .. } => side,
         }
     }
@@ -455,6 +471,25 @@ impl World {
                     self.settle(side);
                 }
             }
+            WEvent::Exec(side) => self.start_exec(side),
+            WEvent::ExecDeadline(side) => {
+                if self.procs[side].exec && !self.procs[side].dead {
+                    // As the shim does: the connection moves onto TCP.
+                    let why = self.drivers[side].park_blocker();
+                    let calls = self.calls.keys().filter(|&&(s, _)| s == side).count();
+                    self.note(|| {
+                        format!(
+                            "side {side}: engine did not park ({why:?}, {calls} calls); leaves the fabric"
+                        )
+                    });
+                    self.procs[side].exec = false;
+                    self.procs[side].park_fallbacks += 1;
+                    self.drivers[side].pause_arms(false);
+                    self.drivers[side].leave_fabric();
+                    self.resume_after_exec(side);
+                    self.settle(side);
+                }
+            }
             WEvent::Kill(side) => {
                 self.note(|| format!("KILL side {side}"));
                 self.procs[side].dead = true;
@@ -518,6 +553,113 @@ impl World {
             self.procs[side].timer_at = Some(t);
             let at = t.max(self.now);
             self.schedule(at, WEvent::Timer(side));
+        }
+        if self.procs[side].exec {
+            self.try_park(side);
+        }
+    }
+
+    // ----- exec: the engine parks, the new image takes it up ----------------
+
+    /// Would this thread's next step be a call (or a close) on the
+    /// connection? Those wait for the new image.
+    fn stops_for_exec(&self, t: usize, phase: &Phase) -> bool {
+        let th = &self.threads[t];
+        match phase {
+            Phase::Send | Phase::Recv => th.result.is_none() && !self.on_tcp(th.side),
+            Phase::Finish | Phase::Free => true,
+            _ => false,
+        }
+    }
+
+    /// The process execs: the calls blocked in it are interrupted (their
+    /// threads are gone, as a signal ends them), no new ones start, and the
+    /// engine settles what it has out on the application's memory.
+    fn start_exec(&mut self, side: usize) {
+        if self.procs[side].dead || self.procs[side].closed || self.on_tcp(side) {
+            return;
+        }
+        self.note(|| format!("side {side}: exec"));
+        self.procs[side].exec = true;
+        self.drivers[side].pause_arms(true);
+        let blocked: Vec<CallId> = self
+            .calls
+            .range((side, CallId(0))..=(side, CallId(u64::MAX)))
+            .map(|(&(_, c), _)| c)
+            .collect();
+        for call in blocked {
+            self.drivers[side].cancel(call);
+        }
+        self.schedule(
+            self.now + Duration::from_millis(200),
+            WEvent::ExecDeadline(side),
+        );
+        self.settle(side);
+    }
+
+    /// Park the engine once it is quiet, and take it up in a fresh driver
+    /// (new protector and host: the new image's), on the same endpoint,
+    /// after the pause the exec takes.
+    fn try_park(&mut self, side: usize) {
+        let quiet = !self.calls.keys().any(|&(s, _)| s == side)
+            && self.drivers[side].park_blocker().is_none();
+        if !quiet {
+            return;
+        }
+        let bytes = match self.drivers[side].park() {
+            Ok(b) => b,
+            Err(e) => {
+                self.violations
+                    .push(format!("side {side}: park failed when quiet: {e}"));
+                return;
+            }
+        };
+        self.procs[side].exec = false;
+        let p = SimProtector::new(
+            side,
+            Rc::clone(&self.mems),
+            self.rng.fork(),
+            self.sc.p_arm_fail,
+        );
+        let log = Rc::clone(&p.log);
+        let mut host = SimHost::new(
+            side,
+            Rc::clone(&self.mems),
+            self.clock.clone(),
+            Rc::clone(&self.tcp),
+        );
+        host.unprotectable = Rc::clone(&self.drivers[side].host().unprotectable);
+        let ep = SimEndpoint::new(Rc::clone(&self.fabric), side);
+        match Driver::unpark(&bytes, ep, p, host) {
+            Ok(d) => {
+                self.note(|| format!("side {side}: parked {} bytes, taken up", bytes.len()));
+                self.drivers[side] = d;
+                self.protect[side] = log;
+                self.procs[side].parked += 1;
+            }
+            Err(e) => {
+                self.violations.push(format!("side {side}: unpark: {e}"));
+                return;
+            }
+        }
+        // The new image starts after the exec's pause; meanwhile nothing
+        // of this side runs.
+        let pause = Duration::from_micros(self.rng.range(50, 3_000));
+        if self.procs[side]
+            .stalled
+            .is_none_or(|(_, until)| until <= self.now)
+        {
+            self.procs[side].stalled = Some((self.now, self.now + pause));
+        }
+        self.resume_after_exec(side);
+    }
+
+    fn resume_after_exec(&mut self, side: usize) {
+        for t in 0..self.threads.len() {
+            if self.threads[t].side == side && self.threads[t].waiting == Some(Wait::Exec) {
+                self.threads[t].waiting = None;
+                self.schedule(self.now, WEvent::Wake(t));
+            }
         }
     }
 
@@ -657,6 +799,10 @@ impl World {
                 return;
             }
             let phase = self.threads[t].phase.clone();
+            if self.procs[self.threads[t].side].exec && self.stops_for_exec(t, &phase) {
+                self.threads[t].waiting = Some(Wait::Exec);
+                return;
+            }
             let next = match self.threads[t].role {
                 Role::Sender => self.step_sender(t, phase),
                 Role::Receiver => self.step_receiver(t, phase),
@@ -1287,6 +1433,8 @@ impl World {
             sim_time: self.now - Timestamp::ZERO,
             events: self.events_run,
             trace: self.trace.take(),
+            parked: self.procs.iter().map(|p| p.parked).sum(),
+            park_fallbacks: self.procs.iter().map(|p| p.park_fallbacks).sum(),
             scenario: self.sc,
         }
     }
