@@ -19,7 +19,7 @@ use crate::beneath::TcpBeneath;
 use crate::conn::{Resend, ResendPiece, Unprotectable, UserMemory};
 use crate::time::Timestamp;
 
-pub use azsdp_proto::driver::{Host, Protectable, capabilities};
+pub use azsdp_proto::driver::{Host, Protectable, UnparkError, capabilities};
 pub use azsdp_proto::protect::{NoProtection, Protector};
 
 pub mod delegation;

@@ -343,6 +343,25 @@ pub fn recv_with_credentials(
     })
 }
 
+impl PeerId {
+    /// The peer a parked endpoint named, taken up by the next image of
+    /// this process with the pidfd it kept: it must still name `pid`
+    /// (exited or not: a peer that died meanwhile is reported as gone).
+    pub fn resumed(pid: u32, uid: u32, gid: u32, pidfd: OwnedFd) -> std::io::Result<PeerId> {
+        match pidfd_pid(pidfd.as_fd()) {
+            Some(p) if p == i64::from(pid) || p == -1 => Ok(PeerId {
+                pid,
+                uid,
+                gid,
+                pidfd: shared_pidfd(pid, pidfd),
+            }),
+            _ => Err(std::io::Error::other(format!(
+                "the kept pidfd does not name pid {pid}"
+            ))),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,14 +25,17 @@ pub type Active = ShmTransport;
 /// The endpoint an upgraded connection runs.
 pub type ActiveEndpoint = <Active as Transport>::Endpoint;
 
-/// The transport, sized by `s`.
-pub fn transport(s: &Settings) -> Active {
+/// The transport, sized by `s`, for the connection on socket `fd`.
+pub fn transport(s: &Settings, fd: i32) -> Active {
+    // SAFETY: F_GETFD on the program's socket.
+    let survives_exec = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
     ShmTransport {
         params: ShmParams {
             ring_capacity: (s.bsdp_buffer.max(64 << 10) * 2)
                 .next_power_of_two()
                 .min(azsdp::fabric::shm::MAX_RING as u64) as usize,
             poll: s.poll,
+            keep_for_exec: survives_exec,
             ..ShmParams::default()
         },
     }
@@ -75,7 +78,6 @@ impl Conn {
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Arc<Conn> {
-        let peer_pid = Endpoint::peer_pid(&ep);
         let p = protect::open(settings.protection);
         let mut caps: Capabilities = capabilities(ep.get_refused().is_none(), p.protector.as_ref());
         // Never advertise our pages to a peer of another user: it cannot
@@ -83,20 +85,61 @@ impl Conn {
         // pages and wait for GETs that never come).
         caps.zcopy_source &= Endpoint::same_user(&ep);
         let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
-        let waiter = Endpoint::waiter(&ep);
         let beneath = Arc::new(TcpBeneath::new(fd));
+        let host = Self::host(settings, &beneath);
+        let d = Driver::with_host(cfg, ep, p.protector, host);
+        Self::run(d, p.faults, beneath, role, settings, local, peer)
+    }
+
+    /// Take up a connection the previous image of this process parked
+    /// before its `exec` (see `crate::exec_park`): the same engine, on the
+    /// same segment, driven from here on by this image.
+    pub fn resume(
+        engine: &[u8],
+        ep: ActiveEndpoint,
+        fd: i32,
+        role: Role,
+        settings: &Settings,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Result<Arc<Conn>, azsdp::driver::UnparkError> {
+        let p = protect::open(settings.protection);
+        let beneath = Arc::new(TcpBeneath::new(fd));
+        let host = Self::host(settings, &beneath);
+        let d = Driver::unpark(engine, ep, p.protector, host)?;
+        let c = Self::run(d, p.faults, beneath, role, settings, local, peer);
+        // The peer rings the previous image's bell, gone with it.
+        c.driver.with_fabric(|ep| ep.announce());
+        Ok(c)
+    }
+
+    fn host(settings: &Settings, beneath: &Arc<TcpBeneath>) -> ProcessHost {
         let mut host = ProcessHost::default();
         host.convert_private_files = settings.convert_private_files;
-        host.beneath = Some(Arc::clone(&beneath));
+        host.beneath = Some(Arc::clone(beneath));
         host.write_timeout = settings.peer_timeout.max(Duration::from_secs(1));
-        let d = Driver::with_host(cfg, ep, p.protector, host);
+        host
+    }
+
+    /// Drive `d` from this process's reactor and the program's calls.
+    fn run(
+        d: Driver<ActiveEndpoint, Box<dyn Protector + Send>>,
+        faults: Option<Box<dyn azsdp::protect::FaultSource>>,
+        beneath: Arc<TcpBeneath>,
+        role: Role,
+        settings: &Settings,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Arc<Conn> {
+        let peer_pid = Endpoint::peer_pid(d.fabric());
+        let waiter = Endpoint::waiter(d.fabric());
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);
         let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
             w.touched();
             crate::ready::notify();
         });
-        let driver = ThreadedDriver::start_with_notify(d, waiter, p.faults, Some(notify));
+        let driver = ThreadedDriver::start_with_notify(d, waiter, faults, Some(notify));
         // A forked child that takes the connection over protects its own
         // memory with its own userfaultfd.
         let mode = settings.protection;

@@ -330,7 +330,7 @@ pub fn connect(
     let Ok(cookie) = sock_diag::cookie_of(tcp) else {
         return plain(TcpReason::SetupFailed);
     };
-    let offer = match transport(settings).offer() {
+    let offer = match transport(settings, fd).offer() {
         Ok(o) => o,
         Err(e) => {
             debug!("connect {dst}: no offer: {e}");

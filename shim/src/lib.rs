@@ -17,11 +17,13 @@
 mod conn;
 mod connect;
 mod epoll;
+mod exec_park;
 mod fdtable;
 mod hooks;
 mod listener;
 mod log;
 mod net;
+mod next_image;
 mod ready;
 mod real;
 mod runtime;
@@ -36,6 +38,10 @@ use std::ffi::c_char;
 /// process starts with that later changes are told from.
 extern "C" fn on_load() {
     let _ = std::panic::catch_unwind(azsdp::sandbox::note_start);
+    // Connections the program before an exec parked for this one.
+    if !runtime::disabled() {
+        let _ = std::panic::catch_unwind(exec_park::take_up);
+    }
 }
 
 #[used]

@@ -419,7 +419,7 @@ impl Listener {
         if offer.dst.port() != local.port() {
             return Err(TcpReason::Mismatch);
         }
-        let join = crate::conn::transport(s).join(offer.fds).map_err(|e| {
+        let join = crate::conn::transport(s, fd).join(offer.fds).map_err(|e| {
             warning!(
                 "{local} <- {peer}: pid {} offered a bad segment: {e}",
                 offer.peer.pid()

@@ -34,6 +34,20 @@ fn resolve(name: &'static [u8]) -> usize {
     p as usize
 }
 
+unsafe extern "C" {
+    #[link_name = "environ"]
+    static ENVIRON: *const *const libc::c_char;
+}
+
+/// The process's environment array (what `execv` and `execvp` pass).
+///
+/// # Safety
+/// Not while another thread changes the environment.
+pub unsafe fn environ() -> *const *const libc::c_char {
+    // SAFETY: reading libc's `environ` variable.
+    unsafe { ENVIRON }
+}
+
 /// Address of the next definition of `name` (NUL-terminated), for a
 /// call that cannot go through a typed wrapper (variadic functions).
 pub fn next_definition(name: &'static [u8]) -> usize {
@@ -112,8 +126,6 @@ real! {
     fn _exit(status: c_int) -> ();
     fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int;
     fn execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
-    fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;
-    fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;
     fn execvpe(file: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
     fn fexecve(fd: c_int, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
     fn execveat(dirfd: c_int, path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char, flags: c_int) -> c_int;

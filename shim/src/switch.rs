@@ -60,7 +60,16 @@ const EXEC_WAIT: Duration = Duration::from_secs(10);
 /// survives the exec (inetd-style servers pass the socket as stdin); one
 /// whose descriptors all close on exec stays with the process that uses it.
 pub fn before_exec() {
+    before_exec_except(&[]);
+}
+
+/// [`before_exec`] for every connection but those in `parked` (carried
+/// to the new image instead: see `crate::exec_park`).
+pub fn before_exec_except(parked: &[Arc<Sock>]) {
     for (sock, survives) in connections_on_descriptors(&[]) {
+        if parked.iter().any(|p| Arc::ptr_eq(p, &sock)) {
+            continue;
+        }
         let Some(c) = sock.conn() else { continue };
         let ours = c.driver.is_mine() || (survives && c.driver.claim());
         if ours {

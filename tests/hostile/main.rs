@@ -628,7 +628,7 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
                     let Some(Ok(memfd)) = offer.fds.first().map(|f| f.try_clone()) else {
                         continue;
                     };
-                    let Ok(join) = ShmJoin::open(memfd, Duration::ZERO) else {
+                    let Ok(join) = ShmJoin::open(memfd, Duration::ZERO, false) else {
                         continue;
                     };
                     // A fake proof: a TCP socket of our own.
@@ -749,7 +749,7 @@ fn server(port: u16, attack: &str, secs: u64, r: &mut Report) {
                 let Some(Ok(memfd)) = offer.fds.first().map(|f| f.try_clone()) else {
                     continue;
                 };
-                let Ok(join) = ShmJoin::open(memfd, Duration::ZERO) else {
+                let Ok(join) = ShmJoin::open(memfd, Duration::ZERO, false) else {
                     continue;
                 };
                 let proof = tcp.as_fd();

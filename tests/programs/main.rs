@@ -27,13 +27,13 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// dead-peer scenarios (azsdp: 116-119); 88-90 and 121 the output tests;
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
 /// 124-125 sshd; 99 and 120 (azsdp) fork-split, 122 and 126 (azsdp)
-/// fork-split-reader-runs;
-/// 100-115.
+/// fork-split-reader-runs; 100-115; 128-133 exec-twice, exec-failing,
+/// stray-bytes (each plain, then azsdp); 134-255 free.
 fn port(offset: u16) -> u16 {
-    debug_assert!(offset < 128);
+    debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
     // many connections take their local ports.
-    20000 + (std::process::id() % 98) as u16 * 128 + offset
+    20000 + (std::process::id() % 49) as u16 * 256 + offset
 }
 
 /// The shim's closing line of a connection, with its byte counts.
@@ -707,10 +707,59 @@ fn a_forked_child_that_drops_root_serves_the_connection() {
     sockcheck("fork-setuid", 20);
 }
 
+/// A program exec'd with an upgraded socket: with the shim, the new image
+/// takes the parked connection up (it stays on the fabric, its zero-copy
+/// goes on); without it, the connection moved onto its TCP socket first.
+/// Either way it reads exactly the rest of the stream.
 #[test]
-fn an_execed_image_reads_the_rest_of_the_stream_with_or_without_the_shim() {
-    sockcheck("exec", 17);
-    sockcheck_on("exec-bare", 65, &[true]);
+fn an_execed_image_takes_the_connection_up_or_reads_the_rest_on_tcp() {
+    sockcheck_run("exec", false, 17);
+    let log = sockcheck_run("exec", true, 49);
+    assert!(
+        log.contains("parked for the program this process execs"),
+        "{log}"
+    );
+    assert!(
+        log.contains("taken up from the program before the exec"),
+        "{log}"
+    );
+    assert!(!log.contains("moved to its TCP socket"), "{log}");
+    // The new image's close line: its answer went zero-copy.
+    let line = log
+        .lines()
+        .filter(|l| l.contains("; sent azsdp"))
+        .max_by_key(|l| count_after(l, "sent azsdp"))
+        .unwrap_or_else(|| panic!("no closing line: {log}"));
+    assert!(count_after(line, "sent azsdp") > 0, "{line}");
+    let log = sockcheck_run("exec-bare", true, 65);
+    assert!(log.contains("moved to its TCP socket"), "{log}");
+    assert!(!log.contains("taken up"), "{log}");
+}
+
+/// An image that takes the connection up and execs again passes it on
+/// again; an exec that fails after the connection was parked leaves it
+/// running in the program, on the fabric.
+#[test]
+fn an_image_that_execs_again_and_an_exec_that_fails_keep_the_connection() {
+    sockcheck_run("exec-twice", false, 128);
+    let log = sockcheck_run("exec-twice", true, 129);
+    assert_eq!(log.matches("taken up from the program").count(), 2, "{log}");
+    assert!(!log.contains("moved to its TCP socket"), "{log}");
+    sockcheck_run("exec-failing", false, 130);
+    let log = sockcheck_run("exec-failing", true, 131);
+    assert!(log.contains("exec failed"), "{log}");
+    assert!(!log.contains("moved to its TCP socket"), "{log}");
+    assert!(!log.contains("taken up"), "{log}");
+}
+
+/// Bytes written around the shim (a raw system call) reach a reader that
+/// is blocked on an upgraded socket as ECONNRESET within seconds, with the
+/// reason in the log (on TCP they arrive); it never hangs.
+#[test]
+fn bytes_written_around_the_shim_reset_a_blocked_reader() {
+    sockcheck_run("stray-bytes", false, 132);
+    let log = sockcheck_run("stray-bytes", true, 133);
+    assert!(log.contains("behind azsdp's back"), "{log}");
 }
 
 /// The other ways a program starts another with the socket: `execl`

@@ -1304,11 +1304,12 @@ const BEFORE_EXEC: usize = 50_000;
 const EXEC_ANSWER: usize = 300_000;
 
 /// A server forks and execs a program with the upgraded socket as its
-/// descriptor (inetd style): the connection moves onto the TCP socket
-/// first, so the new image, with the shim (`keep_shim`) or without it,
-/// reads exactly the rest of the client's stream (what the first image had
-/// not read, whether it came by copy or zero-copy) and what it writes
-/// reaches the client after everything sent before.
+/// descriptor (inetd style): the new image, with the shim (`keep_shim`:
+/// it takes the parked connection up) or without it (the connection moved
+/// onto its TCP socket first), reads exactly the rest of the client's
+/// stream (what the first image had not read, whether it came by copy or
+/// zero-copy) and what it writes reaches the client after everything sent
+/// before.
 /// How [`exec`] starts the new image.
 #[derive(Clone, Copy, PartialEq)]
 enum Exec {
@@ -1321,6 +1322,13 @@ enum Exec {
     Spawn,
     /// system(): a shell that runs the program, which inherits the socket.
     System,
+    /// fork, execve, and the new image reads some of the stream, then
+    /// execs itself again with the socket.
+    Twice,
+    /// execve that fails (E2BIG: an argument longer than the kernel
+    /// takes, after the shim parked the connection): this process reads
+    /// the rest of the stream and answers.
+    Failing,
 }
 
 fn exec(server: bool, port: u16, how: Exec) -> R {
@@ -1348,11 +1356,21 @@ fn exec(server: bool, port: u16, how: Exec) -> R {
     let exe = cstr(exe_path.clone().into_os_string().into_encoded_bytes());
     // The descriptor the new image finds the connection on.
     let fd_there: c_int = if how == Exec::Spawn { 100 } else { c };
-    let args: Vec<std::ffi::CString> =
-        ["azsdp-sockcheck", "exec-probe", &fd_there.to_string(), "0"]
-            .iter()
-            .map(|a| cstr(a.as_bytes().to_vec()))
-            .collect();
+    let then_exec = if how == Exec::Twice { EXEC_AGAIN } else { 0 };
+    let huge = "x".repeat(256 << 10);
+    let mut args: Vec<std::ffi::CString> = [
+        "azsdp-sockcheck",
+        "exec-probe",
+        &fd_there.to_string(),
+        "0",
+        &then_exec.to_string(),
+    ]
+    .iter()
+    .map(|a| cstr(a.as_bytes().to_vec()))
+    .collect();
+    if how == Exec::Failing {
+        args.push(cstr(huge.into_bytes()));
+    }
     let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     let keep_shim = how != Exec::Execve { keep_shim: false };
@@ -1368,14 +1386,33 @@ fn exec(server: bool, port: u16, how: Exec) -> R {
     let mut envp: Vec<*const libc::c_char> = env.iter().map(|a| a.as_ptr()).collect();
     envp.push(std::ptr::null());
     let status = match how {
-        Exec::Execve { .. } | Exec::Execl => {
+        Exec::Failing => {
+            // SAFETY: exec with NUL-terminated arrays built above.
+            let r = unsafe { libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+            check!(
+                r == -1 && errno() == libc::E2BIG,
+                "the exec did not fail with E2BIG: {r} {}",
+                err_name(errno())
+            );
+            exec_probe(c, 0, 0)?;
+            0
+        }
+        Exec::Execve { .. } | Exec::Execl | Exec::Twice => {
             // SAFETY: fork; the child only execs (or exits).
             let pid = unsafe { libc::fork() };
             if pid == 0 {
                 // SAFETY: exec with NUL-terminated arrays built above.
                 unsafe {
                     if how == Exec::Execl {
-                        libc::execl(exe.as_ptr(), argv[0], argv[1], argv[2], argv[3], argv[4]);
+                        libc::execl(
+                            exe.as_ptr(),
+                            argv[0],
+                            argv[1],
+                            argv[2],
+                            argv[3],
+                            argv[4],
+                            argv[5],
+                        );
                     } else {
                         libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
                     }
@@ -1417,7 +1454,7 @@ fn exec(server: bool, port: u16, how: Exec) -> R {
         }
         Exec::System => {
             let cmd = format!(
-                "'{}' exec-probe {c} 0",
+                "'{}' exec-probe {c} 0 0",
                 exe_path.display().to_string().replace('\'', "'\\''")
             );
             let cmd = cstr(cmd.into_bytes());
@@ -1434,15 +1471,74 @@ fn exec(server: bool, port: u16, how: Exec) -> R {
     Ok(())
 }
 
-/// The exec'd side of [`exec`]: descriptor `fd` was inherited, upgraded.
-fn exec_probe(fd: c_int) -> R {
+/// Bytes the first exec'd image of [`Exec::Twice`] reads before it execs
+/// again.
+const EXEC_AGAIN: usize = 200_000;
+
+/// The exec'd side of [`exec`]: descriptor `fd` was inherited, upgraded;
+/// the images before read `BEFORE_EXEC + skip` bytes of the stream. With
+/// `then_exec`, read that much and exec again.
+fn exec_probe(fd: c_int, skip: usize, then_exec: usize) -> R {
     let stream = data(EXEC_STREAM, 17);
+    let at = BEFORE_EXEC + skip;
+    if then_exec > 0 {
+        check!(
+            recv_exact(fd, then_exec)? == stream[at..at + then_exec],
+            "part of the stream, in the first exec'd image"
+        );
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let err = std::os::unix::process::CommandExt::exec(std::process::Command::new(exe).args([
+            "exec-probe",
+            &fd.to_string(),
+            &(skip + then_exec).to_string(),
+            "0",
+        ]));
+        return Err(format!("the second exec failed: {err}"));
+    }
     check!(
-        recv_exact(fd, EXEC_STREAM - BEFORE_EXEC)? == stream[BEFORE_EXEC..],
+        recv_exact(fd, EXEC_STREAM - at)? == stream[at..],
         "the rest of the client's stream, in the exec'd image"
     );
     send_all(fd, &data(EXEC_ANSWER, 18))?;
     close(fd);
+    Ok(())
+}
+
+/// Bytes written to an upgraded socket around the shim (a raw system
+/// call) while the peer is blocked reading it: on kernel TCP they simply
+/// arrive; under azsdp the stream cannot take them in order, so the
+/// reader gets ECONNRESET, within a few seconds, and never hangs.
+fn stray_bytes(server: bool, port: u16) -> R {
+    if !server {
+        let c = connect_to(port)?;
+        sleep_ms(300);
+        // SAFETY: a raw write(2) of our own buffer, around libc and the shim.
+        let n = unsafe { libc::syscall(libc::SYS_write, c, b"0123456789".as_ptr(), 10usize) };
+        check!(n == 10, "raw write: {n}");
+        sleep_ms(6000);
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    set_timeout(c, libc::SO_RCVTIMEO, 10_000);
+    let t = Instant::now();
+    let mut b = [0u8; 16];
+    let n = recv_some(c, &mut b, 0);
+    let e = errno();
+    check!(
+        t.elapsed() < Duration::from_secs(8),
+        "the read took {:?}: it waited for its timeout",
+        t.elapsed()
+    );
+    match n {
+        // Kernel TCP: the bytes.
+        10 => check!(&b[..10] == b"0123456789", "the raw bytes"),
+        -1 => check!(e == libc::ECONNRESET, "recv: {}", err_name(e)),
+        n => return Err(format!("recv returned {n}")),
+    }
+    close(c);
+    close(l);
     Ok(())
 }
 
@@ -2115,6 +2211,18 @@ fn fork_stress(server: bool, port: u16) -> R {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "usage: azsdp-sockcheck SCENARIO server|client PORT";
+    if args.get(1).is_some_and(|a| a == "exec-probe") {
+        let num = |i: usize| args.get(i).and_then(|a| a.parse::<usize>().ok());
+        let (Some(fd), Some(skip), Some(then_exec)) = (num(2), num(3), num(4)) else {
+            eprintln!("usage: azsdp-sockcheck exec-probe FD SKIP THEN_EXEC");
+            std::process::exit(2);
+        };
+        if let Err(e) = exec_probe(fd as c_int, skip, then_exec) {
+            eprintln!("azsdp-sockcheck exec-probe: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let (Some(scenario), Some(role), Some(port)) = (
         args.get(1),
         args.get(2),
@@ -2123,14 +2231,7 @@ fn main() {
         eprintln!("{usage}");
         std::process::exit(2);
     };
-    if scenario == "exec-probe" {
-        let fd = role.parse::<c_int>().unwrap_or(-1);
-        if let Err(e) = exec_probe(fd) {
-            eprintln!("azsdp-sockcheck exec-probe: {e}");
-            std::process::exit(1);
-        }
-        return;
-    }
+
     let server = role == "server";
     let r = match scenario.as_str() {
         "basic" => basic(server, port),
@@ -2147,6 +2248,9 @@ fn main() {
         "exec-l" => exec(server, port, Exec::Execl),
         "spawn" => exec(server, port, Exec::Spawn),
         "system" => exec(server, port, Exec::System),
+        "exec-twice" => exec(server, port, Exec::Twice),
+        "exec-failing" => exec(server, port, Exec::Failing),
+        "stray-bytes" => stray_bytes(server, port),
         "fork-both-use" => fork_both_use(server, port),
         "fork-setuid" => fork_setuid(server, port),
         "fork-split" => fork_split(server, port, false),

@@ -794,7 +794,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
 }
 
 mod park;
-pub use park::UnparkError;
+pub use park::{UnparkError, parked_header};
 
 #[cfg(test)]
 mod tests;

@@ -404,6 +404,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                     }
                     continue;
                 }
+                // The reactor stays off while calls wait: the look for
+                // bytes behind our back is theirs then (a reader blocked
+                // for ever on a stream that went astray would hang).
+                self.look_at_stream(&mut d);
                 let now = Instant::now();
                 if deadline.is_some_and(|t| t <= now) {
                     return None;
@@ -1024,6 +1028,58 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
     }
 
+    /// Park the connection for the next image of this process (an exec
+    /// that runs the shim): wait up to `wait` for it to be quiet (no call
+    /// in progress, the peer done reading our pages; receives stop
+    /// arming), then return its engine as bytes and what `park_fabric`
+    /// makes of the endpoint, with a hold that keeps the connection still
+    /// (nothing turns it) until dropped: the exec replaces the process, or
+    /// fails and the connection goes on as if nothing happened. Why not,
+    /// if it cannot park (the caller moves it onto TCP instead).
+    pub fn park<T>(
+        &self,
+        wait: Duration,
+        park_fabric: impl FnOnce(&F) -> Option<T>,
+    ) -> Result<Parked<'_, F, P, T>, String> {
+        if !self.is_mine() || self.is_switched() {
+            return Err("not run by this process".into());
+        }
+        if self.serves_others() {
+            return Err("other processes share it (their calls come through this one)".into());
+        }
+        self.shared.lock().pause_arms(true);
+        self.shared.end_standby();
+        let deadline = Instant::now() + wait;
+        let quiet = self
+            .shared
+            .wait_until(Some(deadline), |d| d.park_blocker().is_none().then_some(()));
+        let mut d = self.shared.lock();
+        let parked = match (quiet, d.park()) {
+            (Some(()), Ok(bytes)) => match park_fabric(d.fabric()) {
+                Some(t) => Ok((bytes, t)),
+                None => Err("its fabric endpoint cannot follow an exec".into()),
+            },
+            (_, Err(why)) => Err(format!("not quiet within {wait:?}: {why}")),
+            (None, Ok(_)) => Err(format!("not quiet within {wait:?}")),
+        };
+        match parked {
+            Ok((engine, fabric)) => Ok(Parked {
+                engine,
+                fabric,
+                hold: ParkHold { locked: d },
+            }),
+            Err(e) => {
+                d.pause_arms(false);
+                Err(e)
+            }
+        }
+    }
+
+    /// Call `f` with the connection's fabric endpoint.
+    pub fn with_fabric<T>(&self, f: impl FnOnce(&F) -> T) -> T {
+        f(self.shared.lock().fabric())
+    }
+
     /// Is this a forked child's copy of a connection it never ran?
     pub fn inherited_only(&self) -> bool {
         self.shared.orphaned()
@@ -1222,6 +1278,36 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
 /// A driver's lock held across `fork()` (fields drop in order: the guard,
 /// then the Arc that keeps its mutex alive).
+/// A connection parked by [`ThreadedDriver::park`]: its engine as bytes,
+/// what the caller made of its endpoint, and the hold that keeps it still.
+#[derive(Debug)]
+pub struct Parked<'a, F: Fabric + Send + 'static, P: Protector + Send + 'static, T> {
+    pub engine: Vec<u8>,
+    pub fabric: T,
+    pub hold: ParkHold<'a, F, P>,
+}
+
+/// A parked connection, kept still (its lock held) until dropped; see
+/// [`ThreadedDriver::park`].
+pub struct ParkHold<'a, F: Fabric + Send + 'static, P: Protector + Send + 'static> {
+    locked: Locked<'a, F, P>,
+}
+
+impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
+    for ParkHold<'_, F, P>
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ParkHold")
+    }
+}
+
+/// The exec did not happen: the connection goes on (receives arm again).
+impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Drop for ParkHold<'_, F, P> {
+    fn drop(&mut self) {
+        self.locked.pause_arms(false);
+    }
+}
+
 struct ForkHold<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
     _guard: LockGuard<'static, Driver<F, P>>,
     _shared: Arc<Shared<F, P>>,
@@ -1324,6 +1410,16 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         self.waiter.kick();
     }
 
+    /// Once a second, look at the TCP socket beneath for bytes written
+    /// around the shim (see [`Driver::check_stream`]).
+    fn look_at_stream(&self, d: &mut Driver<F, P>) {
+        let at = standby::now_ns();
+        if at.saturating_sub(self.stream_looked.load(Ordering::Relaxed)) >= STREAM_LOOK_NS {
+            self.stream_looked.store(at, Ordering::Relaxed);
+            d.check_stream();
+        }
+    }
+
     fn service_locked(&self, mut d: Locked<'_, F, P>, fired: bool, now: Instant) -> Next {
         self.take_news(&mut d);
         if let Some(reg) = self.registration.lock().as_ref() {
@@ -1358,11 +1454,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         {
             crate::protect::log_once(&format!("reactor: {e}"));
         }
-        let at = standby::now_ns();
-        if at.saturating_sub(self.stream_looked.load(Ordering::Relaxed)) >= STREAM_LOOK_NS {
-            self.stream_looked.store(at, Ordering::Relaxed);
-            d.check_stream();
-        }
+        self.look_at_stream(&mut d);
         if let Some(abort) = self.own.take_deferred_close() {
             if abort {
                 d.abort();

@@ -85,7 +85,7 @@ pub(super) fn guard<T>(fail: T, f: impl FnOnce() -> T) -> T {
     }
 }
 
-pub(super) fn settings_for(
+pub(crate) fn settings_for(
     role: EngineRole,
     addr: std::net::IpAddr,
     port: u16,

@@ -6,7 +6,10 @@
 use libc::{c_char, c_int, c_void, off_t, size_t};
 
 use super::{guard, hook, quietly};
-use crate::{real, runtime};
+use std::ffi::CStr;
+
+use crate::next_image::Target;
+use crate::{exec_park, real, runtime};
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fork() -> libc::pid_t {
@@ -148,12 +151,19 @@ pub unsafe extern "C" fn prctl(
     unsafe { real::prctl(option, a2, a3, a4, a5) }
 }
 
-// ----- exec: connections move onto their TCP socket first ------------------
+// ----- exec: connections are parked for the new image, or move onto TCP ------
 
-/// Before any `exec`: the new image may not run the shim, and could not
-/// take an engine's state if it did (docs/shim.md, "exec").
+/// Before an exec that cannot take connections up (the variadic `execl`
+/// family, whose environment and failure we cannot see): every
+/// connection moves onto its TCP socket (docs/shim.md, "exec").
 pub(super) fn before_exec() {
     quietly(crate::switch::before_exec);
+}
+
+/// The environment libc passes when the call names none.
+fn environ() -> *const *const c_char {
+    // SAFETY: reading the process's `environ` pointer.
+    unsafe { real::environ() }
 }
 
 #[unsafe(no_mangle)]
@@ -162,23 +172,29 @@ pub unsafe extern "C" fn execve(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    before_exec();
-    // SAFETY: libc's execve with the program's arguments.
-    unsafe { real::execve(path, argv, envp) }
+    // SAFETY: the program's arguments, passed on to libc's execve.
+    unsafe {
+        let target = Target::Path(CStr::from_ptr(path));
+        exec_park::exec(target, envp, |e| real::execve(path, argv, e))
+    }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
-    before_exec();
-    // SAFETY: libc's execv with the program's arguments.
-    unsafe { real::execv(path, argv) }
+    // SAFETY: as execve, with the process's environment (what execv passes).
+    unsafe {
+        let target = Target::Path(CStr::from_ptr(path));
+        exec_park::exec(target, environ(), |e| real::execve(path, argv, e))
+    }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
-    before_exec();
-    // SAFETY: libc's execvp with the program's arguments.
-    unsafe { real::execvp(file, argv) }
+    // SAFETY: as execvpe, with the process's environment (what execvp passes).
+    unsafe {
+        let target = Target::Search(CStr::from_ptr(file));
+        exec_park::exec(target, environ(), |e| real::execvpe(file, argv, e))
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -187,9 +203,11 @@ pub unsafe extern "C" fn execvpe(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    before_exec();
-    // SAFETY: libc's execvpe with the program's arguments.
-    unsafe { real::execvpe(file, argv, envp) }
+    // SAFETY: the program's arguments, passed on to libc's execvpe.
+    unsafe {
+        let target = Target::Search(CStr::from_ptr(file));
+        exec_park::exec(target, envp, |e| real::execvpe(file, argv, e))
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -198,9 +216,8 @@ pub unsafe extern "C" fn fexecve(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    before_exec();
-    // SAFETY: libc's fexecve with the program's arguments.
-    unsafe { real::fexecve(fd, argv, envp) }
+    // SAFETY: the program's arguments, passed on to libc's fexecve.
+    unsafe { exec_park::exec(Target::Fd(fd), envp, |e| real::fexecve(fd, argv, e)) }
 }
 
 #[unsafe(no_mangle)]
@@ -211,9 +228,13 @@ pub unsafe extern "C" fn execveat(
     envp: *const *const c_char,
     flags: c_int,
 ) -> c_int {
-    before_exec();
-    // SAFETY: libc's execveat with the program's arguments.
-    unsafe { real::execveat(dirfd, path, argv, envp, flags) }
+    // SAFETY: the program's arguments, passed on to libc's execveat.
+    unsafe {
+        let target = Target::At(dirfd, CStr::from_ptr(path), flags);
+        exec_park::exec(target, envp, |e| {
+            real::execveat(dirfd, path, argv, e, flags)
+        })
+    }
 }
 
 // ----- user and group changes: connections move onto TCP first ---------------

@@ -27,6 +27,14 @@ fn build() -> String {
     )
 }
 
+/// The start every parked engine of this build has (magic and build), for
+/// fuzzing what follows it.
+pub fn parked_header() -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.extend(postcard::to_stdvec(&build()).unwrap_or_default());
+    out
+}
+
 #[derive(Serialize)]
 struct Parking<'a> {
     build: String,

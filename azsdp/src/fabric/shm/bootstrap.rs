@@ -134,13 +134,15 @@ pub struct ShmJoin {
 }
 
 impl ShmJoin {
-    /// Map the offered `memfd`; `poll` is this side's busy-poll time.
-    pub fn open(memfd: OwnedFd, poll: Duration) -> std::io::Result<ShmJoin> {
-        let seg = Segment::open(memfd)?;
+    /// Map the offered `memfd`; `poll` is this side's busy-poll time,
+    /// `keep_for_exec` as in [`ShmParams`].
+    pub fn open(memfd: OwnedFd, poll: Duration, keep_for_exec: bool) -> std::io::Result<ShmJoin> {
+        let seg = Segment::open(memfd, keep_for_exec)?;
         let params = ShmParams {
             ring_capacity: seg.layout.ring_len - ring::HEADER,
             lock_slots: seg.slots,
             poll,
+            keep_for_exec,
         };
         Ok(ShmJoin { seg, params })
     }
@@ -203,7 +205,7 @@ impl Transport for ShmTransport {
             return Err(bad("an offer carries a segment and a bell, nothing else"));
         };
         Ok(ShmJoined {
-            join: ShmJoin::open(memfd, self.params.poll)?,
+            join: ShmJoin::open(memfd, self.params.poll, self.params.keep_for_exec)?,
             bell,
             reactor: Reactor::get()?,
         })

@@ -60,6 +60,7 @@ pub mod adversary;
 mod bootstrap;
 mod endpoint;
 mod liveness;
+mod park;
 mod segment;
 mod waiter;
 
@@ -68,6 +69,7 @@ pub use bootstrap::{
     IntroError, ShmJoin, ShmJoined, ShmOffer, ShmOffered, ShmTransport, recv_intro, send_intro,
 };
 pub use endpoint::ShmEndpoint;
+pub use park::ParkedEndpoint;
 pub use segment::{MAX_RING, ShmParams};
 pub use waiter::ShmWaiter;
 

@@ -1,7 +1,7 @@
 //! The segment both sides map: its header, layout and checks (sizes are
 //! read once, checked, and kept: the peer can write every word).
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -105,6 +105,10 @@ pub struct ShmParams {
     pub lock_slots: u16,
     /// Busy-poll before sleeping.
     pub poll: Duration,
+    /// Keep a descriptor of the segment so that this side can follow an
+    /// exec (see `park`): only for a connection whose socket may survive
+    /// one, so that others hold no descriptor of their own.
+    pub keep_for_exec: bool,
 }
 
 impl Default for ShmParams {
@@ -113,6 +117,7 @@ impl Default for ShmParams {
             ring_capacity: 1 << 20,
             lock_slots: 64,
             poll: Duration::from_micros(20),
+            keep_for_exec: false,
         }
     }
 }
@@ -169,6 +174,9 @@ pub(super) struct Segment {
     /// gone). Later waits sleep as usual: with nothing more to come, not
     /// sleeping would spin.
     pub(super) closed_seen: [AtomicBool; 2],
+    /// A descriptor of the segment, kept so that this side can follow an
+    /// exec (see `park`); `None` beyond the budget.
+    pub(super) kept: Option<super::park::KeptFd>,
 }
 
 pub(super) fn bad(what: &str) -> std::io::Error {
@@ -280,6 +288,10 @@ impl Segment {
             reg_slots,
             key,
             closed_seen: Default::default(),
+            kept: p
+                .keep_for_exec
+                .then(|| super::park::retain(fd.as_fd()))
+                .flatten(),
         };
         let h = seg.hdr();
         h.version.store(VERSION, Ordering::Relaxed);
@@ -294,13 +306,16 @@ impl Segment {
 
     /// Map a segment the peer made. Everything in it is the peer's word:
     /// sizes are read once, checked, and used from our copy.
-    pub(super) fn open(fd: OwnedFd) -> std::io::Result<Segment> {
+    pub(super) fn open(fd: OwnedFd, keep_for_exec: bool) -> std::io::Result<Segment> {
         use nix::fcntl::{FcntlArg, SealFlag, fcntl};
         let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|_| bad("not a sealable memfd"))?;
         let seals = SealFlag::from_bits_truncate(seals);
         if !seals.contains(SealFlag::F_SEAL_SHRINK) {
             return Err(bad("not sealed against shrinking"));
         }
+        let kept = keep_for_exec
+            .then(|| super::park::retain(fd.as_fd()))
+            .flatten();
         let file = std::fs::File::from(fd);
         let len = file.metadata()?.len() as usize;
         let largest = Layout::new(MAX_RING, MAX_LOCK_SLOTS, MAX_REG_SLOTS).len;
@@ -338,6 +353,7 @@ impl Segment {
             reg_slots,
             key,
             closed_seen: Default::default(),
+            kept,
         };
         seg.ring(0)?;
         seg.ring(1)?;

@@ -14,6 +14,7 @@ fn params() -> ShmParams {
         ring_capacity: 1 << 16,
         lock_slots: 8,
         poll: Duration::from_micros(5),
+        keep_for_exec: false,
     }
 }
 
@@ -196,7 +197,7 @@ type Spoil = Box<dyn FnOnce(&Segment, &OwnedFd)>;
 fn join_spoiled(mutate: impl FnOnce(&Segment, &OwnedFd)) -> std::io::Result<ShmJoin> {
     let (seg, fd) = Segment::create(&params()).unwrap();
     mutate(&seg, &fd);
-    ShmJoin::open(fd, params().poll)
+    ShmJoin::open(fd, params().poll, false)
 }
 
 /// Sizes, seals and ring headers of an offered segment are checked before
@@ -255,11 +256,11 @@ fn a_malformed_segment_is_refused() {
     std::fs::File::from(plain.try_clone().unwrap())
         .set_len(1 << 20)
         .unwrap();
-    let e = ShmJoin::open(plain, params().poll).unwrap_err();
+    let e = ShmJoin::open(plain, params().poll, false).unwrap_err();
     assert!(e.to_string().contains("seal"), "{e}");
     // Not a memfd at all.
     let (x, _y) = UnixStream::pair().unwrap();
-    let e = ShmJoin::open(x.into(), params().poll).unwrap_err();
+    let e = ShmJoin::open(x.into(), params().poll, false).unwrap_err();
     assert!(e.to_string().contains("memfd"), "{e}");
 }
 

@@ -14,7 +14,9 @@ impl Pair {
     /// takes it up on the same endpoint.
     fn park_and_take_up(&mut self, s: usize) -> usize {
         self.d[s].pause_arms(true);
-        self.run_until(Duration::from_millis(100), |p| p.d[s].park_blocker().is_none());
+        self.run_until(Duration::from_millis(100), |p| {
+            p.d[s].park_blocker().is_none()
+        });
         let bytes = self.d[s].park().expect("quiet");
         let p = SimProtector::new(s, Rc::clone(&self.mems), crate::sim::rng::Rng::new(99), 0.0);
         let log = Rc::clone(&p.log);
