@@ -280,6 +280,9 @@ impl Conn {
         }
         let (c, _, _) = self.driver.snapshot();
         let end = match self.driver.state() {
+            _ if self.driver.orphaned() => "moved to its TCP socket for the processes left \
+                 when the peer's process died"
+                .to_string(),
             _ if self.driver.is_switched() => "moved to its TCP socket".to_string(),
             azsdp::conn::State::Aborted(r) if c.bytes_unread_by_peer > 0 => format!(
                 "reset ({r}, {} sent bytes never read)",

@@ -28,7 +28,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// 91 (azsdp: 123) idle-cpu; 92-94 Python's waits; 95 (azsdp: 127) local pairs;
 /// 124-125 sshd; 99 and 120 (azsdp) fork-split, 122 and 126 (azsdp)
 /// fork-split-reader-runs; 100-115; 128-133 exec-twice, exec-failing,
-/// stray-bytes (each plain, then azsdp); 134-255 free.
+/// stray-bytes (each plain, then azsdp); 134-135 runner-killed; 136-255
+/// free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -750,6 +751,21 @@ fn an_image_that_execs_again_and_an_exec_that_fails_keep_the_connection() {
     assert!(log.contains("exec failed"), "{log}");
     assert!(!log.contains("moved to its TCP socket"), "{log}");
     assert!(!log.contains("taken up"), "{log}");
+}
+
+/// The process that runs a shared connection is killed (SIGKILL): the one
+/// left carries on, both ways, byte-exact, as on TCP: the peer moves the
+/// stream onto TCP for it (what the dead one sent and the peer had not
+/// read is read first there).
+#[test]
+fn the_process_left_carries_on_when_the_one_running_the_connection_is_killed() {
+    sockcheck_run("runner-killed", false, 134);
+    let log = sockcheck_run("runner-killed", true, 135);
+    assert!(
+        log.contains("for the processes left when the peer's process died"),
+        "{log}"
+    );
+    assert!(!log.contains("reset"), "{log}");
 }
 
 /// Bytes written around the shim (a raw system call) reach a reader that

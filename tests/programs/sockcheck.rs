@@ -1051,6 +1051,70 @@ fn fork_split(server: bool, port: u16, reader_first: bool) -> R {
     Ok(())
 }
 
+/// A server whose forked child runs the connection (it used it first)
+/// while the parent's calls go through it, until the parent kills it
+/// (SIGKILL): as with TCP, the parent carries on, both ways, and the
+/// client sees nothing but the bytes (what the child sent and the client
+/// had not read yet included).
+fn runner_killed(server: bool, port: u16) -> R {
+    const MIB: usize = 1 << 20;
+    const EXTRA: usize = 32 << 10;
+    let hello = data(64 << 10, 70);
+    let down1 = data(MIB, 71);
+    let extra = data(EXTRA, 72);
+    let up1 = data(MIB, 73);
+    let up2 = data(MIB, 74);
+    let down2 = data(MIB, 75);
+    if server {
+        // The peer: it sees nothing but the bytes.
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        send_all(c, &hello)?;
+        check!(recv_exact(c, MIB)? == down1, "what the child sent");
+        send_all(c, &up1)?;
+        send_all(c, &up2)?;
+        check!(recv_exact(c, EXTRA)? == extra, "the child's last bytes");
+        check!(recv_exact(c, MIB)? == down2, "what the parent sent after");
+        send_all(c, b"bye")?;
+        expect_eof(c)?;
+        close(c);
+        close(l);
+        return Ok(());
+    }
+    let c = connect_to(port)?;
+    check!(recv_exact(c, hello.len())? == hello, "hello");
+    let mut sent = [0; 2];
+    // SAFETY: a pipe of ours.
+    unsafe { libc::pipe(sent.as_mut_ptr()) };
+    // SAFETY: fork(2); the child sends, then waits to be killed.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let ok = send_all(c, &down1)
+            .and_then(|()| send_all(c, &extra))
+            .is_ok();
+        // SAFETY: one byte into our pipe.
+        unsafe { libc::write(sent[1], if ok { b"y" } else { b"n" }.as_ptr().cast(), 1) };
+        loop {
+            sleep_ms(1000);
+        }
+    }
+    let mut b = [0u8; 1];
+    // SAFETY: one byte from our pipe into a local.
+    let n = unsafe { libc::read(sent[0], b.as_mut_ptr().cast(), 1) };
+    check!(n == 1 && b[0] == b'y', "the child did not send");
+    check!(recv_exact(c, MIB)? == up1, "the peer's first MiB");
+    // SAFETY: kill(2) and waitpid(2) on our own child.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
+    check!(recv_exact(c, MIB)? == up2, "the peer's second MiB");
+    send_all(c, &down2)?;
+    check!(recv_exact(c, 3)? == b"bye", "bye");
+    close(c);
+    Ok(())
+}
+
 /// `sendmmsg`/`recvmmsg` and `splice` on a connected socket, both ways:
 /// every byte arrives, in order, whichever call carried it.
 fn batch_calls(server: bool, port: u16) -> R {
@@ -2251,6 +2315,7 @@ fn main() {
         "exec-twice" => exec(server, port, Exec::Twice),
         "exec-failing" => exec(server, port, Exec::Failing),
         "stray-bytes" => stray_bytes(server, port),
+        "runner-killed" => runner_killed(server, port),
         "fork-both-use" => fork_both_use(server, port),
         "fork-setuid" => fork_setuid(server, port),
         "fork-split" => fork_split(server, port, false),

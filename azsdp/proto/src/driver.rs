@@ -243,6 +243,10 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             if self.buf.len() < need {
                 self.buf.resize(need, 0);
             }
+            // What our calls have got to is published before the credits
+            // that follow from it go out: a peer that sees us die takes
+            // it for how far our programs read (see `handle_peer_left`).
+            self.fabric.publish_progress(self.conn.progress_made());
             // Credits: take a message from the engine only when the fabric
             // has room for the largest it may be.
             while self.refused.is_none() && self.fabric.has_room(need) {
@@ -405,6 +409,10 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 let now = self.now();
                 if self.host.write_stream(&r) {
                     self.conn.resend_written(now, &mut self.host);
+                    if self.conn.orphaned() {
+                        // The dead peer's heirs read it from TCP now.
+                        self.fabric.mark_peer_left();
+                    }
                 } else {
                     self.conn.stream_failed(now, &mut self.host);
                 }
@@ -495,9 +503,9 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             // Completions need the fabric or the protector, which `poll`
             // holds: taken after it, in the order they came.
             FabricEvent::Done { op, result } => done.push((op, result)),
-            FabricEvent::PeerGone { left: l } => {
+            FabricEvent::PeerGone { left: l, heir } => {
                 *left = true;
-                conn.handle_peer_left(now, l, host);
+                conn.handle_peer_left(now, l, heir, host);
             }
         });
         for (op, result) in done.drain(..) {

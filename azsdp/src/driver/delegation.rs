@@ -42,7 +42,11 @@
 //!   guest lives moves the connection onto its TCP socket first (both
 //!   sides agree where the stream stands, docs/protocol.md §8a), and the
 //!   guests carry on there. A runner killed outright takes the engine with
-//!   it: its guests' calls then fail with ECONNRESET.
+//!   it, but each guest wrote its pid in the segment (`Fabric::note_heir`):
+//!   the peer then moves the stream onto TCP for the guests alone, when
+//!   nothing was lost (docs/protocol.md §8a), and their calls go there
+//!   (those the runner had not taken; one it was serving fails with
+//!   ECONNRESET). If bytes died with it, their calls fail with ECONNRESET.
 //!
 //! `unsafe` here: the shared pages (`mmap`), the eventfd.
 
@@ -66,6 +70,9 @@ const SPIN: u32 = 500;
 /// How often a waiting guest looks whether the runner still lives, and
 /// the runner whether its guests do.
 const LIVENESS_LOOK: Duration = Duration::from_millis(20);
+/// How long a guest whose runner died waits for the peer to move the
+/// stream onto TCP for it (it notices the death within milliseconds).
+const ORPHAN_WAIT: Duration = Duration::from_secs(3);
 
 // A slot's states.
 const FREE: u32 = 0;
@@ -583,7 +590,7 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
             break s;
         }
         if !runner_alive(mb) {
-            return mb.ending().map_or(Answer::RunnerGone, |e| e.answer(req));
+            return after_runner_death(mb, req, w);
         }
         // Every slot busy: others' requests go first.
         std::thread::sleep(nap);
@@ -645,7 +652,7 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
                 return if left {
                     Answer::Done(Err(CallError::Switched))
                 } else {
-                    mb.ending().map_or(Answer::RunnerGone, |e| e.answer(req))
+                    after_runner_death(mb, req, w)
                 };
             }
             if gone && slot.state.load(Ordering::Acquire) == TAKEN {
@@ -669,6 +676,26 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
             timeout = timeout.min(t.saturating_duration_since(Instant::now()));
         }
         crate::futex::wait(&slot.state, s, timeout.max(Duration::from_micros(100)));
+    }
+}
+
+/// The runner died (killed: it left no ending) before it took the
+/// request: the peer moves the stream onto TCP for the processes that
+/// carry on, if nothing was lost (`Fabric::note_heir`); wait a little for
+/// that, then the call goes there. Else the connection is reset.
+fn after_runner_death(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
+    if let Some(e) = mb.ending() {
+        return e.answer(req);
+    }
+    let until = Instant::now() + ORPHAN_WAIT;
+    loop {
+        if (w.left)() {
+            return Answer::Done(Err(CallError::Switched));
+        }
+        if Instant::now() >= until {
+            return Answer::RunnerGone;
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

@@ -491,6 +491,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// One request for the runner; `None` when the call must go elsewhere
     /// (the connection left the fabric: made again on TCP).
     fn ask(&self, mb: &Mailbox, req: Request, limits: &CallLimits<'_>) -> Result<u64, CallError> {
+        // If the runner dies, the peer carries the stream on for us.
+        self.lock().fabric().note_heir();
         let kick = || self.waiter.kick();
         let left = || self.left();
         let w = GuestWait {
@@ -709,10 +711,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if total > 0 && self.in_calls.load(Ordering::SeqCst) > others {
             self.waiter.kick();
         }
-        if *d.connection().state() == State::Switched && !self.switched.swap(true, Ordering::SeqCst)
+        if *d.connection().state() == State::Switched
+            && d.connection().rx_tail() == 0
+            && !self.switched.swap(true, Ordering::SeqCst)
         {
             // Every caller looks again (their calls go to TCP now), and so
-            // do the processes sharing this side.
+            // do the processes sharing this side. (After an orphan switch,
+            // once what the dead peer sent has been read.)
             d.fabric().mark_left();
             self.waiter.kick();
         } else if d.fabric().leave_requested() && !d.connection().leaving_fabric() {
@@ -1102,6 +1107,19 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// process, or by the one that runs it at this one's request?
     pub fn on_tcp(&self) -> bool {
         self.is_switched() || self.runs_elsewhere()
+    }
+
+    /// Did the connection move onto TCP alone for the heirs of a dead
+    /// peer, with bytes that peer sent still to be read here first? (Sends
+    /// go to the TCP socket meanwhile; receives come here.)
+    pub fn has_rx_tail(&self) -> bool {
+        self.shared.lock().connection().rx_tail() > 0
+    }
+
+    /// Did the connection move onto TCP alone, for the processes left when
+    /// the peer's process died (see `FabricEvent::PeerGone`)?
+    pub fn orphaned(&self) -> bool {
+        self.shared.lock().connection().orphaned()
     }
 
     /// Has the connection left the fabric for the TCP socket beneath?

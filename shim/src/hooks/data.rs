@@ -108,7 +108,13 @@ fn on_tcp<T>(
     bufs: &[(*const T, usize)],
     flags: c_int,
 ) -> ssize_t {
-    let t = crate::switch::moved(sock, c);
+    // After an orphan switch, what the dead peer sent is read from the
+    // connection first: only sends go to the socket until then.
+    let t = if c.driver.has_rx_tail() {
+        None
+    } else {
+        crate::switch::moved(sock, c)
+    };
     let iov: Vec<libc::iovec> = bufs
         .iter()
         .map(|&(p, l)| libc::iovec {

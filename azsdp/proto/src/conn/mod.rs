@@ -229,6 +229,12 @@ pub struct Connection {
     switch: Switch,
     /// What the peer's SWITCH said its application consumed of our stream.
     peer_switch: Option<u64>,
+    /// The peer's process died, and its heirs (processes of its side that
+    /// carry on) get the stream on TCP from this side alone: no SWITCH
+    /// goes, and what arrived from the peer and was not read yet stays
+    /// here, read before the TCP socket (see `handle_peer_left`).
+    #[serde(default)]
+    orphaned: bool,
     /// Our stream handed to the fabric and not yet consumed, in order.
     posted: VecDeque<Posted>,
     /// Stream offset of `posted`'s first piece.
@@ -330,6 +336,7 @@ impl Connection {
             tx_returned: 0,
             switch: Switch::No,
             peer_switch: None,
+            orphaned: false,
             posted: VecDeque::new(),
             posted_base: 0,
             data_pumped: 0,
@@ -784,10 +791,18 @@ impl Connection {
     /// after its data, and later sends fail with EPIPE. Any other is a
     /// reset (ECONNRESET): data one program believed sent died unread,
     /// whether ours was still queued, in flight or in its buffers.
+    ///
+    /// With `heir` (another process of the peer's side holds the
+    /// connection and carries on), a peer whose every returned send
+    /// arrived here hands the stream over: this side writes to TCP what
+    /// the peer's programs had not read of ours (from `left.read`, as if
+    /// the peer had sent a SWITCH saying so), keeps what arrived from the
+    /// peer for our program to read first, and the heirs go on over TCP.
     pub fn handle_peer_left(
         &mut self,
         now: Timestamp,
         left: Option<Departure>,
+        heir: bool,
         mem: &mut dyn UserMemory,
     ) {
         self.now = now;
@@ -799,6 +814,9 @@ impl Connection {
             return;
         }
         let all_here = self.in_avails.is_empty() && left.sent <= self.rx_stream_off;
+        if heir && all_here && self.orphan_switch(left.read, mem) {
+            return;
+        }
         let all_read = self.send_calls.is_empty()
             && self.out_avails.is_empty()
             && left.read >= self.tx_returned;
@@ -1225,6 +1243,23 @@ impl Connection {
     }
 
     /// Forget what the peer's stream held that was not consumed.
+    /// Bytes that arrived from the peer before it died and our program
+    /// has not read yet, after an orphan switch (read before the TCP
+    /// socket); 0 otherwise.
+    pub fn rx_tail(&self) -> u64 {
+        if self.orphaned && self.state == State::Switched {
+            self.readable_bytes()
+        } else {
+            0
+        }
+    }
+
+    /// Did this side move the stream onto TCP alone, for the heirs of a
+    /// peer process that died?
+    pub fn orphaned(&self) -> bool {
+        self.orphaned
+    }
+
     fn drop_rx_stream(&mut self) {
         self.rxq.clear();
         self.rxbuf.clear();

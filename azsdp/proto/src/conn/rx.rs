@@ -162,7 +162,7 @@ impl Connection {
     }
 
     pub(super) fn progress_recvs(&mut self, mem: &mut dyn UserMemory) {
-        if self.leaving_fabric() && self.state == State::Established {
+        if self.leaving_fabric() && self.state == State::Established && !self.orphaned {
             // Calls that took bytes end with them (switch.rs); the rest
             // wait, and go again over TCP.
             return;
@@ -174,6 +174,9 @@ impl Connection {
             let aborted = self.abort_error();
             let stop = match self.state {
                 State::Established => self.fill_recv(mem),
+                // After an orphan switch, what the dead peer sent is read
+                // first (it can be read from nowhere else).
+                State::Switched if self.orphaned => self.fill_recv(mem),
                 State::Handshake => Stop::Empty,
                 State::Aborted(_) | State::Switched => Stop::Wait,
             };
@@ -188,6 +191,14 @@ impl Connection {
                 if self.error_reported { Ok(0) } else { Err(err) }
             } else if call.failed {
                 Err(CallError::ConnReset)
+            } else if self.state == State::Switched
+                && self.orphaned
+                && filled == 0
+                && (self.rx_eof || self.rx_shut)
+            {
+                // The dead peer had ended its stream: its heirs will not
+                // write (the end, as TCP's FIN would say).
+                Ok(0)
             } else if self.state == State::Switched {
                 // Made after the switch (it raced the caller's look): it
                 // goes again over TCP.

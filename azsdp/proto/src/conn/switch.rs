@@ -99,8 +99,11 @@ impl Connection {
             self.abort(super::AbortReason::StrayBytes, Some(AbortCode::Reset));
             return;
         }
-        let (consumed, sent) = (self.rx_consumed(), self.posted_end());
-        self.out.push_back(OutMsg::Switch { consumed, sent });
+        if !self.orphaned {
+            // (An orphan switch has nobody to tell.)
+            let (consumed, sent) = (self.rx_consumed(), self.posted_end());
+            self.out.push_back(OutMsg::Switch { consumed, sent });
+        }
         self.switch = Switch::Sent;
         self.progress(mem);
     }
@@ -157,17 +160,43 @@ impl Connection {
                 self.release_avail(&a);
             }
         }
-        self.clear_stream_state();
-        for call in std::mem::take(&mut self.recv_calls) {
-            self.push(Action::CallDone {
-                call: call.call,
-                result: Err(CallError::Switched),
-            });
+        if self.orphaned {
+            // What arrived from the dead peer stays, read first.
+            self.drop_tx_stream();
+            self.out.clear();
+        } else {
+            self.clear_stream_state();
+            for call in std::mem::take(&mut self.recv_calls) {
+                self.push(Action::CallDone {
+                    call: call.call,
+                    result: Err(CallError::Switched),
+                });
+            }
         }
         self.state = State::Switched;
         self.switch = Switch::No;
         self.wake_waiters();
         self.progress(mem);
+    }
+
+    /// The peer's process died with heirs (see `handle_peer_left`): leave
+    /// the fabric alone, resending our stream from `consumed` (what the
+    /// peer's programs had read). False if that cannot be done (the
+    /// connection was leaving already, or we no longer hold those bytes).
+    pub(super) fn orphan_switch(&mut self, consumed: u64, mem: &mut dyn UserMemory) -> bool {
+        if self.state != State::Established
+            || self.switch != Switch::No
+            || self.peer_switch.is_some()
+            || consumed < self.posted_base
+            || consumed > self.tx_stream_off
+        {
+            return false;
+        }
+        self.orphaned = true;
+        self.peer_switch = Some(consumed);
+        self.switch = Switch::Leaving;
+        self.progress(mem);
+        true
     }
 
     /// The peer left the fabric (its SWITCH): so do we.

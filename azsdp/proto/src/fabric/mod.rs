@@ -85,7 +85,13 @@ pub enum FabricEvent<'a> {
     /// fabric knows: the engine can then tell a loss-free end (EOF, as
     /// TCP's FIN) from one that lost data either way (a reset, as the RST
     /// a TCP peer that dies with data unread sends).
-    PeerGone { left: Option<Departure> },
+    ///
+    /// `heir`: the process that ran the peer's side is gone, but another
+    /// process of that side holds the connection and carries on (it was
+    /// forked with it: its calls went through the one that died). The
+    /// engine then moves the stream onto TCP for it, alone, if nothing was
+    /// lost (see `Connection::handle_peer_left`).
+    PeerGone { left: Option<Departure>, heir: bool },
 }
 
 /// Waits for a fabric endpoint's events, messages and completions alike,
@@ -221,6 +227,14 @@ pub trait Fabric {
     fn has_left(&self) -> bool {
         false
     }
+    /// The peer's process died and this side moved the stream onto TCP for
+    /// the processes of the peer's side that carry on (its heirs): tell
+    /// them, as that process would have.
+    fn mark_peer_left(&self) {}
+    /// This process, which shares its side after a fork but does not run
+    /// it, holds the connection: if the process running it dies, the peer
+    /// moves the stream onto TCP for it (see [`FabricEvent::PeerGone`]).
+    fn note_heir(&self) {}
     /// This side is done (its connection finished, or is dropped): nothing
     /// more will come from it or be read by it, and the peer may learn so
     /// at once.

@@ -97,6 +97,10 @@ struct Region {
 #[derive(Debug)]
 struct Side {
     alive: bool,
+    /// Another process of this side carries on after it dies (its heir).
+    heir: bool,
+    /// The peer marked this side left for its heirs.
+    left_for_heirs: bool,
     /// This side revoked the peer's access to its memory.
     revoked: bool,
     lock: LockRegion,
@@ -205,6 +209,8 @@ impl SimFabric {
         let mut rng = Rng::new(seed ^ 0xfab1c);
         let mk = |i: usize, rng: &mut Rng| Side {
             alive: true,
+            heir: false,
+            left_for_heirs: false,
             revoked: false,
             lock: LockRegion {
                 addr: LOCK_BASE[i],
@@ -309,6 +315,19 @@ impl SimFabric {
 
     /// Kill `side`: its memory becomes unreachable and its undelivered
     /// messages are lost; the peer learns after `death_detect`.
+    /// Like [`SimFabric::kill`], with a process of `side` that carries on
+    /// (an heir: the peer moves the stream onto TCP for it).
+    pub fn kill_with_heir(&mut self, side: usize) {
+        self.sides[side].heir = true;
+        self.kill(side);
+    }
+
+    /// Did the peer of `side` (its process dead) mark `side` left for its
+    /// heirs?
+    pub fn left_for_heirs(&self, side: usize) -> bool {
+        self.sides[side].left_for_heirs
+    }
+
     pub fn kill(&mut self, side: usize) {
         if !self.sides[side].alive {
             return;
@@ -552,6 +571,10 @@ impl SimEndpoint {
 }
 
 impl Fabric for SimEndpoint {
+    fn mark_peer_left(&self) {
+        self.fab.borrow_mut().sides[1 - self.side].left_for_heirs = true;
+    }
+
     fn lock_region(&self) -> LockRegion {
         self.fab.borrow().sides[self.side].lock
     }
@@ -793,7 +816,8 @@ impl Fabric for SimEndpoint {
                         .borrow()
                         .trace
                         .note(|| format!("side {}: peer gone, left {left:?}", self.side));
-                    on_event(FabricEvent::PeerGone { left });
+                    let heir = self.fab.borrow().sides[1 - self.side].heir;
+                    on_event(FabricEvent::PeerGone { left, heir });
                 }
             }
         }

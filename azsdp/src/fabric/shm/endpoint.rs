@@ -241,6 +241,20 @@ impl Fabric for ShmEndpoint {
         crate::futex::wake_all(w);
     }
 
+    fn mark_peer_left(&self) {
+        let w = &self.seg.hdr().left[1 - self.side];
+        w.store(1, Ordering::Release);
+        crate::futex::wake_all(w);
+    }
+
+    fn note_heir(&self) {
+        let w = &self.seg.hdr().heir[self.side];
+        let me = crate::process::pid();
+        if w.load(Ordering::Relaxed) != me {
+            w.store(me, Ordering::Release);
+        }
+    }
+
     fn has_left(&self) -> bool {
         self.seg.hdr().left[self.side].load(Ordering::Acquire) != 0
     }
@@ -412,7 +426,10 @@ impl Fabric for ShmEndpoint {
         if self.corrupt {
             // Whatever the peer claims to have sent, the stream is broken.
             self.gone_reported = true;
-            on_event(FabricEvent::PeerGone { left: None });
+            on_event(FabricEvent::PeerGone {
+                left: None,
+                heir: false,
+            });
             return n + 1;
         }
         if n == 0 && !self.peer_alive() && self.rx.is_empty() {
@@ -422,7 +439,17 @@ impl Fabric for ShmEndpoint {
                 sent: hdr.sent[1 - self.side].load(Ordering::Acquire),
                 read: hdr.read[1 - self.side].load(Ordering::Acquire),
             };
-            on_event(FabricEvent::PeerGone { left: Some(left) });
+            // An heir that lives carries the peer's side on (not one that
+            // closed it cleanly: then nothing is carried).
+            let heir = hdr.heir[1 - self.side].load(Ordering::Acquire);
+            let heir = !self.peer_closed()
+                && heir != 0
+                && heir != self.peer.pid()
+                && crate::stats::alive(heir);
+            on_event(FabricEvent::PeerGone {
+                left: Some(left),
+                heir,
+            });
             n += 1;
         }
         n

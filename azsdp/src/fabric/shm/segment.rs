@@ -10,7 +10,7 @@ use memmap2::{MmapMut, MmapOptions};
 use crate::fabric::ring::{self, Ring};
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
 const HEADER_LEN: usize = 4096;
 /// Largest ring a segment may have (a peer's segment asking for more is
 /// refused rather than mapped).
@@ -65,6 +65,12 @@ pub(super) struct SegHeader {
     pub(super) leave: [AtomicU32; 2],
     /// Per side: the side moved onto TCP.
     pub(super) left: [AtomicU32; 2],
+    /// Per side: the pid of a process that shares that side after a fork
+    /// and does not run it (its calls go through the runner): if the
+    /// runner dies, the peer moves the stream onto TCP for it. (The peer
+    /// could write it too: that only makes a death move the stream onto
+    /// TCP instead of ending it.)
+    pub(super) heir: [AtomicU32; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<SegHeader>() <= HEADER_LEN);

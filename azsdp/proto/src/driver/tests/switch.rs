@@ -198,3 +198,67 @@ fn bytes_on_tcp_before_the_switch_reset_the_connection() {
     );
     assert!(matches!(q.d[1].connection().state(), State::Aborted(_)));
 }
+
+/// A fabric that notices a death within 100 us (before any timer).
+fn quick_death() -> SimFabricParams {
+    SimFabricParams {
+        death_detect: Duration::from_micros(100),
+        ..fabric_params()
+    }
+}
+
+/// The peer's process dies while another process of its side carries on
+/// (an heir): everything the peer's sends returned is here, so this side
+/// moves the stream onto TCP alone, from what the peer's programs had
+/// read of ours, and keeps what it had not read yet of the peer's stream
+/// for its program, before the TCP socket.
+#[test]
+fn a_dead_peer_with_an_heir_hands_the_stream_over_on_tcp() {
+    let mut p = Pair::with_fabric(quick_death(), cfg(Role::Client), cfg(Role::Server));
+    let a = pattern(3000, 1);
+    p.write(0, BUF, &a);
+    let s = p.send(0, BUF, 3000);
+    assert_eq!(p.poll(0, s), Some(Ok(3000)));
+    let b = pattern(5000, 2);
+    p.write(1, BUF, &b);
+    let s = p.send(1, BUF, 5000);
+    assert_eq!(p.poll(1, s), Some(Ok(5000)));
+    let r = p.recv_all(0, DST, 2000);
+    assert_eq!(p.wait(0, r), Ok(2000));
+    let r = p.recv_all(1, DST, 1000);
+    assert_eq!(p.wait(1, r), Ok(1000));
+    p.run_for(Duration::from_millis(1));
+    p.fabric.borrow_mut().kill_with_heir(0);
+    p.run_until(Duration::from_secs(2), |p| {
+        *p.d[1].connection().state() == State::Switched
+    });
+    assert!(p.fabric.borrow().left_for_heirs(0), "the heirs were told");
+    // Side 1's stream from what side 0's program had read: on TCP.
+    assert_eq!(p.tcp.borrow().wrote[1], &b[2000..]);
+    // What side 0 sent and side 1 had not read: read from the engine,
+    // then the TCP socket.
+    assert_eq!(p.d[1].connection().rx_tail(), 2000);
+    let r = p.recv(1, DST, 4000);
+    assert_eq!(p.wait(1, r), Ok(2000));
+    assert_eq!(p.read(1, DST, 2000), a[1000..]);
+    let r = p.recv(1, DST, 100);
+    assert_eq!(p.wait(1, r), Err(CallError::Switched));
+    assert_eq!(p.d[1].connection().rx_tail(), 0);
+}
+
+/// Without an heir, or with bytes the dead peer's sends returned that never
+/// arrived (an advertisement not read), the death is what it always was.
+#[test]
+fn a_dead_peer_whose_heir_would_miss_bytes_resets_the_connection() {
+    let mut p = Pair::with_fabric(quick_death(), cfg(Role::Client), cfg(Role::Server));
+    let a = pattern(6 * PAGE as usize, 1);
+    p.write(0, BUF, &a);
+    let s = p.send(0, BUF, a.len() as u64);
+    assert_eq!(p.poll(0, s), Some(Ok(a.len() as u64)));
+    p.fabric.borrow_mut().kill_with_heir(0);
+    p.run_until(Duration::from_secs(2), |p| {
+        matches!(p.d[1].connection().state(), State::Aborted(_))
+    });
+    assert!(!p.fabric.borrow().left_for_heirs(0));
+    assert!(p.tcp.borrow().wrote[1].is_empty());
+}
