@@ -66,31 +66,8 @@ struct ParkedConn {
     endpoint: ParkedEndpoint,
 }
 
-/// Each upgraded connection on this process's descriptors, once, with
-/// its descriptors that survive an exec.
-fn connections() -> Vec<(Arc<Sock>, Vec<i32>)> {
-    let mut seen: Vec<(Arc<Sock>, Vec<i32>)> = Vec::new();
-    for (fd, sock) in fdtable::entries() {
-        if sock.conn().is_none() {
-            continue;
-        }
-        // SAFETY: F_GETFD on a descriptor the table tracks.
-        let survives = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
-        let i = match seen.iter().position(|(s, _)| Arc::ptr_eq(s, &sock)) {
-            Some(i) => i,
-            None => {
-                seen.push((sock, Vec::new()));
-                seen.len() - 1
-            }
-        };
-        if survives {
-            seen[i].1.push(fd);
-        }
-    }
-    seen
-}
-
-/// A memfd the next image inherits, holding `bytes`, placed high.
+/// A memfd the next image inherits (closed as it takes the record up),
+/// holding `bytes`.
 fn record_file(bytes: &[u8]) -> std::io::Result<OwnedFd> {
     // SAFETY: memfd_create with a static name; the descriptor is ours.
     let fd = unsafe { libc::memfd_create(c"azsdp-parked".as_ptr(), 0) };
@@ -155,18 +132,19 @@ fn park_then(
         );
         return None;
     }
-    let candidates: Vec<(Arc<Sock>, Arc<Conn>, Vec<i32>)> = connections()
-        .into_iter()
-        .filter(|(_, fds)| !fds.is_empty())
-        // On a standard stream the new program may well use stdio, whose
-        // writes and reads libc makes without passing through the shim:
-        // such a connection moves onto TCP, where stdio works.
-        .filter(|(_, fds)| !fds.iter().any(|&fd| (0..=2).contains(&fd)))
-        .filter_map(|(sock, fds)| {
-            let c = sock.conn()?;
-            (c.driver.is_mine() || c.driver.claim()).then_some((sock, c, fds))
-        })
-        .collect();
+    let candidates: Vec<(Arc<Sock>, Arc<Conn>, Vec<i32>)> =
+        crate::switch::connections_on_descriptors(&[])
+            .into_iter()
+            .filter(|(_, fds)| !fds.is_empty())
+            // On a standard stream the new program may well use stdio, whose
+            // writes and reads libc makes without passing through the shim:
+            // such a connection moves onto TCP, where stdio works.
+            .filter(|(_, fds)| !fds.iter().any(|&fd| (0..=2).contains(&fd)))
+            .filter_map(|(sock, fds)| {
+                let c = sock.conn()?;
+                (c.driver.is_mine() || c.driver.claim()).then_some((sock, c, fds))
+            })
+            .collect();
     let mut holds = Vec::new();
     let mut inherit: Vec<OwnedFd> = Vec::new();
     let mut record = Record::default();
@@ -251,9 +229,12 @@ pub fn take_up() {
         warning!("{VAR} is not a descriptor number; ignored");
         return;
     };
-    // SAFETY: F_GETFD only asks whether `fd` is open.
-    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        warning!("{VAR} names no open descriptor; ignored");
+    // Only our record is taken (and closed): a variable set by hand must
+    // not make us read, then close, a descriptor of the program's.
+    let is_record = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .is_ok_and(|p| p.as_os_str() == "/memfd:azsdp-parked (deleted)");
+    if !is_record {
+        warning!("{VAR} names no parked record; ignored");
         return;
     }
     // SAFETY: the previous image left `fd` (the record) for us alone.

@@ -66,10 +66,11 @@ pub fn before_exec() {
 /// [`before_exec`] for every connection but those in `parked` (carried
 /// to the new image instead: see `crate::exec_park`).
 pub fn before_exec_except(parked: &[Arc<Sock>]) {
-    for (sock, survives) in connections_on_descriptors(&[]) {
+    for (sock, fds) in connections_on_descriptors(&[]) {
         if parked.iter().any(|p| Arc::ptr_eq(p, &sock)) {
             continue;
         }
+        let survives = !fds.is_empty();
         let Some(c) = sock.conn() else { continue };
         let ours = c.driver.is_mine() || (survives && c.driver.claim());
         if ours {
@@ -89,8 +90,8 @@ pub fn before_exec_except(parked: &[Arc<Sock>]) {
 /// every connection on those onto its TCP socket, whoever runs it, since
 /// the new program may use it without the shim. The others stay.
 pub fn before_spawn(dup_sources: &[libc::c_int]) {
-    for (sock, survives) in connections_on_descriptors(dup_sources) {
-        if survives {
+    for (sock, fds) in connections_on_descriptors(dup_sources) {
+        if !fds.is_empty() {
             move_whoever_runs_it(&sock, "spawning a program");
         }
     }
@@ -123,10 +124,10 @@ fn move_whoever_runs_it(sock: &Arc<Sock>, what: &str) {
     }
 }
 
-/// Each upgraded connection on this process's descriptors, once, and
-/// whether one of its descriptors survives an exec (or is in `extra`).
-fn connections_on_descriptors(extra: &[libc::c_int]) -> Vec<(Arc<Sock>, bool)> {
-    let mut seen: Vec<(Arc<Sock>, bool)> = Vec::new();
+/// Each upgraded connection on this process's descriptors, once, with
+/// those of its descriptors that survive an exec (or are in `extra`).
+pub fn connections_on_descriptors(extra: &[libc::c_int]) -> Vec<(Arc<Sock>, Vec<libc::c_int>)> {
+    let mut seen: Vec<(Arc<Sock>, Vec<libc::c_int>)> = Vec::new();
     for (fd, sock) in fdtable::entries() {
         if sock.conn().is_none() {
             continue;
@@ -134,9 +135,15 @@ fn connections_on_descriptors(extra: &[libc::c_int]) -> Vec<(Arc<Sock>, bool)> {
         // SAFETY: F_GETFD on a descriptor the table tracks.
         let survives = extra.contains(&fd)
             || unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
-        match seen.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sock)) {
-            Some((_, any)) => *any |= survives,
-            None => seen.push((sock, survives)),
+        let i = match seen.iter().position(|(s, _)| Arc::ptr_eq(s, &sock)) {
+            Some(i) => i,
+            None => {
+                seen.push((sock, Vec::new()));
+                seen.len() - 1
+            }
+        };
+        if survives {
+            seen[i].1.push(fd);
         }
     }
     seen

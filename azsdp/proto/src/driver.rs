@@ -259,7 +259,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 }
             }
             if !any {
-                self.fabric.publish_progress(self.conn.progress_made());
+                // (Progress was published above, and nothing changed since.)
                 return;
             }
         }

@@ -34,6 +34,20 @@ impl Pair {
     }
 }
 
+impl Pair {
+    /// Side `from` sends `data` (from memory it may protect); the other
+    /// receives all of it: what arrived.
+    fn send_whole(&mut self, from: usize, data: &[u8]) -> Vec<u8> {
+        let len = data.len() as u64;
+        self.write(from, BUF + 0x40000, data);
+        let s = self.send(from, BUF + 0x40000, len);
+        let r = self.recv_all(1 - from, DST + 0x40000, len);
+        assert_eq!(self.wait(1 - from, r), Ok(len));
+        assert_eq!(self.wait(from, s), Ok(len));
+        self.read(1 - from, DST + 0x40000, data.len())
+    }
+}
+
 #[test]
 fn a_parked_engine_goes_on_in_a_new_driver_each_way() {
     let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
@@ -74,19 +88,9 @@ fn a_parked_engine_goes_on_in_a_new_driver_each_way() {
     let mut got1 = p.read(0, DST, c.len() + d.len());
     // And both go on: a zero-copy send each way after the park.
     let e = pattern(4 * PAGE as usize, 5);
-    p.write(0, BUF + 0x40000, &e);
-    let s = p.send(0, BUF + 0x40000, e.len() as u64);
-    let r = p.recv_all(1, DST + 0x40000, e.len() as u64);
-    assert_eq!(p.wait(1, r), Ok(e.len() as u64));
-    assert_eq!(p.wait(0, s), Ok(e.len() as u64));
-    got0.extend(p.read(1, DST + 0x40000, e.len()));
+    got0.extend(p.send_whole(0, &e));
     let f = pattern(3 * PAGE as usize + 7, 6);
-    p.write(1, BUF + 0x40000, &f);
-    let s = p.send(1, BUF + 0x40000, f.len() as u64);
-    let r = p.recv_all(0, DST + 0x40000, f.len() as u64);
-    assert_eq!(p.wait(0, r), Ok(f.len() as u64));
-    assert_eq!(p.wait(1, s), Ok(f.len() as u64));
-    got1.extend(p.read(0, DST + 0x40000, f.len()));
+    got1.extend(p.send_whole(1, &f));
     assert_eq!(got0, [a, b, e].concat());
     assert_eq!(got1, [c, d, f].concat());
     // The counters carried over: everything either side sent is counted.
