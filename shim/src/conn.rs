@@ -153,6 +153,7 @@ impl Conn {
             Some((f, slot))
         });
         crate::runtime::ensure_exit_handler();
+        crate::runtime::note_linger(settings.linger);
         let c = Arc::new(Conn {
             driver,
             beneath,

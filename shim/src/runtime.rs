@@ -5,7 +5,7 @@
 use azsdp::sync::Lock;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use azsdp::fork_once::ForkOnceCell;
 use std::time::Duration;
@@ -217,19 +217,36 @@ pub fn join_closing_served() {
 }
 
 extern "C" fn at_exit() {
-    let _ = std::panic::catch_unwind(|| {
-        for s in crate::fdtable::all() {
-            if let Some(c) = s.conn() {
-                c.close();
-            }
+    let _ = std::panic::catch_unwind(finish_connections);
+}
+
+/// The process ends: close every connection, as the kernel closes its
+/// sockets, and wait for each to deliver what the program sent (bounded by
+/// its linger time); our stat file goes with us (a forked child's is its
+/// own).
+pub fn finish_connections() {
+    for s in crate::fdtable::all() {
+        if let Some(c) = s.conn() {
+            c.close();
         }
-        join_closing();
-        // Our stat file goes with us (a forked child's is its own).
-        let pid = std::process::id();
-        if let Some(s) = STATS.lock().as_ref().filter(|s| s.pid == pid)
-            && let Some(f) = &s.file
-        {
-            f.remove();
-        }
-    });
+    }
+    join_closing();
+    let pid = std::process::id();
+    if let Some(s) = STATS.lock().as_ref().filter(|s| s.pid == pid)
+        && let Some(f) = &s.file
+    {
+        f.remove();
+    }
+}
+
+/// The longest linger time of any connection this process made, in
+/// milliseconds: what an exit may wait for them.
+static LONGEST_LINGER_MS: AtomicU64 = AtomicU64::new(0);
+
+pub fn note_linger(d: Duration) {
+    LONGEST_LINGER_MS.fetch_max(d.as_millis() as u64, Ordering::Relaxed);
+}
+
+pub fn longest_linger() -> Duration {
+    Duration::from_millis(LONGEST_LINGER_MS.load(Ordering::Relaxed))
 }

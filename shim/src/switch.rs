@@ -165,11 +165,39 @@ fn leave_or_reset(sock: &Arc<Sock>, c: &Arc<Conn>, what: &str) {
     }
 }
 
-/// The program leaves by `_exit`, which runs no exit handler: connections
-/// this process serves for others after a fork move onto their TCP socket
-/// first (see `azsdp::driver::delegation`), the ones it still holds and
-/// the ones it closed that are still finishing.
+/// The program leaves by `_exit`, which runs no exit handler, but whose
+/// sockets the kernel would still close and deliver: connections this
+/// process serves for others after a fork move onto their TCP socket
+/// first (see `azsdp::driver::delegation`), then every connection is
+/// closed and finishes what the program sent, as at `exit()`. Without
+/// this the peer would find pages advertised by a process that is gone,
+/// and reset.
+///
+/// `_exit` may be called from a signal handler that interrupted a thread
+/// holding one of our locks: the work runs on a thread of its own, and the
+/// exit goes on without it after the hand-over's and the longest linger
+/// time (and a second).
 pub fn before_exit_without_handlers() {
+    let (done, finished) = std::sync::mpsc::sync_channel::<()>(1);
+    let work = move || {
+        hand_over_and_finish();
+        let _ = done.send(());
+    };
+    // In a sandbox every connection is on TCP already, and a filter may
+    // kill the thread that tries to start one.
+    if azsdp::sandbox::restricted() {
+        return;
+    }
+    if azsdp::threads::spawn("azsdp-exit", work).is_ok() {
+        let bound = EXEC_WAIT + crate::runtime::longest_linger() + EXIT_SLACK;
+        let _ = finished.recv_timeout(bound);
+    }
+}
+
+/// What an `_exit` waits beyond the longest linger time.
+const EXIT_SLACK: Duration = Duration::from_secs(1);
+
+fn hand_over_and_finish() {
     for sock in fdtable::all() {
         let Some(c) = sock.conn() else { continue };
         if c.driver.serves_others() {
@@ -188,6 +216,7 @@ pub fn before_exit_without_handlers() {
         }
     }
     crate::runtime::join_closing_served();
+    crate::runtime::finish_connections();
 }
 
 /// The program is about to install a seccomp filter, which allows the

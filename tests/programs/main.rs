@@ -29,7 +29,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// 124-125 sshd; 99 and 120 (azsdp) fork-split, 122 and 126 (azsdp)
 /// fork-split-reader-runs; 100-115; 128-133 exec-twice, exec-failing,
 /// stray-bytes (each plain, then azsdp); 134-135 runner-killed; 136
-/// redis (it shared 2 with execl before); 137-255 free.
+/// redis (it shared 2 with execl before); 137-140 exit-after-send and
+/// _exit-after-send (plain, azsdp); 141-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -766,6 +767,25 @@ fn the_process_left_carries_on_when_the_one_running_the_connection_is_killed() {
         "{log}"
     );
     assert!(!log.contains("reset"), "{log}");
+}
+
+/// A program that sends and leaves at once (`exit`, or `_exit` as forked
+/// children and rsync's do) has its bytes delivered and its stream ended,
+/// as on TCP: the pages it advertised are sent before the process goes
+/// (before, `_exit` left the peer to find them gone, and reset).
+#[test]
+fn a_process_that_sends_and_exits_delivers_everything() {
+    for (i, scenario) in ["exit-after-send", "_exit-after-send"].iter().enumerate() {
+        let offset = 137 + 2 * i as u16;
+        sockcheck_run(scenario, false, offset);
+        let log = sockcheck_run(scenario, true, offset + 1);
+        assert!(!log.contains("reset"), "{scenario}: {log}");
+        let line = closing_line(&log).unwrap_or_default();
+        assert!(
+            count_after(line, "received zero-copy") > 0,
+            "{scenario}: nothing went zero-copy, so nothing was at stake: {log}"
+        );
+    }
 }
 
 /// Bytes written around the shim (a raw system call) reach a reader that

@@ -875,6 +875,31 @@ fn killed_idle(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// The client sends 8 MiB (zero-copy: `send()` returns before the peer
+/// took the pages) and leaves at once, by `_exit` or by `exit`: the kernel
+/// would deliver all of it, then the end of the stream, and so must we.
+fn exit_after_send(server: bool, port: u16, raw: bool) -> R {
+    let msg = data(8 << 20, 11);
+    if server {
+        let l = listen_on(port)?;
+        let c = accept_one(l)?;
+        check!(
+            recv_exact(c, msg.len())? == msg,
+            "the bytes sent before the exit"
+        );
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let c = connect_to(port)?;
+    send_all(c, &msg)?;
+    if raw {
+        // SAFETY: the process ends here; nothing is left to unwind.
+        unsafe { libc::_exit(0) }
+    }
+    std::process::exit(0)
+}
+
 /// Turns a pre-fork server's two processes take on one socket.
 const SHARED_TURNS: usize = 8;
 /// Bytes of each turn, each way (large enough to go zero-copy).
@@ -2321,6 +2346,8 @@ fn main() {
         "fork-split" => fork_split(server, port, false),
         "fork-split-reader-runs" => fork_split(server, port, true),
         "killed-idle" => killed_idle(server, port),
+        "exit-after-send" => exit_after_send(server, port, false),
+        "_exit-after-send" => exit_after_send(server, port, true),
         "glibc-names" => glibc_names(server, port),
         "batch-calls" => batch_calls(server, port),
         "fork-child-serves" => fork_after_accept(server, port, true),
