@@ -1,8 +1,11 @@
 #!/bin/bash
 # Inside the guest (run by ./check): rdma-core's and perftest's own tools on
-# rxe0, then the two-device wire topology. Each part's time is printed.
+# rxe0, the two-device wire topology, then azsdp's verbs fabric across it
+# (when the test program BIN is given). Each part's time is printed.
+#   guest-check.sh [BIN]
 here=$(dirname "$0")
 fails=0
+echo "guest kernel $(uname -r)"
 ms() { echo $(($(date +%s%N) / 1000000)); }
 t=$(ms)
 bash "$here/rdma-tools-check.sh" || fails=$((fails + 1))
@@ -10,4 +13,9 @@ echo "rdma tools: $(($(ms) - t)) ms"
 t=$(ms)
 bash "$here/wire-check.sh" || fails=$((fails + 1))
 echo "wire topology: $(($(ms) - t)) ms"
+if [ -n "${1:-}" ]; then
+    t=$(ms)
+    bash "$here/verbs-check.sh" "$1" 16 || fails=$((fails + 1))
+    echo "verbs fabric: $(($(ms) - t)) ms"
+fi
 exit $fails

@@ -1,7 +1,8 @@
 //! The fabric contract and its `sim` provider (from `azsdp-proto`), and the
 //! providers that need the operating system: [`shm`] (intra-host: rings in
-//! a memfd, GET = `process_vm_readv`). `verbs` (rdma-core) comes with the
-//! verbs issue.
+//! a memfd, GET = `process_vm_readv`) and [`verbs`] (between hosts: an RC
+//! queue pair on rdma-core, GET = RDMA READ; the queue pair needs the
+//! `verbs` cargo feature).
 
 pub use azsdp_proto::fabric::*;
 
@@ -31,3 +32,4 @@ pub trait Watched: Fabric {
 pub mod pool;
 pub mod ring;
 pub mod shm;
+pub mod verbs;

@@ -1,0 +1,733 @@
+//! One side of a `verbs` connection: the fabric contract on an RC queue
+//! pair.
+//!
+//! | contract | verbs |
+//! |---|---|
+//! | message | SEND into one of the peer's pre-posted receives, behind a [`Header`] with credits |
+//! | GET | RDMA READ from the peer's rkey into our lkey |
+//! | compare-and-swap | ATOMIC_CMP_AND_SWP on the peer's lock words (its own: the CPU's, when the device's atomics are coherent with it) |
+//! | register | `ibv_reg_mr` (pinned; completes at once) |
+//! | revocation | every registration the peer can use is deregistered |
+//! | peer gone | a failed completion, or rdma_cm's DISCONNECTED / DEVICE_REMOVAL |
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use memmap2::MmapMut;
+
+use super::credits::Credits;
+use super::ffi::{self, Access, CmId, CompChannel, Cq, DeviceCaps, EventChannel, Mr, Pd, SendOp};
+use super::waiter::VerbsWaiter;
+use super::wire::{HEADER_LEN, Header, Kind};
+use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
+use crate::fabric::pool::Pool;
+use crate::fabric::{Armed, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
+
+/// Sizes a side chooses for its receives (the peer learns them at
+/// connection time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerbsParams {
+    /// Receives posted (and SENDs that may be outstanding).
+    pub ring: u16,
+    /// Bytes of each receive (header included).
+    pub slot: u32,
+    /// Lock words of this side.
+    pub lock_slots: u16,
+    /// Busy-poll before sleeping.
+    pub poll: Duration,
+}
+
+impl Default for VerbsParams {
+    fn default() -> Self {
+        VerbsParams {
+            ring: 32,
+            // The engine's largest message (a BSDP slot of 16 KiB and its
+            // header) and our header.
+            slot: (16 << 10) + 512,
+            lock_slots: 64,
+            poll: Duration::from_micros(20),
+        }
+    }
+}
+
+/// What the peer told at connection time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerParams {
+    pub ring: u16,
+    pub slot: u32,
+}
+
+// Work request ids: the kind in the top byte, an index below.
+const WR_RECV: u64 = 1 << 56;
+const WR_SEND: u64 = 2 << 56;
+const WR_OP: u64 = 3 << 56;
+const WR_KIND: u64 = 0xff << 56;
+
+/// A GET or compare-and-swap on the send queue.
+#[derive(Debug)]
+struct Pending {
+    op: OpId,
+    /// The result word of a compare-and-swap.
+    cas_slot: Option<usize>,
+}
+
+/// Compare-and-swaps that may be outstanding at once.
+const CAS_SLOTS: usize = 64;
+
+#[derive(Debug)]
+pub struct VerbsEndpoint {
+    // Drop order matters: the queue pair (in the id) before the
+    // registrations and the CQ, those before the PD and the channels.
+    id: CmId,
+    /// Registrations by key, and whether the peer may read them.
+    regs: HashMap<u32, (Mr, RegAccess)>,
+    lock_mr: Option<Mr>,
+    slot_mr: Mr,
+    cas_mr: Mr,
+    cq: Arc<Cq>,
+    waiter: VerbsWaiter,
+    _comp: Arc<CompChannel>,
+    events: Arc<EventChannel>,
+    _pd: Pd,
+    /// Our receive slots, then our send slots.
+    slots: MmapMut,
+    locks: MmapMut,
+    cas_words: Box<[AtomicU64]>,
+    free_cas: Vec<usize>,
+    params: VerbsParams,
+    peer: PeerParams,
+    caps: DeviceCaps,
+    credits: Credits,
+    free_send: Vec<u16>,
+    pending: HashMap<u64, Pending>,
+    next_op: u64,
+    completions: VecDeque<(OpId, OpResult)>,
+    /// Completions [`Fabric::arm`] took off the CQ, for the next poll.
+    stash: Vec<ffi::Completion>,
+    pool: Pool,
+    /// Why the connection is over, once it is.
+    broken: Option<String>,
+    gone_reported: bool,
+    departed: std::sync::atomic::AtomicBool,
+}
+
+/// The parts of a connection made before it is established (see `cm`).
+#[derive(Debug)]
+pub(super) struct Parts {
+    pub id: CmId,
+    pub events: EventChannel,
+    pub pd: Pd,
+    pub comp: CompChannel,
+    pub cq: Cq,
+    pub caps: DeviceCaps,
+}
+
+fn anon(len: usize) -> std::io::Result<MmapMut> {
+    MmapMut::map_anon(len.max(1))
+}
+
+impl VerbsEndpoint {
+    /// Queue pair and buffers on `parts`, every receive posted: ready for
+    /// rdma_cm to connect.
+    pub(super) fn new(parts: Parts, params: VerbsParams) -> std::io::Result<VerbsEndpoint> {
+        let Parts {
+            id,
+            events,
+            pd,
+            comp,
+            cq,
+            caps,
+        } = parts;
+        let ring = usize::from(params.ring);
+        let slot = params.slot as usize;
+        let send_depth = params.ring as u32 + 2 * CAS_SLOTS as u32 + 256;
+        id.create_qp(&pd, &cq, send_depth, params.ring as u32)?;
+        let slots = anon(2 * ring * slot)?;
+        let locks = anon(usize::from(params.lock_slots) * 8)?;
+        let cas_words: Box<[AtomicU64]> = (0..CAS_SLOTS).map(|_| AtomicU64::new(0)).collect();
+        // SAFETY: each region is ours and outlives its registration (the
+        // endpoint drops registrations before the memory).
+        let (slot_mr, lock_mr, cas_mr) = unsafe {
+            (
+                pd.register(slots.as_ptr() as u64, slots.len() as u64, Access::LOCAL)?,
+                pd.register(
+                    locks.as_ptr() as u64,
+                    locks.len() as u64,
+                    Access::PEER_ATOMIC,
+                )?,
+                pd.register(
+                    cas_words.as_ptr() as u64,
+                    (CAS_SLOTS * 8) as u64,
+                    Access::LOCAL,
+                )?,
+            )
+        };
+        let comp = Arc::new(comp);
+        let cq = Arc::new(cq);
+        let events = Arc::new(events);
+        let waiter = VerbsWaiter::new(
+            Arc::clone(&cq),
+            Arc::clone(&comp),
+            Arc::clone(&events),
+            params.poll,
+        )?;
+        let ep = VerbsEndpoint {
+            id,
+            regs: HashMap::new(),
+            lock_mr: Some(lock_mr),
+            slot_mr,
+            cas_mr,
+            cq,
+            waiter,
+            _comp: comp,
+            events,
+            _pd: pd,
+            slots,
+            locks,
+            cas_words,
+            free_cas: (0..CAS_SLOTS).rev().collect(),
+            params,
+            peer: PeerParams { ring: 0, slot: 0 },
+            caps,
+            credits: Credits::new(params.ring, 0),
+            free_send: (0..params.ring).rev().collect(),
+            pending: HashMap::new(),
+            next_op: 0,
+            completions: VecDeque::new(),
+            stash: Vec::new(),
+            pool: Pool::default(),
+            broken: None,
+            gone_reported: false,
+            departed: std::sync::atomic::AtomicBool::new(false),
+        };
+        for i in 0..params.ring {
+            ep.post_recv(i)?;
+        }
+        Ok(ep)
+    }
+
+    /// The peer's receives, learnt at connection time.
+    pub(super) fn set_peer(&mut self, peer: PeerParams) {
+        self.peer = peer;
+        self.credits = Credits::new(self.params.ring, peer.ring);
+    }
+
+    pub(super) fn id(&self) -> &CmId {
+        &self.id
+    }
+
+    pub(super) fn events(&self) -> &EventChannel {
+        &self.events
+    }
+
+    /// The waiter for the driver's threads and reactor.
+    pub fn waiter(&self) -> VerbsWaiter {
+        self.waiter.clone()
+    }
+
+    /// RDMA READs and atomics the queue pair may have outstanding.
+    pub(super) fn read_depth(&self) -> u8 {
+        self.caps.max_rd_atom
+    }
+
+    /// Are the device's atomics atomic with this CPU's too? Only then can
+    /// the peer's compare-and-swap and ours on our own lock words meet
+    /// (the copy-on-write lock); without, copy-on-write degrades to
+    /// block-on-write.
+    pub fn cas_coherent(&self) -> bool {
+        self.caps.atomics_with_cpu
+    }
+
+    /// The local and the peer's address, as the kernel's RDMA stack says.
+    pub fn addresses(&self) -> (Option<std::net::SocketAddr>, Option<std::net::SocketAddr>) {
+        self.id.addresses()
+    }
+
+    fn slot_addr(&self, i: usize) -> u64 {
+        self.slots.as_ptr() as u64 + (i * self.params.slot as usize) as u64
+    }
+
+    fn post_recv(&self, i: u16) -> std::io::Result<()> {
+        ffi::post_recv(
+            self.id.qp(),
+            WR_RECV | u64::from(i),
+            self.slot_addr(usize::from(i)),
+            self.params.slot,
+            self.slot_mr.lkey(),
+        )
+    }
+
+    fn break_with(&mut self, why: String) {
+        if self.broken.is_none() {
+            self.broken = Some(why);
+        }
+    }
+
+    /// Post a SEND of `payload` (`None`: credits only).
+    fn send(&mut self, payload: Option<&[u8]>) -> Result<(), FabricError> {
+        let Some(i) = self.free_send.pop() else {
+            return Err(FabricError::NoCredits);
+        };
+        let returned = self.credits.on_send();
+        let header = Header {
+            kind: if payload.is_some() {
+                Kind::Message
+            } else {
+                Kind::Credits
+            },
+            credits: returned,
+        };
+        let ring = usize::from(self.params.ring);
+        let at = (ring + usize::from(i)) * self.params.slot as usize;
+        let len = HEADER_LEN + payload.map_or(0, <[u8]>::len);
+        let buf = &mut self.slots[at..at + len];
+        let mut h = [0u8; HEADER_LEN];
+        header.emit(&mut h);
+        buf[..HEADER_LEN].copy_from_slice(&h);
+        if let Some(p) = payload {
+            buf[HEADER_LEN..].copy_from_slice(p);
+        }
+        let op = SendOp::Send {
+            addr: self.slot_addr(ring + usize::from(i)),
+            len: len as u32,
+            lkey: self.slot_mr.lkey(),
+        };
+        if let Err(e) = ffi::post_send(self.id.qp(), WR_SEND | u64::from(i), op) {
+            self.free_send.push(i);
+            self.break_with(format!("post SEND: {e}"));
+            return Err(FabricError::Broken);
+        }
+        Ok(())
+    }
+
+    fn post_op(
+        &mut self,
+        op: OpId,
+        send: SendOp,
+        cas_slot: Option<usize>,
+    ) -> Result<(), FabricError> {
+        self.next_op += 1;
+        let wr = WR_OP | (self.next_op & !WR_KIND);
+        if let Err(e) = ffi::post_send(self.id.qp(), wr, send) {
+            if let Some(s) = cas_slot {
+                self.free_cas.push(s);
+            }
+            self.break_with(format!("post: {e}"));
+            return Err(FabricError::Broken);
+        }
+        self.pending.insert(wr, Pending { op, cas_slot });
+        Ok(())
+    }
+
+    /// rdma_cm's events for this connection: the peer left, or the device
+    /// did.
+    fn take_cm_events(&mut self) {
+        while let Some(e) = self.events.take() {
+            use rdma_mummy_sys::rdma_cm_event_type::*;
+            match e.kind() {
+                RDMA_CM_EVENT_DISCONNECTED
+                | RDMA_CM_EVENT_DEVICE_REMOVAL
+                | RDMA_CM_EVENT_TIMEWAIT_EXIT
+                | RDMA_CM_EVENT_UNREACHABLE
+                | RDMA_CM_EVENT_CONNECT_ERROR => self.break_with(format!("rdma_cm: {}", e.name())),
+                _ => {}
+            }
+        }
+    }
+
+    /// Take the completions waiting; messages go to `on_event`.
+    fn take_completions(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        let mut wcs = [ffi::Completion::default(); 32];
+        let mut n = 0;
+        for wc in std::mem::take(&mut self.stash) {
+            n += self.completion(&wc, on_event);
+        }
+        loop {
+            let got = self.cq.poll(&mut wcs);
+            for wc in &wcs[..got] {
+                n += self.completion(wc, on_event);
+            }
+            if got < wcs.len() {
+                return n;
+            }
+        }
+    }
+
+    fn completion(
+        &mut self,
+        wc: &ffi::Completion,
+        on_event: &mut dyn FnMut(FabricEvent<'_>),
+    ) -> usize {
+        let ok = wc.ok();
+        let index = wc.wr_id & !WR_KIND;
+        match wc.wr_id & WR_KIND {
+            WR_RECV if ok => self.received(index as u16, wc.byte_len as usize, on_event),
+            WR_SEND => {
+                self.free_send.push(index as u16);
+                if !ok {
+                    self.break_with(format!("SEND: {}", wc.describe()));
+                }
+                0
+            }
+            WR_OP => {
+                let Some(p) = self.pending.remove(&wc.wr_id) else {
+                    return 0;
+                };
+                let result = match p.cas_slot {
+                    Some(s) => {
+                        self.free_cas.push(s);
+                        let old = self.cas_words[s].load(Ordering::Acquire);
+                        OpResult::Cas(if ok { Ok(old) } else { Err(op_error(wc)) })
+                    }
+                    None => OpResult::Get(if ok { Ok(()) } else { Err(op_error(wc)) }),
+                };
+                if !ok && !wc.remote_refusal() {
+                    self.break_with(format!("operation: {}", wc.describe()));
+                }
+                on_event(FabricEvent::Done { op: p.op, result });
+                1
+            }
+            // A receive flushed: the queue pair is in error.
+            _ => {
+                self.break_with(format!("receive: {}", wc.describe()));
+                0
+            }
+        }
+    }
+
+    fn received(&mut self, i: u16, len: usize, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        let at = usize::from(i) * self.params.slot as usize;
+        let len = len.min(self.params.slot as usize);
+        let mut n = 0;
+        let parsed = Header::parse(&self.slots[at..at + len]).map(|(h, p)| (h, p.len()));
+        match parsed {
+            Ok((h, plen)) => {
+                if let Err(e) = self.credits.on_returned(h.credits) {
+                    self.break_with(format!("the peer lied about credits: {e}"));
+                    return 0;
+                }
+                if h.kind == Kind::Message {
+                    let payload = &self.slots[at + HEADER_LEN..at + HEADER_LEN + plen];
+                    on_event(FabricEvent::Message(payload));
+                    n = 1;
+                }
+            }
+            Err(e) => {
+                self.break_with(format!("the peer sent garbage: {e}"));
+                return 0;
+            }
+        }
+        match self.post_recv(i) {
+            Ok(()) => self.credits.on_reposted(),
+            Err(e) => self.break_with(format!("post receive: {e}")),
+        }
+        n
+    }
+}
+
+fn op_error(wc: &ffi::Completion) -> OpError {
+    if wc.remote_refusal() {
+        OpError::RemoteAccess
+    } else if wc.local_fault() {
+        OpError::Local
+    } else {
+        OpError::Unreachable
+    }
+}
+
+impl Fabric for VerbsEndpoint {
+    fn lock_region(&self) -> LockRegion {
+        LockRegion {
+            addr: self.locks.as_ptr() as u64,
+            key: self.lock_mr.as_ref().map_or(0, Mr::rkey),
+            slots: self.params.lock_slots,
+        }
+    }
+
+    /// Pinned registration, completed at once. (ODP would go here on
+    /// devices that have it: none we test on does.)
+    fn post_register(
+        &mut self,
+        op: OpId,
+        addr: u64,
+        len: u64,
+        access: RegAccess,
+    ) -> Result<(), FabricError> {
+        let flags = match access {
+            RegAccess::PeerRead => Access::PEER_READ,
+            RegAccess::LocalWrite => Access::LOCAL,
+        };
+        // SAFETY: the engine registers memory it holds (a send buffer
+        // under advertisement, a receive destination, pool memory) and
+        // deregisters it before letting go of it.
+        let r = match unsafe { self._pd.register(addr, len, flags) } {
+            Ok(mr) => {
+                let key = match access {
+                    RegAccess::PeerRead => mr.rkey(),
+                    RegAccess::LocalWrite => mr.lkey(),
+                };
+                self.regs.insert(key, (mr, access));
+                Ok(key)
+            }
+            Err(_) => Err(OpError::Local),
+        };
+        self.completions.push_back((op, OpResult::Registered(r)));
+        Ok(())
+    }
+
+    fn deregister(&mut self, key: u32) {
+        self.regs.remove(&key);
+    }
+
+    fn has_room(&self, len: usize) -> bool {
+        self.broken.is_some()
+            || (self.credits.may_send_message()
+                && !self.free_send.is_empty()
+                && HEADER_LEN + len <= self.peer.slot as usize)
+    }
+
+    fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
+        if self.broken.is_some() {
+            return Err(FabricError::Broken);
+        }
+        if HEADER_LEN + msg.len() > self.peer.slot as usize {
+            return Err(FabricError::TooLarge);
+        }
+        if !self.credits.may_send_message() {
+            return Err(FabricError::NoCredits);
+        }
+        self.send(Some(msg))
+    }
+
+    fn post_get(
+        &mut self,
+        op: OpId,
+        src: RemoteBuf,
+        dst: LocalBuf,
+        len: u64,
+    ) -> Result<(), FabricError> {
+        if self.broken.is_some() {
+            return Err(FabricError::Broken);
+        }
+        let Ok(len) = u32::try_from(len) else {
+            self.completions
+                .push_back((op, OpResult::Get(Err(OpError::Local))));
+            return Ok(());
+        };
+        let read = SendOp::Read {
+            addr: dst.addr,
+            len,
+            lkey: dst.key,
+            remote: src.addr,
+            rkey: src.key,
+        };
+        self.post_op(op, read, None)
+    }
+
+    fn post_cas(
+        &mut self,
+        op: OpId,
+        target: CasTarget,
+        expect: u64,
+        new: u64,
+    ) -> Result<(), FabricError> {
+        match target {
+            CasTarget::Local { slot } => {
+                // Our own lock word, by the CPU (see `cas_coherent`).
+                let r = if slot < self.params.lock_slots {
+                    let words = self.locks.as_ptr() as *const AtomicU64;
+                    // SAFETY: slot is in range of the mapping, whose words
+                    // are 8-byte aligned (a page).
+                    let w = unsafe { &*words.add(usize::from(slot)) };
+                    Ok(
+                        match w.compare_exchange(expect, new, Ordering::AcqRel, Ordering::Acquire) {
+                            Ok(v) | Err(v) => v,
+                        },
+                    )
+                } else {
+                    Err(OpError::Local)
+                };
+                self.completions.push_back((op, OpResult::Cas(r)));
+                Ok(())
+            }
+            CasTarget::Remote { addr, key } => {
+                if self.broken.is_some() {
+                    return Err(FabricError::Broken);
+                }
+                if !self.caps.atomics {
+                    return Err(FabricError::Unsupported);
+                }
+                let Some(s) = self.free_cas.pop() else {
+                    return Err(FabricError::NoCredits);
+                };
+                self.cas_words[s].store(0, Ordering::Relaxed);
+                let cas = SendOp::Cas {
+                    addr: self.cas_words.as_ptr() as u64 + (s * 8) as u64,
+                    lkey: self.cas_mr.lkey(),
+                    remote: addr,
+                    rkey: key,
+                    expect,
+                    new,
+                };
+                self.post_op(op, cas, Some(s))
+            }
+        }
+    }
+
+    fn pool_alloc(&mut self, len: u64) -> Result<u64, OpError> {
+        self.pool.alloc(len)
+    }
+
+    fn pool_fill(&mut self, addr: u64, len: u64, fill: &mut dyn FnMut(&mut [u8])) {
+        if let Some(b) = self.pool.bytes(addr, len) {
+            fill(b);
+        }
+    }
+
+    fn pool_free(&mut self, addr: u64, _len: u64) {
+        self.pool.free(addr);
+    }
+
+    /// Every key the peer could use goes: the NIC refuses them from now,
+    /// READs in flight included.
+    fn revoke_access(&mut self) {
+        self.regs
+            .retain(|_, (_, access)| *access == RegAccess::LocalWrite);
+        self.lock_mr = None;
+    }
+
+    fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        let mut n = 0;
+        while let Some((op, result)) = self.completions.pop_front() {
+            on_event(FabricEvent::Done { op, result });
+            n += 1;
+        }
+        n += self.take_completions(on_event);
+        if self.broken.is_none() && self.credits.want_credits_only() && !self.free_send.is_empty() {
+            let _ = self.send(None);
+        }
+        self.take_cm_events();
+        if self.broken.is_some() && !self.gone_reported {
+            // What arrived before the end was delivered above.
+            n += self.take_completions(on_event);
+            self.gone_reported = true;
+            on_event(FabricEvent::PeerGone {
+                left: None,
+                heir: false,
+            });
+            n += 1;
+        }
+        n
+    }
+
+    fn wait(&self, timeout: Duration) {
+        if !self.completions.is_empty() {
+            return;
+        }
+        let t = crate::fabric::FabricWaiter::prepare(&self.waiter);
+        crate::fabric::FabricWaiter::wait(&self.waiter, t, timeout, true);
+    }
+
+    /// Arm the CQ, then look once: a completion that came before the arm
+    /// raises no event, so it is taken off now (for the next poll) and the
+    /// reactor polls before sleeping.
+    fn arm(&mut self, _fired: bool) -> Armed {
+        self.waiter.rearm();
+        let mut wcs = [ffi::Completion::default(); 8];
+        let got = self.cq.poll(&mut wcs);
+        self.stash.extend_from_slice(&wcs[..got]);
+        let cm_waiting = self.cm_event_waiting();
+        if !self.stash.is_empty()
+            || !self.completions.is_empty()
+            || cm_waiting
+            || (self.broken.is_some() && !self.gone_reported)
+        {
+            Armed::Ready
+        } else {
+            Armed::Sleep
+        }
+    }
+
+    fn completions_pending(&self) -> bool {
+        !self.completions.is_empty()
+    }
+
+    fn gets_async(&self) -> bool {
+        true
+    }
+
+    fn finish(&self) {
+        self.depart();
+    }
+}
+
+impl VerbsEndpoint {
+    /// Leave: the SENDs still on the send queue (the engine's last
+    /// messages, its SHUTDOWN among them) go out first, as a TCP socket's
+    /// queued bytes and FIN outlive its close; then the peer is told at
+    /// once. Bounded: a peer that takes no more leaves us after
+    /// [`DEPART_WAIT`].
+    fn depart(&self) {
+        if self.departed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // (Completions `arm` took off the CQ and no poll has seen yet are
+        // in the stash.)
+        let stashed = self
+            .stash
+            .iter()
+            .filter(|w| w.wr_id & WR_KIND == WR_SEND)
+            .count();
+        let mut outstanding =
+            (usize::from(self.params.ring) - self.free_send.len()).saturating_sub(stashed);
+        let until = std::time::Instant::now() + DEPART_WAIT;
+        let mut wcs = [ffi::Completion::default(); 32];
+        while outstanding > 0 && self.broken.is_none() && std::time::Instant::now() < until {
+            let got = self.cq.poll(&mut wcs);
+            let sends = wcs[..got]
+                .iter()
+                .filter(|w| w.wr_id & WR_KIND == WR_SEND)
+                .count();
+            // A failed completion, or the peer gone (an rdma_cm event):
+            // nothing more will be taken.
+            if wcs[..got].iter().any(|w| !w.ok()) || self.cm_event_waiting() {
+                break;
+            }
+            outstanding = outstanding.saturating_sub(sends);
+            if got == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        self.id.disconnect();
+    }
+}
+
+impl VerbsEndpoint {
+    /// Has rdma_cm an event for this connection (after it was
+    /// established: the peer or the device left)?
+    fn cm_event_waiting(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.events.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd of ours, no wait.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+}
+
+/// How long leaving waits for the last SENDs to be taken.
+const DEPART_WAIT: Duration = Duration::from_secs(5);
+
+impl Drop for VerbsEndpoint {
+    fn drop(&mut self) {
+        self.depart();
+    }
+}
+
+/// The reactor watches the waiter's descriptor (completions and rdma_cm
+/// events of this connection): no bell, and the peer's leaving comes as
+/// an rdma_cm event, not a pidfd.
+impl crate::fabric::Watched for VerbsEndpoint {}

@@ -1,0 +1,31 @@
+#!/bin/bash
+# Inside the guest: the engine over the verbs fabric between the two
+# devices of the wire topology (topo-wire.sh), one run per mode, every
+# stream checked byte by byte by the receiving process, and both devices'
+# sent_pkts must rise in each run (it crossed the veth).
+#   verbs-check.sh BIN [MIB] [MODES...]
+set -u
+bin=$1; mib=${2:-8}; shift 2 2>/dev/null || shift $#
+modes=${*:-bsdp zsdp block copy armed}
+. "$(dirname "$0")/topo-wire.sh" > /dev/null
+sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
+fails=0; port=7600
+for mode in $modes; do
+    port=$((port + 1))
+    t0=$(date +%s.%N)
+    a0=$(sent rxeA); b0=$(sent rxeB)
+    timeout 300 "$bin" server "$IPA" $port $mode 7 $mib > /tmp/v.srv 2>&1 &
+    srv=$!
+    for _ in $(seq 100); do grep -q listening /tmp/v.srv 2>/dev/null && break; sleep 0.1; done
+    timeout 300 "$bin" client "$IPA" $port $mode 7 $mib "$IPB" > /tmp/v.cli 2>&1
+    c=$?
+    wait $srv; s=$?
+    a1=$(sent rxeA); b1=$(sent rxeB)
+    t=$(echo "$(date +%s.%N) - $t0" | bc)
+    ok=no
+    [ $c = 0 ] && [ $s = 0 ] && [ "${a1:-0}" -gt "${a0:-0}" ] && [ "${b1:-0}" -gt "${b0:-0}" ] && ok=yes
+    echo "--- verbs $mode ${mib} MiB: $ok (client rc=$c server rc=$s, ${t%???????} s, sent_pkts rxeA +$(( ${a1:-0} - ${a0:-0} )) rxeB +$(( ${b1:-0} - ${b0:-0} )))"
+    grep -h "received\|sent " /tmp/v.srv /tmp/v.cli | sed 's/^/    /'
+    if [ $ok != yes ]; then fails=$((fails + 1)); sed 's/^/    server: /' /tmp/v.srv | tail -5; sed 's/^/    client: /' /tmp/v.cli | tail -5; fi
+done
+[ $fails = 0 ]

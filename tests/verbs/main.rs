@@ -1,0 +1,248 @@
+//! The engine over the `verbs` fabric between two processes, run inside the
+//! SoftRoCE guest (tests/softroce/verbs-check.sh starts both ends).
+//!
+//! `azsdp-verbs-check server|client ADDR PORT MODE SEED MIB [FROM]`: the
+//! client connects from FROM (another RDMA device's address) to the server
+//! at ADDR:PORT and sends MIB MiB in random sizes at random alignments, in
+//! MODE (`bsdp`, `zsdp`, `block`: AZ-SDP with block-on-write, `copy`:
+//! AZ-SDP with copy-on-write, `armed`: AZ-SDP with the receiver's receives
+//! returning before the data lands); with a touching mode one send in four
+//! is rewritten right after it returns. The server checks every byte and
+//! prints `received N bad B gets G armed A`; the client prints its
+//! counters. Exit status 0 only if the stream arrived exactly.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use azsdp::conn::{
+    Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvFlags, RecvProtect, Role, SendFlags,
+};
+use azsdp::driver::threaded::ThreadedDriver;
+use azsdp::driver::{Driver, capabilities};
+use azsdp::fabric::verbs::hello::{Request, Ring};
+use azsdp::fabric::verbs::{self, VerbsListener, VerbsParams};
+use azsdp::protect::{self, ProtectionMode};
+
+fn word(w: u64) -> u64 {
+    let mut z = w.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 31)
+}
+
+fn pattern(off: u64) -> u8 {
+    word(off / 8).to_le_bytes()[(off % 8) as usize]
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Bsdp,
+    Zsdp,
+    Block,
+    Copy,
+    Armed,
+}
+
+fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
+    let mut e = EngineConfig::new(role, caps, LockRegion::UNSET);
+    e.async_zcopy = !matches!(mode, Mode::Zsdp);
+    e.zcopy_threshold = if mode == Mode::Bsdp {
+        u64::MAX
+    } else {
+        16 << 10
+    };
+    e.write_fault = if mode == Mode::Copy {
+        FaultPolicy::Copy
+    } else {
+        FaultPolicy::Block
+    };
+    // Rewrites must not send the stream to ZSDP: it is AZ-SDP we test.
+    e.fallback_faults = 0;
+    e.recv_protect = if mode == Mode::Armed {
+        RecvProtect::On
+    } else {
+        RecvProtect::Off
+    };
+    // Emulated RDMA is slow: generous liveness bounds.
+    e.peer_timeout = Duration::from_secs(30);
+    e.keepalive = Duration::from_secs(2);
+    e
+}
+
+fn fail(msg: String) -> ! {
+    eprintln!("azsdp-verbs-check: {msg}");
+    std::process::exit(1)
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    if a.len() < 7 {
+        fail("usage: server|client ADDR PORT MODE SEED MIB [FROM]".into());
+    }
+    let addr: SocketAddr = format!("{}:{}", a[2], a[3])
+        .parse()
+        .unwrap_or_else(|e| fail(format!("address: {e}")));
+    let mode = match a[4].as_str() {
+        "bsdp" => Mode::Bsdp,
+        "zsdp" => Mode::Zsdp,
+        "block" => Mode::Block,
+        "copy" => Mode::Copy,
+        "armed" => Mode::Armed,
+        m => fail(format!("unknown mode {m}")),
+    };
+    let seed: u64 = a[5].parse().unwrap_or(1);
+    let total: u64 = a[6].parse::<u64>().unwrap_or(16) << 20;
+    let from: Option<SocketAddr> = a.get(7).map(|f| {
+        format!("{f}:0")
+            .parse()
+            .unwrap_or_else(|e| fail(format!("from: {e}")))
+    });
+    if verbs::device_count() == 0 {
+        fail("no RDMA device".into());
+    }
+    match a[1].as_str() {
+        "server" => server(addr, mode, seed),
+        "client" => client(addr, from, mode, seed, total),
+        r => fail(format!("unknown role {r}")),
+    }
+}
+
+fn protection(mode: Mode) -> ProtectionMode {
+    match mode {
+        Mode::Bsdp | Mode::Zsdp => ProtectionMode::Off,
+        _ => ProtectionMode::Auto,
+    }
+}
+
+fn server(addr: SocketAddr, mode: Mode, seed: u64) {
+    let l = VerbsListener::bind(addr, 4).unwrap_or_else(|e| fail(format!("listen: {e}")));
+    println!("listening");
+    let inc = match l.next(Duration::from_secs(120)) {
+        Some(Ok(i)) => i,
+        Some(Err(e)) => fail(format!("a request that is not ours: {e}")),
+        None => fail("no request".into()),
+    };
+    eprintln!("request from {:?}: {:?}", inc.from, inc.request);
+    let ep = inc
+        .accept(VerbsParams::default(), Duration::from_secs(30))
+        .unwrap_or_else(|e| fail(format!("accept: {e}")));
+    let p = protect::open(protection(mode));
+    let mut caps = capabilities(true, p.protector.as_ref());
+    caps.cas &= ep.cas_coherent();
+    let waiter = ep.waiter();
+    let mut d = Driver::new(engine(Role::Server, caps, mode), ep, p.protector);
+    d.establish(Duration::from_secs(60))
+        .unwrap_or_else(|e| fail(format!("establish: {e:?}")));
+    let d = ThreadedDriver::start(d, waiter, p.faults);
+    let mut store = vec![0u64; (4 << 20) / 8];
+    // SAFETY: a byte view of our own Vec, which outlives every use.
+    let buf = unsafe { std::slice::from_raw_parts_mut(store.as_mut_ptr().cast::<u8>(), 4 << 20) };
+    let flags = RecvFlags {
+        armable: mode == Mode::Armed,
+        ..RecvFlags::default()
+    };
+    let (mut off, mut bad, mut i) = (0u64, 0u64, seed ^ 0x77);
+    loop {
+        i = word(i);
+        let start = (i % 8192) as usize;
+        let len = 1 + (word(i) % (2 << 20)) as usize;
+        let n = match d.recv(&mut buf[start..start + len], flags) {
+            Ok(n) => n as usize,
+            Err(e) => fail(format!("recv at {off}: {e:?}")),
+        };
+        if n == 0 {
+            break;
+        }
+        bad += buf[start..start + n]
+            .iter()
+            .enumerate()
+            .filter(|(k, x)| **x != pattern(off + *k as u64))
+            .count() as u64;
+        off += n as u64;
+    }
+    let (_, c) = d.close(Duration::from_secs(30));
+    println!(
+        "received {off} bad {bad} gets {} armed {} zero-copy {}",
+        c.gets, c.armed_recvs, c.bytes_recv_zcopy
+    );
+    drop(store);
+    // Every mode but BSDP moves its bulk by RDMA READ.
+    let zero_copy_expected = mode != Mode::Bsdp;
+    std::process::exit(i32::from(
+        bad != 0 || off == 0 || (zero_copy_expected && c.bytes_recv_zcopy == 0),
+    ));
+}
+
+fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, total: u64) {
+    let request = Request {
+        ring: Ring { count: 0, slot: 0 },
+        nonce: seed,
+        tcp_client_port: 0,
+        tcp_server_port: addr.port(),
+    };
+    let ep = verbs::connect(
+        addr,
+        from,
+        request,
+        VerbsParams::default(),
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| fail(format!("connect ({}): {e}", e.reason())));
+    let p = protect::open(protection(mode));
+    let backend = p.backend;
+    let mut caps = capabilities(true, p.protector.as_ref());
+    caps.cas &= ep.cas_coherent();
+    let waiter = ep.waiter();
+    let mut d = Driver::new(engine(Role::Client, caps, mode), ep, p.protector);
+    d.establish(Duration::from_secs(60))
+        .unwrap_or_else(|e| fail(format!("establish: {e:?}")));
+    let d = ThreadedDriver::start(d, waiter, p.faults);
+    let touching = !matches!(mode, Mode::Bsdp | Mode::Zsdp);
+    let mut store = vec![0u64; (3 << 20) / 8];
+    let base = store.as_mut_ptr() as usize;
+    let pad = base.next_multiple_of(4096) - base;
+    // SAFETY: a byte view of our own Vec, which outlives every use below.
+    let bytes = unsafe { std::slice::from_raw_parts_mut((base + pad) as *mut u8, (3 << 20) - pad) };
+    let flags = SendFlags {
+        nonblocking: false,
+        protectable: touching,
+        unprotectable: None,
+    };
+    let (mut off, mut i) = (0u64, seed);
+    while off < total {
+        i = word(i);
+        let start = (i % 8192) as usize;
+        let len = (1 + word(i) % (1 << 20)).min(total - off) as usize;
+        for (k, x) in bytes[start..start + len].iter_mut().enumerate() {
+            *x = pattern(off + k as u64);
+        }
+        let n = match d.send(&bytes[start..start + len], flags) {
+            Ok(n) => n,
+            Err(e) => fail(format!("send at {off}: {e:?}")),
+        };
+        if n != len as u64 {
+            fail(format!("short send at {off}: {n} of {len}"));
+        }
+        off += n;
+        if touching && word(i ^ 5).is_multiple_of(4) {
+            // Rewrite part of what was just sent: it must not reach the
+            // receiver.
+            let (r0, r1) = (start + len / 3, start + len / 2);
+            for x in &mut bytes[r0..r1] {
+                *x = !*x;
+            }
+        }
+    }
+    let (clean, c) = d.close(Duration::from_secs(120));
+    println!(
+        "sent {off} clean {clean} protection {backend:?} azsdp {} zsdp {} bsdp {} faults {} copy-on-writes {} cas {} fallback {:?}",
+        c.bytes_sent_async,
+        c.bytes_sent_sync,
+        c.bytes_sent_bsdp,
+        c.send_faults,
+        c.cow_copies,
+        caps.cas,
+        c.fallback_reason
+    );
+    drop(store);
+    std::process::exit(i32::from(!clean));
+}
