@@ -216,15 +216,15 @@ pub fn join_closing_served() {
     }
 }
 
-extern "C" fn at_exit() {
-    let _ = std::panic::catch_unwind(finish_connections);
-}
-
 /// The process ends: close every connection, as the kernel closes its
 /// sockets, and wait for each to deliver what the program sent (bounded by
 /// its linger time); our stat file goes with us (a forked child's is its
 /// own).
-pub fn finish_connections() {
+extern "C" fn at_exit() {
+    let _ = std::panic::catch_unwind(finish_connections);
+}
+
+fn finish_connections() {
     for s in crate::fdtable::all() {
         if let Some(c) = s.conn() {
             c.close();

@@ -168,8 +168,9 @@ fn leave_or_reset(sock: &Arc<Sock>, c: &Arc<Conn>, what: &str) {
 /// The program leaves by `_exit`, which runs no exit handler, but whose
 /// sockets the kernel would still close and deliver: connections this
 /// process serves for others after a fork move onto their TCP socket
-/// first (see `azsdp::driver::delegation`), then every connection is
-/// closed and finishes what the program sent, as at `exit()`. Without
+/// first (see `azsdp::driver::delegation`), then every connection it runs
+/// that no fork copied is closed and finishes what the program sent, as
+/// at `exit()`. Without
 /// this the peer would find pages advertised by a process that is gone,
 /// and reset.
 ///
@@ -216,7 +217,29 @@ fn hand_over_and_finish() {
         }
     }
     crate::runtime::join_closing_served();
-    crate::runtime::finish_connections();
+    // Only the connections whose engine is here and that no fork copied:
+    // the kernel closes a socket when its last descriptor goes, and a
+    // process forked with one may still use it (it carries on as after a
+    // runner's death, docs/shim.md "Fork and exec"); a guest's copy, or a
+    // forked child's it never used, is the running process's.
+    // (`is_mine` first: `on_tcp` would claim a copy this process never
+    // used, taking it from the process that runs it.)
+    let mine = |c: &Arc<Conn>| c.driver.is_mine() && !c.driver.on_tcp();
+    let conns: Vec<Arc<Conn>> = fdtable::all().iter().filter_map(|s| s.conn()).collect();
+    for c in conns
+        .iter()
+        .filter(|c| mine(c) && !c.driver.shared_by_fork())
+    {
+        c.close();
+    }
+    crate::runtime::join_closing();
+    // What the shared ones this process ran did is still said.
+    for c in conns
+        .iter()
+        .filter(|c| mine(c) && c.driver.shared_by_fork())
+    {
+        c.report();
+    }
 }
 
 /// The program is about to install a seccomp filter, which allows the

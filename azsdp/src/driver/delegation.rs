@@ -439,6 +439,15 @@ impl Mailbox {
         &self.family
     }
 
+    /// This process claimed the connection: guests now wait on it (its
+    /// death ends their calls even if it never served one).
+    pub fn runs_here(&self) {
+        let me = crate::process::pid();
+        if self.p().runner.load(Ordering::Relaxed) != me {
+            self.p().runner.store(me, Ordering::SeqCst);
+        }
+    }
+
     /// The process serving requests (0: none yet).
     pub fn runner(&self) -> u32 {
         self.p().runner.load(Ordering::SeqCst)

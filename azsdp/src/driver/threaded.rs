@@ -315,14 +315,20 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         // needs: it leaves the connection to the one that runs it.
         let can_adopt = || self.refresh.lock().is_some() && !crate::sandbox::restricted();
         let decision = self.own.for_call(self.lock().fabric(), can_adopt);
-        match decision {
+        let mine = match decision {
             Use::Mine => true,
             Use::NotMine => false,
             Use::Adopt => {
                 self.adopt();
                 true
             }
+        };
+        if mine && let Some(mb) = self.mailbox() {
+            // The guests follow this process from now, whether it serves
+            // them or dies first (then they must not wait for ever).
+            mb.runs_here();
         }
+        mine
     }
 
     /// A forked child took the connection: fresh protection, the calls of
@@ -994,6 +1000,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return self.shared.left();
         }
         self.shared.share_by_tcp()
+    }
+
+    /// Has a fork copied this connection (other processes may hold its
+    /// descriptor, whether they used it yet or not)?
+    pub fn shared_by_fork(&self) -> bool {
+        self.shared.has_mailbox.load(Ordering::Acquire)
     }
 
     /// Does this process run the connection for others too (processes

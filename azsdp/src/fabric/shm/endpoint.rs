@@ -432,7 +432,16 @@ impl Fabric for ShmEndpoint {
             });
             return n + 1;
         }
+        // GETs held for a claim fail first: with the peer gone no poll
+        // may come to see their wait run out.
         if n == 0 && !self.peer_alive() && self.rx.is_empty() {
+            for g in std::mem::take(&mut self.held_gets) {
+                on_event(FabricEvent::Done {
+                    op: g.op,
+                    result: OpResult::Get(Err(OpError::Unreachable)),
+                });
+                n += 1;
+            }
             self.gone_reported = true;
             let hdr = self.seg.hdr();
             let left = Departure {

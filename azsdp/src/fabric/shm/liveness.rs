@@ -19,9 +19,13 @@ use crate::sync::Lock;
 
 /// How long a GET waits for the claim of a process that took the peer side
 /// over. A true claim is on our bell before anything the new process
-/// posts, and reaches the endpoint within microseconds; a word rewritten
-/// without one fails the GET (and holds up a call on it) no longer.
-const CLAIM_WAIT: Duration = Duration::from_millis(200);
+/// posts, but reaches the endpoint only when this process's reactor
+/// thread runs, which on a loaded host can take a while (200 ms was seen
+/// to be too short in CI: a pull of rsync's daemon reset). A claimer that
+/// is gone fails the GET at once; a word rewritten without a claim (the
+/// peer's own doing) fails it, and holds up a call on its own connection,
+/// no longer than this.
+const CLAIM_WAIT: Duration = Duration::from_secs(5);
 
 /// A GET held until a claim comes (see `ShmEndpoint::claim_pending`).
 #[derive(Debug)]
@@ -71,12 +75,18 @@ impl ShmEndpoint {
         w != 0 && w != self.peer.pid()
     }
 
+    /// Does the process the owner word names (a claim on its way) exist?
+    fn claimer_alive(&self) -> bool {
+        let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & PID_MASK;
+        w != 0 && crate::stats::alive(w)
+    }
+
     /// GETs held for a claim: run once it came, failed if it never does.
     pub(super) fn release_held_gets(&mut self) {
         while let Some(g) = self.held_gets.front() {
             let result = if !self.claim_pending() {
                 self.get(g.src, g.dst, g.len)
-            } else if g.since.elapsed() >= CLAIM_WAIT {
+            } else if g.since.elapsed() >= CLAIM_WAIT || !self.claimer_alive() {
                 Err(OpError::Unreachable)
             } else {
                 return;

@@ -19,6 +19,9 @@ pub struct TooManyCredits {
     pub ring: u16,
 }
 
+/// The fewest receives a side may post (see [`Credits::want_credits_only`]).
+pub const MIN_RING: u16 = 3;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Credits {
     /// Receives the peer posted (its ring size).
@@ -48,9 +51,14 @@ impl Credits {
         self.held >= 2 || (self.held == 1 && self.unreturned > 0)
     }
 
-    /// Should a credits-only SEND go now?
+    /// Should a credits-only SEND go now? When half our ring waits to be
+    /// returned, and at least two receives: a credits-only SEND consumes
+    /// one of the peer's, which must not by itself make the peer answer
+    /// with one (the two would trade credits-only SENDs for ever). Rings
+    /// have at least [`MIN_RING`] receives, so a peer that holds its last
+    /// credit has left us two to return.
     pub fn want_credits_only(&self) -> bool {
-        self.held >= 1 && self.unreturned > 0 && self.unreturned >= (self.ring / 2).max(1)
+        self.held >= 1 && self.unreturned >= (self.ring / 2).max(2)
     }
 
     /// A SEND is posted: it takes a credit and carries what is unreturned
@@ -148,7 +156,7 @@ mod tests {
     proptest! {
         #[test]
         fn never_into_a_missing_receive_and_never_stuck(
-            a in 2u16..40, b in 2u16..40,
+            a in MIN_RING..40, b in MIN_RING..40,
             steps in proptest::collection::vec((any::<bool>(), any::<bool>()), 0..400),
         ) {
             exchange([a, b], &steps);
@@ -166,8 +174,9 @@ mod tests {
 
     #[test]
     fn the_last_credit_waits_for_credits_to_return() {
-        let mut c = Credits::new(4, 2);
+        let mut c = Credits::new(4, 3);
         assert!(c.may_send_message());
+        c.on_send();
         c.on_send();
         assert!(!c.may_send_message());
         c.on_reposted();

@@ -78,7 +78,7 @@ pub enum HelloError {
 }
 
 fn ring_ok(r: Ring) -> Result<Ring, HelloError> {
-    if r.count >= 2 && (MIN_SLOT..=MAX_SLOT).contains(&r.slot) {
+    if r.count >= super::credits::MIN_RING && (MIN_SLOT..=MAX_SLOT).contains(&r.slot) {
         Ok(r)
     } else {
         Err(HelloError::Ring(r.count, r.slot))
@@ -186,7 +186,8 @@ mod tests {
     use proptest::prelude::*;
 
     fn ring() -> impl Strategy<Value = Ring> {
-        (2u16.., MIN_SLOT..=MAX_SLOT).prop_map(|(count, slot)| Ring { count, slot })
+        (super::super::credits::MIN_RING.., MIN_SLOT..=MAX_SLOT)
+            .prop_map(|(count, slot)| Ring { count, slot })
     }
 
     proptest! {
