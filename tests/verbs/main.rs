@@ -128,6 +128,9 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     let p = protect::open(protection(mode));
     let mut caps = capabilities(true, p.protector.as_ref());
     caps.cas &= ep.cas_coherent();
+    if let Some(why) = ep.no_cas_reason() {
+        eprintln!("no copy-on-write lock: {why}");
+    }
     let waiter = ep.waiter();
     let mut d = Driver::new(engine(Role::Server, caps, mode), ep, p.protector);
     d.establish(Duration::from_secs(60))
@@ -191,6 +194,9 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
     let backend = p.backend;
     let mut caps = capabilities(true, p.protector.as_ref());
     caps.cas &= ep.cas_coherent();
+    if let Some(why) = ep.no_cas_reason() {
+        eprintln!("no copy-on-write lock: {why}");
+    }
     let waiter = ep.waiter();
     let mut d = Driver::new(engine(Role::Client, caps, mode), ep, p.protector);
     d.establish(Duration::from_secs(60))
@@ -244,5 +250,12 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
         c.fallback_reason
     );
     drop(store);
-    std::process::exit(i32::from(!clean));
+    // AZ-SDP modes must have sent asynchronously, and copy-on-write must
+    // have copied (the rewrites fault), where the lock can be taken.
+    let azsdp_ok = !touching || c.bytes_sent_async > total / 2;
+    let cow_ok = mode != Mode::Copy || !caps.cas || c.cow_copies > 0;
+    if !azsdp_ok || !cow_ok {
+        eprintln!("azsdp-verbs-check: {mode:?} did not run as it should: {c:?}");
+    }
+    std::process::exit(i32::from(!clean || !azsdp_ok || !cow_ok));
 }

@@ -288,24 +288,14 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 len,
                 protect,
             } => {
-                let protected = if protect.is_empty() {
-                    Ok(())
-                } else {
-                    self.protector.protect(&protect)
-                };
-                let posted = protected.is_ok()
-                    && self.register(
-                        op,
-                        addr,
-                        len,
-                        RegAccess::PeerRead,
-                        Step::Source {
-                            protect: protect.clone(),
-                        },
-                    );
-                if protected.is_ok() && !posted {
-                    self.unprotect_all(protect);
-                }
+                // Registered first, protected once registered: a NIC
+                // registers (pins) pages that are not write-protected yet,
+                // and its READs of them never fault afterwards (`ibv_reg_mr`
+                // of a protected range fails, or faults, per kernel). The
+                // pages are the caller's until its send() returns, which is
+                // after both.
+                let posted =
+                    self.register(op, addr, len, RegAccess::PeerRead, Step::Source { protect });
                 if !posted {
                     // Perhaps the memory is not what the host thought.
                     self.host.memory_changed();
@@ -424,8 +414,15 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     fn registered(&mut self, op: OpId, r: Result<u32, OpError>) {
         match self.steps.remove(&op) {
             Some(Step::Source { protect }) => {
+                let r = r.and_then(|key| {
+                    if protect.is_empty() || self.protector.protect(&protect).is_ok() {
+                        Ok(key)
+                    } else {
+                        self.fabric.deregister(key);
+                        Err(OpError::Local)
+                    }
+                });
                 if r.is_err() {
-                    self.unprotect_all(protect);
                     self.host.memory_changed();
                 }
                 self.complete(op, Completion::Prepared(r));
@@ -459,12 +456,6 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             // Not ours to know (a fabric that completes what it never
             // got): nothing waits for it.
             Some(Step::Get { .. }) | None => {}
-        }
-    }
-
-    fn unprotect_all(&mut self, ranges: Vec<Range<u64>>) {
-        for r in ranges {
-            self.protector.unprotect(r);
         }
     }
 

@@ -84,6 +84,11 @@ pub struct VerbsEndpoint {
     /// Registrations by key, and whether the peer may read them.
     regs: HashMap<u32, (Mr, RegAccess)>,
     lock_mr: Option<Mr>,
+    /// Our lock words registered for the loopback pair, when the device's
+    /// atomics are not the CPU's (see `loopback`).
+    local_locks: Option<(Mr, Arc<super::loopback::Loopback>)>,
+    /// Why there is none.
+    no_local_locks: Option<String>,
     slot_mr: Mr,
     cas_mr: Mr,
     cq: Arc<Cq>,
@@ -173,10 +178,33 @@ impl VerbsEndpoint {
             Arc::clone(&events),
             params.poll,
         )?;
+        let local_locks = if !caps.atomics {
+            Err("the device has no atomics".to_string())
+        } else if caps.atomics_with_cpu {
+            Err("not needed".to_string())
+        } else {
+            id.addresses()
+                .0
+                .ok_or_else(|| "no local address".to_string())
+                .and_then(|a| super::loopback::for_address(a.ip(), id.context()))
+                .and_then(|l| {
+                    // SAFETY: the lock words outlive the registration (it
+                    // is dropped with the endpoint, before them).
+                    unsafe { l.register(locks.as_ptr() as u64, locks.len() as u64) }
+                        .map(|mr| (mr, l))
+                        .map_err(|e| e.to_string())
+                })
+        };
+        let (local_locks, no_local_locks) = match local_locks {
+            Ok(l) => (Some(l), None),
+            Err(e) => (None, Some(e)),
+        };
         let ep = VerbsEndpoint {
             id,
             regs: HashMap::new(),
             lock_mr: Some(lock_mr),
+            local_locks,
+            no_local_locks,
             slot_mr,
             cas_mr,
             cq,
@@ -237,7 +265,16 @@ impl VerbsEndpoint {
     /// (the copy-on-write lock); without, copy-on-write degrades to
     /// block-on-write.
     pub fn cas_coherent(&self) -> bool {
-        self.caps.atomics_with_cpu
+        self.caps.atomics_with_cpu || self.local_locks.is_some()
+    }
+
+    /// Why copy-on-write's lock cannot be taken here, if it cannot.
+    pub fn no_cas_reason(&self) -> Option<&str> {
+        if self.cas_coherent() {
+            None
+        } else {
+            self.no_local_locks.as_deref()
+        }
     }
 
     /// The local and the peer's address, as the kernel's RDMA stack says.
@@ -534,6 +571,22 @@ impl Fabric for VerbsEndpoint {
         new: u64,
     ) -> Result<(), FabricError> {
         match target {
+            CasTarget::Local { slot } if slot >= self.params.lock_slots => {
+                self.completions
+                    .push_back((op, OpResult::Cas(Err(OpError::Local))));
+                Ok(())
+            }
+            CasTarget::Local { slot } if self.local_locks.is_some() => {
+                // Through the device, as the peer's are (see `loopback`).
+                let addr = self.locks.as_ptr() as u64 + u64::from(slot) * 8;
+                let r = self
+                    .local_locks
+                    .as_ref()
+                    .and_then(|(mr, l)| l.cas(mr, addr, expect, new))
+                    .ok_or(OpError::Local);
+                self.completions.push_back((op, OpResult::Cas(r)));
+                Ok(())
+            }
             CasTarget::Local { slot } => {
                 // Our own lock word, by the CPU (see `cas_coherent`).
                 let r = if slot < self.params.lock_slots {

@@ -10,6 +10,8 @@
 //! - `cm` (feature `verbs`): making connections with rdma_cm.
 //! - `endpoint` (feature `verbs`): the fabric contract on the queue pair
 //!   (its table maps each operation to its verb).
+//! - `loopback` (feature `verbs`): our own lock words through the device,
+//!   when its atomics are not the CPU's.
 //! - `ffi` (feature `verbs`): every unsafe rdma-core call, as owned handles.
 //!
 //! The protocol-level mapping is in docs/protocol.md ("Over verbs").
@@ -24,6 +26,8 @@ mod cm;
 mod endpoint;
 #[cfg(feature = "verbs")]
 mod ffi;
+#[cfg(feature = "verbs")]
+mod loopback;
 #[cfg(feature = "verbs")]
 mod waiter;
 
