@@ -31,4 +31,26 @@ for mode in $modes; do
     grep -h "received\|sent \|no copy-on-write" /tmp/v.srv /tmp/v.cli | sed "s/^/    /"
     if [ $ok != yes ]; then fails=$((fails + 1)); sed 's/^/    server: /' /tmp/v.srv | tail -5; sed 's/^/    client: /' /tmp/v.cli | tail -5; fi
 done
+# A peer killed mid-stream, on either side: the survivor's call fails
+# (ECONNRESET: the dead side's bytes died with it) within a bound, from
+# rdma_cm's DISCONNECTED or a failed completion, and never hangs.
+for victim in server client; do
+    port=$((port + 1))
+    t0=$(date +%s)
+    timeout 120 "$bin" server "$IPA" $port zsdp 9 1024 > /tmp/k.srv 2>&1 &
+    srv=$!
+    for _ in $(seq 100); do grep -q listening /tmp/k.srv 2>/dev/null && break; sleep 0.1; done
+    timeout 120 "$bin" client "$IPA" $port zsdp 9 1024 "$IPB" > /tmp/k.cli 2>&1 &
+    cli=$!
+    sleep 3
+    # (The program, not the timeout around it.)
+    if [ $victim = server ]; then pkill -9 -P $srv; wait $cli; rc=$?; wait $srv
+    else pkill -9 -P $cli; wait $srv; rc=$?; wait $cli; fi
+    t=$(( $(date +%s) - t0 ))
+    ok=no
+    [ $rc != 0 ] && [ $rc != 124 ] && ok=yes
+    echo "--- verbs $victim killed mid-stream: $ok (survivor rc=$rc, ${t} s)"
+    grep -h "azsdp-verbs-check:" /tmp/k.srv /tmp/k.cli | sed 's/^/    /'
+    [ $ok = yes ] || fails=$((fails + 1))
+done
 [ $fails = 0 ]
