@@ -175,22 +175,25 @@ fn leave_or_reset(sock: &Arc<Sock>, c: &Arc<Conn>, what: &str) {
 /// and reset.
 ///
 /// `_exit` may be called from a signal handler that interrupted a thread
-/// holding one of our locks: the work runs on a thread of its own, and the
-/// exit goes on without it after the hand-over's and the longest linger
-/// time (and a second).
+/// holding one of our locks: the finishing runs on a thread of its own,
+/// and the exit goes on without it after the longest linger time (and a
+/// second).
 pub fn before_exit_without_handlers() {
-    let (done, finished) = std::sync::mpsc::sync_channel::<()>(1);
-    let work = move || {
-        hand_over_and_finish();
-        let _ = done.send(());
-    };
+    // The hand-over to the processes this one serves runs here, on the
+    // exiting thread, as it always has.
+    hand_over();
     // In a sandbox every connection is on TCP already, and a filter may
     // kill the thread that tries to start one.
     if azsdp::sandbox::restricted() {
         return;
     }
+    let (done, finished) = std::sync::mpsc::sync_channel::<()>(1);
+    let work = move || {
+        finish_own();
+        let _ = done.send(());
+    };
     if azsdp::threads::spawn("azsdp-exit", work).is_ok() {
-        let bound = EXEC_WAIT + crate::runtime::longest_linger() + EXIT_SLACK;
+        let bound = crate::runtime::longest_linger() + EXIT_SLACK;
         let _ = finished.recv_timeout(bound);
     }
 }
@@ -198,7 +201,7 @@ pub fn before_exit_without_handlers() {
 /// What an `_exit` waits beyond the longest linger time.
 const EXIT_SLACK: Duration = Duration::from_secs(1);
 
-fn hand_over_and_finish() {
+fn hand_over() {
     for sock in fdtable::all() {
         let Some(c) = sock.conn() else { continue };
         if c.driver.serves_others() {
@@ -217,6 +220,9 @@ fn hand_over_and_finish() {
         }
     }
     crate::runtime::join_closing_served();
+}
+
+fn finish_own() {
     // Only the connections whose engine is here and that no fork copied:
     // the kernel closes a socket when its last descriptor goes, and a
     // process forked with one may still use it (it carries on as after a
