@@ -241,6 +241,10 @@ pub struct Proc {
 
 impl Proc {
     pub fn start(mut cmd: Command, name: &str) -> Proc {
+        // Its own process group, so that `kill` takes what it started too
+        // (`git daemon` runs `git-daemon` as a child, which outlived the
+        // test and held its port for a later run's).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         Proc {
             child: cmd.spawn().unwrap_or_else(|e| panic!("start {name}: {e}")),
             name: name.into(),
@@ -280,6 +284,10 @@ impl Proc {
     }
 
     pub fn kill(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: signalling the process group this Proc leads.
+            unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
