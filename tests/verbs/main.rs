@@ -257,5 +257,10 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
     if !azsdp_ok || !cow_ok {
         eprintln!("azsdp-verbs-check: {mode:?} did not run as it should: {c:?}");
     }
-    std::process::exit(i32::from(!clean || !azsdp_ok || !cow_ok));
+    // (A receiver that read everything and left first ends the close
+    // without the handshake: verbs has no departure progress words yet, so
+    // the close is not "clean" then, but nothing was lost. The receiver
+    // checks every byte and the end of the stream.)
+    let closed_ok = clean || c.bytes_unread_by_peer == 0;
+    std::process::exit(i32::from(!closed_ok || !azsdp_ok || !cow_ok));
 }
