@@ -170,9 +170,8 @@ fn leave_or_reset(sock: &Arc<Sock>, c: &Arc<Conn>, what: &str) {
 /// process serves for others after a fork move onto their TCP socket
 /// first (see `azsdp::driver::delegation`), then every connection it runs
 /// that no fork copied is closed and finishes what the program sent, as
-/// at `exit()`. Without
-/// this the peer would find pages advertised by a process that is gone,
-/// and reset.
+/// at `exit()`. Without this the peer would find pages advertised by a
+/// process that is gone, and reset.
 ///
 /// `_exit` may be called from a signal handler that interrupted a thread
 /// holding one of our locks: the finishing runs on a thread of its own,
@@ -230,20 +229,17 @@ fn finish_own() {
     // forked child's it never used, is the running process's.
     // (`is_mine` first: `on_tcp` would claim a copy this process never
     // used, taking it from the process that runs it.)
-    let mine = |c: &Arc<Conn>| c.driver.is_mine() && !c.driver.on_tcp();
-    let conns: Vec<Arc<Conn>> = fdtable::all().iter().filter_map(|s| s.conn()).collect();
-    for c in conns
+    let (shared, own): (Vec<Arc<Conn>>, Vec<Arc<Conn>>) = fdtable::all()
         .iter()
-        .filter(|c| mine(c) && !c.driver.shared_by_fork())
-    {
+        .filter_map(|s| s.conn())
+        .filter(|c| c.driver.is_mine() && !c.driver.on_tcp())
+        .partition(|c| c.driver.shared_by_fork());
+    for c in &own {
         c.close();
     }
     crate::runtime::join_closing();
     // What the shared ones this process ran did is still said.
-    for c in conns
-        .iter()
-        .filter(|c| mine(c) && c.driver.shared_by_fork())
-    {
+    for c in &shared {
         c.report();
     }
 }

@@ -23,15 +23,10 @@ use azsdp::fabric::verbs::hello::{Request, Ring};
 use azsdp::fabric::verbs::{self, VerbsListener, VerbsParams};
 use azsdp::protect::{self, ProtectionMode};
 
-fn word(w: u64) -> u64 {
-    let mut z = w.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^ (z >> 31)
-}
-
-fn pattern(off: u64) -> u8 {
-    word(off / 8).to_le_bytes()[(off % 8) as usize]
-}
+// The stream pattern the shm two-process tests use.
+#[path = "../common/mod.rs"]
+mod common;
+use common::{pattern, word};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {

@@ -71,25 +71,26 @@ impl ShmEndpoint {
     /// Does the owner word say another process took the peer side, whose
     /// claim (with its kernel identity) has not reached us yet?
     pub(super) fn claim_pending(&self) -> bool {
-        let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & PID_MASK;
-        w != 0 && w != self.peer.pid()
+        self.claimer().is_some()
     }
 
-    /// Does the process the owner word names (a claim on its way) exist?
-    fn claimer_alive(&self) -> bool {
+    /// The process the owner word names when it is not the pinned peer
+    /// (its claim on the way, or a rewrite without one).
+    fn claimer(&self) -> Option<u32> {
         let w = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & PID_MASK;
-        w != 0 && crate::stats::alive(w)
+        (w != 0 && w != self.peer.pid()).then_some(w)
     }
 
     /// GETs held for a claim: run once it came, failed if it never does.
     pub(super) fn release_held_gets(&mut self) {
         while let Some(g) = self.held_gets.front() {
-            let result = if !self.claim_pending() {
-                self.get(g.src, g.dst, g.len)
-            } else if g.since.elapsed() >= CLAIM_WAIT || !self.claimer_alive() {
+            let result = if let Some(claimer) = self.claimer() {
+                if g.since.elapsed() < CLAIM_WAIT && crate::stats::alive(claimer) {
+                    return;
+                }
                 Err(OpError::Unreachable)
             } else {
-                return;
+                self.get(g.src, g.dst, g.len)
             };
             let op = g.op;
             self.held_gets.pop_front();
