@@ -108,6 +108,10 @@ fn build_shim(workspace: &Path, out: &Path, release: bool) -> Vec<u8> {
     if release {
         cmd.arg("--release");
     }
+    // `azsdp` built with `verbs` embeds a shim that pairs between hosts.
+    if std::env::var_os("CARGO_FEATURE_VERBS").is_some() {
+        cmd.args(["--features", "verbs"]);
+    }
     let mut built = target_dir.clone();
     if target != host {
         cmd.args(["--target", &target]);

@@ -67,7 +67,12 @@ mod w {
     pub const COPIED: usize = 30; // to 37
     /// The kind of memory last copied for want of protection.
     pub const COPIED_MEMORY: usize = 38;
+    /// The fabric an upgraded connection runs on ([`super::FABRICS`]).
+    pub const FABRIC: usize = 39;
 }
+
+/// Fabric names, by the code the stat word holds (0: none, TCP).
+pub const FABRICS: [&str; 2] = ["shm", "verbs"];
 
 /// Header word indices.
 mod h {
@@ -149,10 +154,20 @@ pub enum TcpReason {
     Switched,
     /// The process may not start threads (a seccomp filter it installed).
     Sandboxed,
+    /// Verbs was to be tried, but this host has no RDMA device (or no
+    /// rdma-core, or a build without the `verbs` feature).
+    NoRdmaDevice,
+    /// rdma_cm found no route to the peer's address.
+    RdmaRoute,
+    /// The peer's azsdp listener rejected the RDMA connection (full, or
+    /// its request did not check out).
+    CmRejected,
+    /// The peer's RDMA connection was not made within `pair_timeout`.
+    CmTimeout,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 12] = [
+    pub const ALL: [TcpReason; 16] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -165,6 +180,10 @@ impl TcpReason {
         TcpReason::SameProcess,
         TcpReason::Switched,
         TcpReason::Sandboxed,
+        TcpReason::NoRdmaDevice,
+        TcpReason::RdmaRoute,
+        TcpReason::CmRejected,
+        TcpReason::CmTimeout,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -188,6 +207,10 @@ impl TcpReason {
             TcpReason::SameProcess => "same-process",
             TcpReason::Switched => "switched",
             TcpReason::Sandboxed => "sandboxed",
+            TcpReason::NoRdmaDevice => "no-rdma-device",
+            TcpReason::RdmaRoute => "rdma-route",
+            TcpReason::CmRejected => "cm-rejected",
+            TcpReason::CmTimeout => "cm-timeout",
         }
     }
 }
@@ -498,6 +521,18 @@ impl StatFile {
         s[w::PEER_PID].store(u64::from(peer_pid), Ordering::Relaxed);
     }
 
+    /// The fabric the connection runs on (a name of [`FABRICS`]).
+    pub fn set_fabric(&self, slot: usize, fabric: &str) {
+        if !self.mine() {
+            return;
+        }
+        let code = FABRICS
+            .iter()
+            .position(|f| *f == fabric)
+            .map_or(0, |i| i + 1);
+        self.slot_words(slot)[w::FABRIC].store(code as u64, Ordering::Relaxed);
+    }
+
     /// Bytes moved over plain TCP.
     pub fn add_tcp(&self, slot: usize, sent: u64, received: u64) {
         if !self.mine() {
@@ -570,6 +605,8 @@ pub struct ConnStat {
     pub peer: SocketAddr,
     pub peer_pid: u32,
     pub path: ConnPath,
+    /// The fabric of an upgraded connection (`shm`, `verbs`).
+    pub fabric: Option<&'static str>,
     pub tcp_reason: Option<TcpReason>,
     pub zcopy_fallback: Option<&'static str>,
     pub sent_tcp: u64,
@@ -730,6 +767,10 @@ fn read_file(path: &Path, pid: u32, owner: u32) -> Option<Vec<ConnStat>> {
             ),
             peer_pid: s(w::PEER_PID) as u32,
             path: ConnPath::from_code(s(w::PATH)),
+            fabric: (s(w::FABRIC) as usize)
+                .checked_sub(1)
+                .and_then(|i| FABRICS.get(i))
+                .copied(),
             tcp_reason: TcpReason::from_code(s(w::REASON)),
             zcopy_fallback: zc_name(s(w::ZC_REASON)),
             sent_tcp: s(w::SENT_TCP),

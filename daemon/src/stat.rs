@@ -113,6 +113,7 @@ fn to_json(c: &ConnStat, rates: Option<Rates>) -> serde_json::Value {
         "peer": c.peer.to_string(),
         "peer_pid": (c.peer_pid != 0).then_some(c.peer_pid),
         "path": c.path.name(),
+        "fabric": c.fabric,
         "tcp_reason": c.tcp_reason.map(|r| r.name()),
         "zcopy_fallback": c.zcopy_fallback,
         "bytes": {
@@ -235,10 +236,10 @@ fn render(rows: &[ConnStat], o: &Options, rates: &HashMap<Key, Rates>) -> String
             .map_or("-".into(), |r| format!("{}/s", human(f(r) as u64)))
     };
     let mut header = vec![
-        "PID", "PROGRAM", "ROLE", "LOCAL", "PEER", "PATH", "WHY", "PEERPID",
+        "PID", "PROGRAM", "ROLE", "LOCAL", "PEER", "PATH", "FABRIC", "WHY", "PEERPID",
     ];
     let watching = o.watch.is_some();
-    let right_from = 7;
+    let right_from = 8;
     if o.wide {
         header.extend([
             "TX-AZSDP",
@@ -285,6 +286,7 @@ fn render(rows: &[ConnStat], o: &Options, rates: &HashMap<Key, Rates>) -> String
                 c.local.to_string(),
                 c.peer.to_string(),
                 c.path.name().to_string(),
+                c.fabric.unwrap_or("-").to_string(),
                 why(c),
                 peer_pid(c),
                 human(c.sent_async),
@@ -415,6 +417,7 @@ mod tests {
             peer: peer.parse().unwrap(),
             peer_pid,
             path,
+            fabric: (path != ConnPath::Tcp).then_some("shm"),
             tcp_reason: (path == ConnPath::Tcp).then_some(TcpReason::PeerNotAzsdp),
             zcopy_fallback: None,
             sent_tcp: 0,

@@ -15,15 +15,17 @@ use azsdp::driver::{Driver, ProcessHost, Protector, capabilities};
 use azsdp::fabric::shm::{ShmParams, ShmTransport};
 use azsdp::protect;
 use azsdp::stats::{ConnPath, StatFile, TcpReason};
-use azsdp::transport::{Endpoint, Transport};
+use azsdp::transport::Endpoint;
 
+use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 
-/// The transport connections are paired over (the one place that names
-/// it: pairing and connections go through [`Transport`] and [`Endpoint`]).
+/// The transport connections of this host are paired over (the one place
+/// that names it: pairing and connections go through [`Transport`] and
+/// [`Endpoint`]).
 pub type Active = ShmTransport;
-/// The endpoint an upgraded connection runs.
-pub type ActiveEndpoint = <Active as Transport>::Endpoint;
+/// The endpoint an upgraded connection runs (on any fabric).
+pub type ActiveEndpoint = AnyEndpoint;
 
 /// The transport, sized by `s`, for the connection on socket `fd`.
 pub fn transport(s: &Settings, fd: i32) -> Active {
@@ -56,6 +58,8 @@ pub struct Conn {
     pub local: SocketAddr,
     pub peer: SocketAddr,
     pub peer_pid: u32,
+    /// The fabric it runs on (`shm`, `verbs`).
+    pub fabric: &'static str,
     role: Role,
     linger: Duration,
     closed: AtomicBool,
@@ -84,7 +88,13 @@ impl Conn {
         // read them (a hostile one may claim it can, to have us protect
         // pages and wait for GETs that never come).
         caps.zcopy_source &= Endpoint::same_user(&ep);
-        let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
+        let mut cfg = settings.engine_config(role, caps, LockRegion::UNSET);
+        if ep.fabric_name() == "verbs" {
+            // Not over verbs yet: registering a destination that overlaps
+            // pages still armed faults in ibv_reg_mr on 6.12 and waits for
+            // the landing it holds up (docs/protocol.md §1.1).
+            cfg.recv_protect = azsdp::conn::RecvProtect::Off;
+        }
         let beneath = Arc::new(TcpBeneath::new(fd));
         let host = Self::host(settings, &beneath);
         let d = Driver::with_host(cfg, ep, p.protector, host);
@@ -109,7 +119,11 @@ impl Conn {
         let d = Driver::unpark(engine, ep, p.protector, host)?;
         let c = Self::run(d, p.faults, beneath, role, settings, local, peer);
         // The peer rings the previous image's bell, gone with it.
-        c.driver.with_fabric(|ep| ep.announce());
+        c.driver.with_fabric(|ep| {
+            if let Some(shm) = ep.shm() {
+                shm.announce()
+            }
+        });
         Ok(c)
     }
 
@@ -132,6 +146,7 @@ impl Conn {
         peer: SocketAddr,
     ) -> Arc<Conn> {
         let peer_pid = Endpoint::peer_pid(d.fabric());
+        let fabric = d.fabric().fabric_name();
         let waiter = Endpoint::waiter(d.fabric());
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);
@@ -150,6 +165,7 @@ impl Conn {
         let stat = crate::runtime::stat_file().and_then(|f| {
             let slot = f.open_slot(role, local, peer)?;
             f.set_path(slot, ConnPath::Azsdp, None, peer_pid);
+            f.set_fabric(slot, fabric);
             Some((f, slot))
         });
         crate::runtime::ensure_exit_handler();
@@ -161,6 +177,7 @@ impl Conn {
             local,
             peer,
             peer_pid,
+            fabric,
             role,
             linger: settings.linger,
             closed: AtomicBool::new(false),

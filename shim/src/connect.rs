@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use azsdp::config::{Settings, Use};
+use azsdp::config::{FabricChoice, Settings, Use};
 use azsdp::conn::Role;
 use azsdp::fabric::shm::{recv_intro, send_intro};
 use azsdp::identity::Received;
@@ -25,6 +25,7 @@ use libc::c_int;
 
 use crate::conn::Conn;
 use crate::conn::{Active, transport};
+use crate::endpoint::AnyEndpoint;
 use crate::listener::{abstract_addr, peer_cred, seqpacket_with};
 use crate::log::{debug, info, warning};
 use crate::net;
@@ -112,7 +113,7 @@ fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
 
 /// Bind `fd` to an ephemeral port if the program did not bind it; the
 /// port names the connection in the offer.
-fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
+pub(crate) fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
     if let Some(a) = net::local_of(fd)
         && a.port() != 0
     {
@@ -135,7 +136,7 @@ fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
 /// The kernel's `connect()`; for a non-blocking socket, wait up to
 /// `patience` for it to complete. `Ok(true)`: connected; `Ok(false)`: still
 /// in progress; `Err(errno)`.
-fn kernel_connect(
+pub(crate) fn kernel_connect(
     fd: c_int,
     dst: SocketAddr,
     nonblocking: bool,
@@ -301,7 +302,18 @@ pub fn connect(
         return plain(TcpReason::Sandboxed);
     }
     let to = effective_dst(dst);
-    if !net::is_local(to.ip()) {
+    let remote = !net::is_local(to.ip());
+    if settings.fabric == FabricChoice::Verbs || (remote && settings.fabric == FabricChoice::Auto) {
+        #[cfg(feature = "verbs")]
+        return crate::verbs_pairing::connect(fd, family, to, nonblocking, settings, &plain);
+        #[cfg(not(feature = "verbs"))]
+        return plain(if remote {
+            TcpReason::PeerRemote
+        } else {
+            TcpReason::NoRdmaDevice
+        });
+    }
+    if remote {
         return plain(TcpReason::PeerRemote);
     }
     let reg = match find_listener(
@@ -394,7 +406,14 @@ pub fn connect(
     // descriptor of its own from here.
     drop(reg.sock);
     match offer.into_endpoint(fds, answer.peer, peer_page) {
-        Ok(ep) => Outcome::Azsdp(Conn::start(ep, fd, Role::Client, settings, local, dst)),
+        Ok(ep) => Outcome::Azsdp(Conn::start(
+            AnyEndpoint::Shm(ep),
+            fd,
+            Role::Client,
+            settings,
+            local,
+            dst,
+        )),
         Err(e) => {
             debug!("connect {dst}: {e}");
             Outcome::Tcp(-1, libc::ECONNRESET, None)

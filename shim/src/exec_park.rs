@@ -34,6 +34,7 @@ use azsdp::fabric::shm::{ParkedEndpoint, ShmEndpoint};
 use serde::{Deserialize, Serialize};
 
 use crate::conn::Conn;
+use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 use crate::next_image::{self, Target};
 use crate::sock::{Role, Sock};
@@ -150,7 +151,10 @@ fn park_then(
     let mut record = Record::default();
     let mut parked: Vec<Arc<Sock>> = Vec::new();
     for (sock, c, fds) in &candidates {
-        match c.driver.park(PARK_WAIT, ShmEndpoint::park) {
+        match c
+            .driver
+            .park(PARK_WAIT, |e| e.shm().and_then(ShmEndpoint::park))
+        {
             Ok(p) => {
                 let (engine, (endpoint, fds_to_pass)) = (p.engine, p.fabric);
                 holds.push(p.hold);
@@ -273,8 +277,16 @@ fn take_up_one(pc: ParkedConn) {
     let resumed = ShmEndpoint::unpark(&pc.endpoint)
         .map_err(|e| e.to_string())
         .and_then(|ep| {
-            Conn::resume(&pc.engine, ep, fd, role, &settings, pc.local, pc.peer)
-                .map_err(|e| e.to_string())
+            Conn::resume(
+                &pc.engine,
+                AnyEndpoint::Shm(ep),
+                fd,
+                role,
+                &settings,
+                pc.local,
+                pc.peer,
+            )
+            .map_err(|e| e.to_string())
         });
     let c = match resumed {
         Ok(c) => c,

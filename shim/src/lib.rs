@@ -16,6 +16,7 @@
 
 mod conn;
 mod connect;
+mod endpoint;
 mod epoll;
 mod exec_park;
 mod fdtable;
@@ -31,6 +32,8 @@ mod signals;
 mod sock;
 mod switch;
 mod user_mem;
+#[cfg(feature = "verbs")]
+mod verbs_pairing;
 
 use std::ffi::c_char;
 

@@ -28,6 +28,7 @@ use azsdp::transport::{Join, Transport};
 use libc::c_int;
 
 use crate::conn::Conn;
+use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 use crate::net;
 
@@ -125,6 +126,18 @@ pub struct Listener {
     /// How long an offer or a silent registry connection is kept.
     expiry: Duration,
     pending: Lock<Pending>,
+    /// Its RDMA listener, for clients on other hosts (or by rule).
+    #[cfg(feature = "verbs")]
+    verbs: Option<Arc<crate::verbs_pairing::VerbsAccepts>>,
+}
+
+#[cfg(feature = "verbs")]
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Some(v) = &self.verbs {
+            v.stop();
+        }
+    }
 }
 
 fn os_err() -> std::io::Error {
@@ -243,10 +256,15 @@ impl Listener {
         Some(Arc::new(Listener {
             registry: sock,
             addr,
-            settings,
             limits: Limits::for_this_process(),
             expiry,
             pending: Lock::new(Pending::default()),
+            #[cfg(feature = "verbs")]
+            verbs: (settings.fabric != azsdp::config::FabricChoice::Shm
+                && !azsdp::sandbox::restricted())
+            .then(|| crate::verbs_pairing::VerbsAccepts::start(addr, &settings))
+            .flatten(),
+            settings,
         }))
     }
 
@@ -378,6 +396,14 @@ impl Listener {
         if azsdp::sandbox::restricted() {
             return Err(TcpReason::Sandboxed);
         }
+        #[cfg(feature = "verbs")]
+        if let Some(r) = self
+            .verbs
+            .as_ref()
+            .and_then(|v| v.upgrade(fd, local, peer, s))
+        {
+            return r;
+        }
         if !net::is_local(peer.ip()) {
             return Err(TcpReason::PeerRemote);
         }
@@ -459,6 +485,13 @@ impl Listener {
             return Err(TcpReason::PairTimeout);
         }
         azsdp::futex::wake_all(word);
-        Ok(Conn::start(ep, fd, Role::Server, s, local, peer))
+        Ok(Conn::start(
+            AnyEndpoint::Shm(ep),
+            fd,
+            Role::Server,
+            s,
+            local,
+            peer,
+        ))
     }
 }

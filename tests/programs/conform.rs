@@ -42,7 +42,7 @@ fn key(line: &str) -> &str {
 fn every_interposed_call_answers_as_kernel_tcp_does() {
     let (tcp, _) = transcript(false, 31);
     let (ours, log) = transcript(true, 31);
-    let upgraded = log.matches(": azsdp (peer pid").count();
+    let upgraded = log.matches(": azsdp (fabric shm, peer pid").count();
     let stayed: Vec<&str> = log.lines().filter(|l| l.contains(": tcp (")).collect();
     assert!(
         upgraded >= 15 && stayed.is_empty(),

@@ -197,7 +197,7 @@ fn served(s: &Scratch, name: &str, azsdp: bool, port: u16, bytes: u64) -> (Durat
         "{name} took {took:?}; its log:\n{}",
         s.log(name)
     );
-    (took, s.log(name).contains(": azsdp (peer pid"))
+    (took, s.log(name).contains(": azsdp (fabric shm, peer pid"))
 }
 
 fn fds_of(pid: i32) -> usize {
@@ -327,7 +327,7 @@ fn malicious_segments_and_rings_end_only_their_own_connection() {
         let st = c.wait(Duration::from_secs(30)).expect("the client ended");
         assert_eq!(st.code(), Some(2), "{a}: {st}; {}", s.log(&name));
         let log = s.log(&name);
-        assert!(log.contains(": azsdp (peer pid"), "{a}: {log}");
+        assert!(log.contains(": azsdp (fabric shm, peer pid"), "{a}: {log}");
         assert!(!log.contains("panicked"), "{a}: {log}");
         // Nothing was advertised to a peer of another user, whatever it
         // claimed to be able to read.
@@ -492,7 +492,7 @@ fn stat_files_live_in_a_checked_private_directory_and_go_at_exit() {
         c.expect_success(Duration::from_secs(20), || s.log("client2"));
         let log = s.log("client2");
         assert!(log.contains("can be written by other users"), "{log}");
-        assert!(log.contains(": azsdp (peer pid"), "{log}");
+        assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
         assert_eq!(std::fs::read(&planted).expect("read"), b"precious");
         assert_eq!(std::fs::read_dir(&open).expect("dir").count(), 0);
     }

@@ -58,14 +58,14 @@ fn bad_environment_and_configuration_fail_clearly() {
             "AZSDP_PEER_TIMEOUT",
             "0".into(),
             true,
-            ": azsdp (peer pid",
+            ": azsdp (fabric shm, peer pid",
         ),
         (
             "not-utf8-theirs",
             "SOME_VARIABLE",
             junk,
             true,
-            ": azsdp (peer pid",
+            ": azsdp (fabric shm, peer pid",
         ),
     ];
     for (name, var, value, upgraded, says) in cases {
@@ -82,7 +82,11 @@ fn bad_environment_and_configuration_fail_clearly() {
         let log = s.log(name);
         assert!(log.contains(says), "{name}: {log}");
         assert!(!log.contains("panicked"), "{name}: {log}");
-        assert_eq!(log.contains(": azsdp (peer pid"), upgraded, "{name}: {log}");
+        assert_eq!(
+            log.contains(": azsdp (fabric shm, peer pid"),
+            upgraded,
+            "{name}: {log}"
+        );
         if !upgraded {
             assert!(
                 log.contains("tcp (bad-config)"),

@@ -106,7 +106,7 @@ fn socat_sends_a_1gib_file_over_azsdp() {
     assert_eq!(sha256(&input), sha256(&output), "the file arrived changed");
     let log = s.log("client");
     assert!(
-        log.contains("-> 127.0.0.1:") && log.contains(": azsdp (peer pid"),
+        log.contains("-> 127.0.0.1:") && log.contains(": azsdp (fabric shm, peer pid"),
         "{log}"
     );
     let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line in:\n{log}"));
@@ -282,7 +282,7 @@ fn redis_benchmark_over_azsdp_has_no_errors() {
         "the value came back changed"
     );
     assert!(
-        s.log("get").contains(": azsdp (peer pid"),
+        s.log("get").contains(": azsdp (fabric shm, peer pid"),
         "{}",
         s.log("get")
     );
@@ -335,7 +335,7 @@ fn curl_downloads_256mib_from_python_http_server() {
     curl.expect_success(Duration::from_secs(120), || s.log("curl"));
     assert_eq!(sha256(&file), sha256(&got), "the download differs");
     let log = s.log("curl");
-    assert!(log.contains(": azsdp (peer pid"), "{log}");
+    assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
     let line = closing_line(&log).unwrap_or_else(|| panic!("no closing line in:\n{log}"));
     let received = line.split("received").nth(1).unwrap_or_default();
     assert!(
@@ -378,7 +378,7 @@ fn python_waits_through_a_signal_storm() {
         cli.expect_success(Duration::from_secs(120), both);
         srv.expect_success(Duration::from_secs(30), || s.log("server"));
         let log = s.log("server");
-        assert!(log.contains(": azsdp (peer pid"), "{log}");
+        assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
         assert!(log.contains(&format!("server {style}: ok")), "{log}");
     }
 }
@@ -604,7 +604,7 @@ fn sockcheck_run(scenario: &str, azsdp: bool, offset: u16) -> String {
         for side in ["client", "server"] {
             let log = s.log(side);
             assert!(
-                log.contains(": azsdp (peer pid"),
+                log.contains(": azsdp (fabric shm, peer pid"),
                 "{scenario}: the {side} stayed on TCP:\n{log}"
             );
         }
@@ -925,7 +925,7 @@ fn garbage_on_the_pairing_channel_leaves_connections_on_tcp() {
     cli.expect_success(Duration::from_secs(20), || s.log("cli"));
     assert_eq!(out.trim(), "PONG");
     assert!(
-        s.log("cli").contains(": azsdp (peer pid"),
+        s.log("cli").contains(": azsdp (fabric shm, peer pid"),
         "{}",
         s.log("cli")
     );
@@ -968,7 +968,7 @@ fn a_bad_configuration_is_reported_and_the_program_runs_on_tcp() {
         log.contains("bad.toml") && log.contains("zcopy_threshold") && log.contains("plain TCP"),
         "{log}"
     );
-    assert!(!log.contains(": azsdp (peer pid"), "{log}");
+    assert!(!log.contains(": azsdp (fabric shm, peer pid"), "{log}");
     // Without --run-anyway, the program does not start at all.
     let out = std::process::Command::new(azsdp())
         .args(["run", "--config"])
@@ -982,6 +982,40 @@ fn a_bad_configuration_is_reported_and_the_program_runs_on_tcp() {
         err.contains("bad.toml:1:19: key `zcopy_threshold`"),
         "{err}"
     );
+}
+
+/// `fabric = "verbs"` asks for RDMA even between two programs of this
+/// host; a shim without the `verbs` feature (this build) cannot: both
+/// stay on TCP, with the reason, and the bytes arrive. (The verbs pairing
+/// itself runs in the SoftRoCE guest: tests/softroce/shim-check.sh.)
+#[test]
+fn fabric_verbs_without_rdma_stays_on_tcp_and_says_why() {
+    if !have(&["socat"]) {
+        return;
+    }
+    let s = Scratch::new("verbs-rule");
+    let cfg = s.path("azsdp.toml");
+    std::fs::write(&cfg, "fabric = \"verbs\"\n").expect("config");
+    let p = port(141);
+    let input = s.path("in.bin");
+    let output = s.path("out.bin");
+    random_file(&input, 1 << 20, 14);
+    socat_copy(
+        &s,
+        p,
+        (&input, &output),
+        &[],
+        Duration::from_secs(30),
+        |name, args| {
+            let mut c = s.under_azsdp(name, "socat", args);
+            c.env("AZSDP_CONFIG", &cfg);
+            c
+        },
+    );
+    assert_eq!(sha256(&input), sha256(&output));
+    let log = s.log("client");
+    assert!(log.contains("tcp (no-rdma-device)"), "{log}");
+    assert!(!log.contains(": azsdp (fabric"), "{log}");
 }
 
 #[test]
@@ -1137,7 +1171,7 @@ fn a_killed_idle_peer_ends_the_stream_with_eof_as_tcp_does() {
         );
         if azsdp {
             assert!(
-                s.log("server").contains(": azsdp (peer pid"),
+                s.log("server").contains(": azsdp (fabric shm, peer pid"),
                 "{}",
                 s.log("server")
             );
@@ -1206,7 +1240,7 @@ fn ttcp_runs_every_test_kind_plain_and_under_azsdp() {
             assert!(v["secs"].as_f64().unwrap_or(0.0) > 0.0, "{kind}: {out}");
             if azsdp {
                 assert!(
-                    s.log("t").contains(": azsdp (peer pid"),
+                    s.log("t").contains(": azsdp (fabric shm, peer pid"),
                     "{kind}: {}",
                     s.log("t")
                 );
@@ -1417,7 +1451,7 @@ fn redis_shuts_down_cleanly_on_sigterm_with_a_client_connected() {
         std::thread::sleep(Duration::from_millis(500));
         if azsdp {
             let log = s.log("sub");
-            assert!(log.contains(": azsdp (peer pid"), "{log}");
+            assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
         }
         // SAFETY: kill(2) of our own child.
         unsafe { libc::kill(srv.pid(), libc::SIGTERM) };

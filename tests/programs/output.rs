@@ -146,7 +146,10 @@ fn without_userfaultfd_the_note_goes_to_the_log_and_nowhere_else() {
     );
     s.kill();
     let log = r.read("server.log");
-    assert!(log.contains(": azsdp (peer pid"), "not upgraded:\n{log}");
+    assert!(
+        log.contains(": azsdp (fabric shm, peer pid"),
+        "not upgraded:\n{log}"
+    );
     assert!(
         log.contains("warn: no full userfaultfd"),
         "no note in the log:\n{log}"

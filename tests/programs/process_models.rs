@@ -46,7 +46,10 @@ fn inetd_echo(bare: bool, offset: u16) {
     srv.kill();
     assert_eq!(sha256(&input), sha256(&output), "the echo arrived changed");
     let log = s.log("client");
-    assert!(log.contains(": azsdp (peer pid"), "upgraded first: {log}");
+    assert!(
+        log.contains(": azsdp (fabric shm, peer pid"),
+        "upgraded first: {log}"
+    );
     assert!(
         log.contains("moved to its TCP socket"),
         "and moved before the exec: {log}"
@@ -233,7 +236,10 @@ fn rsync_daemon_pulls_and_pushes_a_tree() {
     let mut zero_copy = 0;
     for name in ["push", "delta", "pull", "repull", "server"] {
         let log = s.log(name);
-        assert!(log.contains(": azsdp (peer pid"), "{name} upgraded: {log}");
+        assert!(
+            log.contains(": azsdp (fabric shm, peer pid"),
+            "{name} upgraded: {log}"
+        );
         // (A process that runs a shared connection and exits first moves
         // it onto TCP for the other: that is no reset.)
         assert!(!log.contains("reset"), "{name}: {log}");
@@ -342,7 +348,10 @@ fn sshd_copies(rexec: bool, offset: u16) {
     assert_eq!(sha256(&up), sha256(&back), "pulled");
     daemon.kill();
     let log = s.log("push");
-    assert!(log.contains(": azsdp (peer pid"), "upgraded first: {log}");
+    assert!(
+        log.contains(": azsdp (fabric shm, peer pid"),
+        "upgraded first: {log}"
+    );
 }
 
 #[test]

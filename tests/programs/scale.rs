@@ -69,7 +69,7 @@ fn a_thousand_connections_at_once_then_ten_thousand_one_after_another() {
     assert_eq!(many["connections"], 1000);
     let log = s.log("many");
     assert_eq!(
-        log.matches(": azsdp (peer pid").count(),
+        log.matches(": azsdp (fabric shm, peer pid").count(),
         1000,
         "{}",
         &log[..log.len().min(4000)]
@@ -80,7 +80,7 @@ fn a_thousand_connections_at_once_then_ten_thousand_one_after_another() {
     let cycle = client(&s, "cycle", &["cycle", &p, "10000", "1024"]);
     eprintln!("10000 in turn ({:?}): {cycle}", t0.elapsed());
     let log = s.log("cycle");
-    assert_eq!(log.matches(": azsdp (peer pid").count(), 10000);
+    assert_eq!(log.matches(": azsdp (fabric shm, peer pid").count(), 10000);
     assert!(!log.contains(": tcp ("), "a connection stayed on TCP");
 
     // Everything the server held for them is given back.
@@ -94,7 +94,10 @@ fn a_thousand_connections_at_once_then_ten_thousand_one_after_another() {
         fds_of(srv.pid())
     );
     let server_log = s.log("server");
-    assert_eq!(server_log.matches(": azsdp (peer pid").count(), 11001);
+    assert_eq!(
+        server_log.matches(": azsdp (fabric shm, peer pid").count(),
+        11001
+    );
     srv.kill();
 }
 
@@ -157,7 +160,7 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
     eprintln!("{N} at once: {many}; server threads {server_base} -> at most {server_most}");
     assert_eq!(many["connections"], N);
     let log = s.log("many");
-    assert_eq!(log.matches(": azsdp (peer pid").count(), N);
+    assert_eq!(log.matches(": azsdp (fabric shm, peer pid").count(), N);
     assert!(!log.contains(": tcp ("), "a connection stayed on TCP");
     // The client started with one thread; azsdp's are the reactor and the
     // fault dispatcher (and the shim's stats publisher).

@@ -71,6 +71,19 @@ fn read_bounded(path: &Path) -> Result<String, String> {
         .map_err(|e| format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
 }
 
+/// Which fabric an upgraded connection runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FabricChoice {
+    /// Shared memory for a peer on this host, verbs (where the build has
+    /// it and the host has an RDMA device) for one on another.
+    Auto,
+    /// Shared memory only: a peer on another host stays on TCP.
+    Shm,
+    /// Verbs, even to an address of this host (through the NIC, as the
+    /// paper ran its stack; and how two RDMA devices of one host test it).
+    Verbs,
+}
+
 /// What a matching connection uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Use {
@@ -86,6 +99,7 @@ pub enum Use {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tunables {
     pub use_: Option<Use>,
+    pub fabric: Option<FabricChoice>,
     pub zcopy_threshold: Option<u64>,
     pub async_: Option<bool>,
     pub write_fault: Option<FaultPolicy>,
@@ -113,6 +127,7 @@ pub struct Tunables {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
     pub use_: Use,
+    pub fabric: FabricChoice,
     pub zcopy_threshold: u64,
     pub async_: bool,
     pub write_fault: FaultPolicy,
@@ -147,6 +162,7 @@ impl Default for Settings {
         let e = EngineConfig::new(Role::Client, Capabilities::ALL, LockRegion::UNSET);
         Settings {
             use_: Use::Both,
+            fabric: FabricChoice::Auto,
             zcopy_threshold: e.zcopy_threshold,
             async_: e.async_zcopy,
             write_fault: e.write_fault,
@@ -181,6 +197,7 @@ impl Settings {
         }
         take!(
             use_,
+            fabric,
             zcopy_threshold,
             async_,
             write_fault,
@@ -219,6 +236,14 @@ impl Settings {
                     Use::Azsdp => "azsdp",
                     Use::Tcp => "tcp",
                     Use::Both => "both",
+                }),
+            ),
+            (
+                "fabric",
+                q(match self.fabric {
+                    FabricChoice::Auto => "auto",
+                    FabricChoice::Shm => "shm",
+                    FabricChoice::Verbs => "verbs",
                 }),
             ),
             ("zcopy_threshold", size(self.zcopy_threshold)),
@@ -380,6 +405,7 @@ const RESERVED_ENV: &[&str] = &[
 /// Every key a tunables table accepts, with its parser.
 const TUNABLE_KEYS: &[&str] = &[
     "use",
+    "fabric",
     "zcopy_threshold",
     "async",
     "write_fault",
@@ -541,6 +567,16 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
                     ("azsdp", Use::Azsdp),
                     ("tcp", Use::Tcp),
                     ("both", Use::Both),
+                ],
+            )?)
+        }
+        "fabric" => {
+            t.fabric = Some(choice(
+                raw,
+                &[
+                    ("auto", FabricChoice::Auto),
+                    ("shm", FabricChoice::Shm),
+                    ("verbs", FabricChoice::Verbs),
                 ],
             )?)
         }

@@ -516,7 +516,7 @@ impl Bench {
     fn check_upgraded(&mut self, modes: &[Mode]) {
         for m in modes.iter().filter(|m| m.config.is_some()) {
             let log = std::fs::read_to_string(self.log_of(m)).unwrap_or_default();
-            let upgraded = log.matches(": azsdp (peer pid").count();
+            let upgraded = log.matches(": azsdp (fabric ").count();
             let tcp = log
                 .lines()
                 .filter(|l| l.contains("plain TCP") || l.contains(": tcp ("))

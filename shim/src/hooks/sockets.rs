@@ -151,7 +151,10 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
                     .unwrap_or_else(|| listener.settings.clone());
                 match listener.upgrade(nfd, local, peer, &s) {
                     Ok(c) => {
-                        info!("{local} <- {peer}: azsdp (peer pid {})", c.peer_pid);
+                        info!(
+                            "{local} <- {peer}: azsdp (fabric {}, peer pid {})",
+                            c.fabric, c.peer_pid
+                        );
                         sock.set_role(Role::Azsdp(c));
                     }
                     Err(reason) => {
@@ -229,7 +232,10 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             let nonblocking = sock.is_nonblocking();
             let (r, e) = match connect::connect(fd, sock.family, dst, nonblocking, &s) {
                 Outcome::Azsdp(c) => {
-                    info!("{} -> {dst}: azsdp (peer pid {})", c.local, c.peer_pid);
+                    info!(
+                        "{} -> {dst}: azsdp (fabric {}, peer pid {})",
+                        c.local, c.fabric, c.peer_pid
+                    );
                     sock.connect_pending.store(nonblocking, Ordering::SeqCst);
                     sock.set_role(Role::Azsdp(c));
                     epoll::adopt(&sock);

@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
 
@@ -63,6 +63,7 @@ pub struct PeerParams {
 const WR_RECV: u64 = 1 << 56;
 const WR_SEND: u64 = 2 << 56;
 const WR_OP: u64 = 3 << 56;
+const WR_PROBE: u64 = 4 << 56;
 const WR_KIND: u64 = 0xff << 56;
 
 /// A GET or compare-and-swap on the send queue.
@@ -81,8 +82,16 @@ pub struct VerbsEndpoint {
     // Drop order matters: the queue pair (in the id) before the
     // registrations and the CQ, those before the PD and the channels.
     id: CmId,
-    /// Registrations by key, and whether the peer may read them.
-    regs: HashMap<u32, (Mr, RegAccess)>,
+    /// Registrations by key: whether the peer may read them, and how
+    /// many of the engine's registrations share them (see `live`).
+    regs: HashMap<u32, Registered>,
+    /// Live registrations by exact range and access: a second
+    /// registration of the same range (a program sending one buffer again
+    /// while the peer still reads the last send) shares the first, whose
+    /// pages are write-protected by then (registering them again fails or
+    /// faults: docs/protocol.md, "Over verbs"). Exact ranges only: a key
+    /// never lets the peer read beyond what some live advertisement gives.
+    live: HashMap<(u64, u64, bool), u32>,
     lock_mr: Option<Mr>,
     /// Our lock words registered for the loopback pair, when the device's
     /// atomics are not the CPU's (see `loopback`).
@@ -116,6 +125,19 @@ pub struct VerbsEndpoint {
     broken: Option<String>,
     gone_reported: bool,
     departed: std::sync::atomic::AtomicBool,
+    /// The last completion: the peer's queue pair was alive then (or its
+    /// message came).
+    last_heard: Instant,
+    probing: bool,
+}
+
+/// One `ibv_reg_mr`, shared by `users` registrations of the engine.
+#[derive(Debug)]
+struct Registered {
+    _mr: Mr,
+    access: RegAccess,
+    range: (u64, u64),
+    users: u32,
 }
 
 /// The parts of a connection made before it is established (see `cm`).
@@ -202,6 +224,7 @@ impl VerbsEndpoint {
         let ep = VerbsEndpoint {
             id,
             regs: HashMap::new(),
+            live: HashMap::new(),
             lock_mr: Some(lock_mr),
             local_locks,
             no_local_locks,
@@ -229,6 +252,8 @@ impl VerbsEndpoint {
             broken: None,
             gone_reported: false,
             departed: std::sync::atomic::AtomicBool::new(false),
+            last_heard: Instant::now(),
+            probing: false,
         };
         for i in 0..params.ring {
             ep.post_recv(i)?;
@@ -398,8 +423,18 @@ impl VerbsEndpoint {
         on_event: &mut dyn FnMut(FabricEvent<'_>),
     ) -> usize {
         let ok = wc.ok();
+        if ok {
+            self.last_heard = Instant::now();
+        }
         let index = wc.wr_id & !WR_KIND;
         match wc.wr_id & WR_KIND {
+            WR_PROBE => {
+                self.probing = false;
+                if !ok {
+                    self.break_with(format!("liveness probe: {}", wc.describe()));
+                }
+                0
+            }
             WR_RECV if ok => self.received(index as u16, wc.byte_len as usize, on_event),
             WR_SEND => {
                 self.free_send.push(index as u16);
@@ -492,20 +527,36 @@ impl Fabric for VerbsEndpoint {
         len: u64,
         access: RegAccess,
     ) -> Result<(), FabricError> {
-        let flags = match access {
-            RegAccess::PeerRead => Access::PEER_READ,
-            RegAccess::LocalWrite => Access::LOCAL,
+        let peer = access == RegAccess::PeerRead;
+        if let Some(&key) = self.live.get(&(addr, len, peer))
+            && let Some(r) = self.regs.get_mut(&key)
+        {
+            r.users += 1;
+            self.completions
+                .push_back((op, OpResult::Registered(Ok(key))));
+            return Ok(());
+        }
+        let flags = if peer {
+            Access::PEER_READ
+        } else {
+            Access::LOCAL
         };
         // SAFETY: the engine registers memory it holds (a send buffer
         // under advertisement, a receive destination, pool memory) and
         // deregisters it before letting go of it.
         let r = match unsafe { self._pd.register(addr, len, flags) } {
             Ok(mr) => {
-                let key = match access {
-                    RegAccess::PeerRead => mr.rkey(),
-                    RegAccess::LocalWrite => mr.lkey(),
-                };
-                self.regs.insert(key, (mr, access));
+                let key = if peer { mr.rkey() } else { mr.lkey() };
+                self.live.insert((addr, len, peer), key);
+                self.regs.insert(
+                    key,
+                    Registered {
+                        _mr: mr,
+                        access,
+                        range: (addr, len),
+                        users: 1,
+                    },
+                );
                 Ok(key)
             }
             Err(_) => Err(OpError::Local),
@@ -515,7 +566,16 @@ impl Fabric for VerbsEndpoint {
     }
 
     fn deregister(&mut self, key: u32) {
-        self.regs.remove(&key);
+        let Some(r) = self.regs.get_mut(&key) else {
+            return;
+        };
+        r.users = r.users.saturating_sub(1);
+        if r.users == 0 {
+            let peer = r.access == RegAccess::PeerRead;
+            let (addr, len) = r.range;
+            self.live.remove(&(addr, len, peer));
+            self.regs.remove(&key);
+        }
     }
 
     fn has_room(&self, len: usize) -> bool {
@@ -646,8 +706,8 @@ impl Fabric for VerbsEndpoint {
     /// Every key the peer could use goes: the NIC refuses them from now,
     /// READs in flight included.
     fn revoke_access(&mut self) {
-        self.regs
-            .retain(|_, (_, access)| *access == RegAccess::LocalWrite);
+        self.regs.retain(|_, r| r.access == RegAccess::LocalWrite);
+        self.live.retain(|&(_, _, peer), _| !peer);
         self.lock_mr = None;
     }
 
@@ -662,6 +722,7 @@ impl Fabric for VerbsEndpoint {
             let _ = self.send(None);
         }
         self.take_cm_events();
+        self.probe_if_quiet();
         if self.broken.is_some() && !self.gone_reported {
             // What arrived before the end was delivered above.
             n += self.take_completions(on_event);
@@ -714,6 +775,20 @@ impl Fabric for VerbsEndpoint {
     fn finish(&self) {
         self.depart();
     }
+
+    /// The queue pair is the process's that made it: a forked child's copy
+    /// never touches it (its calls go to the runner, `driver::delegation`).
+    fn ownership(&self) -> crate::fabric::Ownership {
+        if ffi::stack_is_ours() {
+            crate::fabric::Ownership::Mine
+        } else {
+            crate::fabric::Ownership::Other
+        }
+    }
+
+    fn claim(&self) -> bool {
+        ffi::stack_is_ours()
+    }
 }
 
 impl VerbsEndpoint {
@@ -723,7 +798,7 @@ impl VerbsEndpoint {
     /// once. Bounded: a peer that takes no more leaves us after
     /// [`DEPART_WAIT`].
     fn depart(&self) {
-        if self.departed.swap(true, Ordering::AcqRel) {
+        if !ffi::stack_is_ours() || self.departed.swap(true, Ordering::AcqRel) {
             return;
         }
         // (Completions `arm` took off the CQ and no poll has seen yet are
@@ -758,6 +833,76 @@ impl VerbsEndpoint {
 }
 
 impl VerbsEndpoint {
+    /// Pairing, before the engine runs: send one message (see
+    /// `super::pairing`).
+    pub fn send_first(&mut self, msg: &[u8]) -> Result<(), String> {
+        self.post_message(msg)
+            .map_err(|e| self.broken.clone().unwrap_or_else(|| format!("{e:?}")))
+    }
+
+    /// Pairing, before the engine runs: the next message the peer sent,
+    /// taken off the queue (what comes after it stays for the engine), by
+    /// `until`. `Err` says why none came: the peer left, broke the
+    /// connection, or took too long.
+    pub fn take_first(&mut self, until: Instant) -> Result<Vec<u8>, String> {
+        let mut wcs = [ffi::Completion::default(); 1];
+        loop {
+            let mut got: Option<Vec<u8>> = None;
+            while got.is_none() {
+                let wc = if self.stash.is_empty() {
+                    if self.cq.poll(&mut wcs) == 0 {
+                        break;
+                    }
+                    wcs[0]
+                } else {
+                    self.stash.remove(0)
+                };
+                self.completion(&wc, &mut |ev| {
+                    if let FabricEvent::Message(m) = ev {
+                        got = Some(m.to_vec());
+                    }
+                });
+            }
+            if let Some(m) = got {
+                return Ok(m);
+            }
+            self.take_cm_events();
+            if let Some(why) = &self.broken {
+                return Err(why.clone());
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err("no message in time".into());
+            }
+            let t = crate::fabric::FabricWaiter::prepare(&self.waiter);
+            if self.cq.poll(&mut wcs) == 1 {
+                self.stash.push(wcs[0]);
+                continue;
+            }
+            crate::fabric::FabricWaiter::wait(
+                &self.waiter,
+                t,
+                left.min(Duration::from_millis(20)),
+                true,
+            );
+        }
+    }
+
+    /// A connection quiet for [`PROBE_QUIET`] asks the peer's queue pair
+    /// whether it is still there. A peer whose process died leaves no
+    /// completion and, if its rdma_cm DREQ is lost, no event either: the
+    /// probe's retries run out (a few seconds) and the peer is gone. The
+    /// engine's own keepalive needs credits, which a dead peer may hold.
+    fn probe_if_quiet(&mut self) {
+        if self.broken.is_some() || self.probing || self.last_heard.elapsed() < PROBE_QUIET {
+            return;
+        }
+        match ffi::post_send(self.id.qp(), WR_PROBE, SendOp::Probe) {
+            Ok(()) => self.probing = true,
+            Err(e) => self.break_with(format!("post probe: {e}")),
+        }
+    }
+
     /// Has rdma_cm an event for this connection (after it was
     /// established: the peer or the device left)?
     fn cm_event_waiting(&self) -> bool {
@@ -771,12 +916,46 @@ impl VerbsEndpoint {
     }
 }
 
+/// How long a connection may be quiet before its peer is probed.
+const PROBE_QUIET: Duration = Duration::from_secs(2);
+
 /// How long leaving waits for the last SENDs to be taken.
 const DEPART_WAIT: Duration = Duration::from_secs(5);
 
 impl Drop for VerbsEndpoint {
     fn drop(&mut self) {
         self.depart();
+    }
+}
+
+/// As the shim runs it. The peer is on another host (or device): no pid of
+/// ours to name, and no user of ours to compare; it reads only what an
+/// advertisement's rkey lets it, and only until revocation.
+impl crate::transport::Endpoint for VerbsEndpoint {
+    type Waiter = VerbsWaiter;
+
+    fn waiter(&self) -> VerbsWaiter {
+        self.waiter.clone()
+    }
+
+    fn peer_pid(&self) -> u32 {
+        0
+    }
+
+    fn get_refused(&self) -> Option<String> {
+        None
+    }
+
+    fn same_user(&self) -> bool {
+        true
+    }
+
+    /// Pairing over verbs agrees by its own messages (`super::pairing`):
+    /// an endpoint exists only once agreed.
+    fn agreement(&self) -> &std::sync::atomic::AtomicU32 {
+        static AGREED: std::sync::atomic::AtomicU32 =
+            std::sync::atomic::AtomicU32::new(crate::pairing::Agreement::COMMITTED);
+        &AGREED
     }
 }
 

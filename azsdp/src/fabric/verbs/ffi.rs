@@ -124,8 +124,29 @@ fn nonblocking_cloexec(fd: i32) {
     }
 }
 
-/// How many RDMA devices this host has (0 without rdma-core).
+/// The process that opened the RDMA stack (0: none yet).
+static STACK_OWNER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Is the RDMA stack this process's to use? A forked child holds copies of
+/// its parent's handles (queue pairs, registrations, channels), which are
+/// the parent's still: the child never destroys them (that would end the
+/// parent's connections), nor opens the stack again on the parent's
+/// inherited device contexts.
+pub fn stack_is_ours() -> bool {
+    use std::sync::atomic::Ordering;
+    let me = crate::process::pid();
+    match STACK_OWNER.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => true,
+        Err(owner) => owner == me,
+    }
+}
+
+/// How many RDMA devices this host has (0 without rdma-core, or in a
+/// process whose stack is not its own: see [`stack_is_ours`]).
 pub fn device_count() -> usize {
+    if !stack_is_ours() {
+        return 0;
+    }
     let mut n = 0;
     // SAFETY: the list is freed right away; n is ours.
     unsafe {
@@ -149,6 +170,11 @@ unsafe impl Sync for EventChannel {}
 
 impl EventChannel {
     pub fn new() -> io::Result<EventChannel> {
+        if !stack_is_ours() {
+            return Err(io::Error::other(
+                "the RDMA stack is the parent process's (a forked child)",
+            ));
+        }
         // SAFETY: no arguments; a null result is an error.
         let p = unsafe { sys::rdma_create_event_channel() };
         let c =
@@ -197,6 +223,9 @@ impl EventChannel {
 
 impl Drop for EventChannel {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: every id on it was destroyed or migrated first (the
         // owners hold the channel longer than their ids).
         unsafe { sys::rdma_destroy_event_channel(self.0.as_ptr()) }
@@ -261,6 +290,9 @@ impl CmEvent {
 
 impl Drop for CmEvent {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: acked once.
         unsafe { sys::rdma_ack_cm_event(self.0) };
     }
@@ -463,6 +495,9 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: the id and its queue pair are ours; its events were acked.
         unsafe {
             if !(*self.as_ptr()).qp.is_null() {
@@ -540,6 +575,9 @@ impl Pd {
 
 impl Drop for Pd {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: its registrations and queue pairs went first.
         unsafe { sys::ibv_dealloc_pd(self.0.as_ptr()) };
     }
@@ -581,6 +619,9 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: a live registration; the NIC refuses its keys from now.
         unsafe { sys::ibv_dereg_mr(self.0.as_ptr()) };
     }
@@ -628,6 +669,9 @@ impl CompChannel {
 
 impl Drop for CompChannel {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: its CQs went first.
         unsafe { sys::ibv_destroy_comp_channel(self.0.as_ptr()) };
     }
@@ -678,6 +722,9 @@ impl Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
+        if !stack_is_ours() {
+            return;
+        }
         // SAFETY: its queue pair went first; every event was acked.
         unsafe { sys::ibv_destroy_cq(self.0.as_ptr()) };
     }
@@ -735,6 +782,10 @@ pub enum SendOp {
         expect: u64,
         new: u64,
     },
+    /// A zero-byte RDMA WRITE: touches no memory (no key is checked, IB
+    /// C9-88) and consumes no receive, but is acknowledged only by a live
+    /// queue pair: a liveness probe.
+    Probe,
 }
 
 pub fn post_send(qp: *mut sys::ibv_qp, wr_id: u64, op: SendOp) -> io::Result<()> {
@@ -789,11 +840,19 @@ pub fn post_send(qp: *mut sys::ibv_qp, wr_id: u64, op: SendOp) -> io::Result<()>
                 lkey,
             }
         }
+        SendOp::Probe => {
+            wr.opcode = IBV_WR_RDMA_WRITE;
+            sys::ibv_sge {
+                addr: 0,
+                length: 0,
+                lkey: 0,
+            }
+        }
     };
     wr.wr_id = wr_id;
     wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
     wr.sg_list = &mut sge;
-    wr.num_sge = 1;
+    wr.num_sge = i32::from(!matches!(op, SendOp::Probe));
     let mut bad = null_mut();
     // SAFETY: a live queue pair; local buffers are registered (their lkey)
     // and live until the completion.

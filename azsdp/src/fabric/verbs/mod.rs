@@ -7,6 +7,8 @@
 //!   SDP-style flow control it carries: receives are pre-posted and
 //!   credited, so the queue pair never needs RNR retries.
 //! - [`hello`]: rdma_cm's private data when a connection is made.
+//! - [`pairing`]: binding a verbs connection to the TCP connection it
+//!   upgrades (the commit messages and the listener's waiting table).
 //! - `cm` (feature `verbs`): making connections with rdma_cm.
 //! - `endpoint` (feature `verbs`): the fabric contract on the queue pair
 //!   (its table maps each operation to its verb).
@@ -18,6 +20,7 @@
 
 pub mod credits;
 pub mod hello;
+pub mod pairing;
 pub mod wire;
 
 #[cfg(feature = "verbs")]
@@ -36,6 +39,6 @@ pub use cm::{ConnectError, Incoming, VerbsListener, connect};
 #[cfg(feature = "verbs")]
 pub use endpoint::{VerbsEndpoint, VerbsParams};
 #[cfg(feature = "verbs")]
-pub use ffi::device_count;
+pub use ffi::{device_count, stack_is_ours};
 #[cfg(feature = "verbs")]
 pub use waiter::VerbsWaiter;

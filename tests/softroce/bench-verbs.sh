@@ -1,0 +1,129 @@
+#!/bin/bash
+# Inside the guest: azsdp over verbs next to rsockets and kernel TCP, in one
+# run, between the two rxe devices of the wire topology (topo-wire.sh).
+#
+#   bench-verbs.sh DIR [RUNS]    DIR: azsdp, libazsdp.so and azsdp-ttcp built
+#                                with the verbs feature (tests/softroce/bench
+#                                builds them and boots the guest)
+#
+# The same program, azsdp-ttcp, runs under azsdp in each mode (the
+# configurations of `azsdp bench`, plus `fabric = "verbs"`), under rsockets'
+# preload (librspreload.so, with rsocket-std.so before it so that a Rust
+# std program's sockets are taken), and plain (kernel TCP over the same
+# veth). rsockets' own rstream runs as its best case. Each figure is the
+# median of RUNS runs (default 3); each row's rxe packet counts show which
+# path it took. Emulated RDMA is slow and TCP over the veth is not: only
+# the ratios between the RDMA rows mean something (docs/benchmarks.md).
+set -u
+dir=$1; runs=${2:-3}
+ttcp=$dir/azsdp-ttcp; azsdp=$dir/azsdp
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/topo-wire.sh" > /dev/null
+work=$(mktemp -d)
+gcc -shared -fPIC -O2 -o "$work/rsocket-std.so" "$here/rsocket-std.c" -ldl || exit 1
+rspreload=$(ls /usr/lib/*/rsocket/librspreload.so 2>/dev/null | head -1)
+sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
+
+modes="tcp rsockets bsdp zsdp azsdp-bow azsdp-cow"
+config() {
+    case $1 in
+        bsdp) echo 'zcopy_threshold = "1024GiB"' ;;
+        zsdp) printf 'async = false\nzcopy_threshold = 4096\n' ;;
+        azsdp-bow) printf 'write_fault = "block"\nzcopy_threshold = 4096\n' ;;
+        azsdp-cow) printf 'write_fault = "copy"\nzcopy_threshold = 4096\n' ;;
+    esac
+    printf 'fabric = "verbs"\npair_timeout = "5s"\n'
+}
+for m in bsdp zsdp azsdp-bow azsdp-cow; do config $m > "$work/$m.toml"; done
+
+# run MODE TTCP-ARGS...: one ttcp pair; prints the transmitter's JSON.
+port=7900
+run() {
+    local mode=$1; shift
+    port=$((port + 1))
+    local pre=()
+    case $mode in
+        tcp) ;;
+        rsockets) pre=(env LD_PRELOAD="$work/rsocket-std.so $rspreload") ;;
+        *) pre=(env AZSDP_LOG=/dev/null "$azsdp" run --config "$work/$mode.toml" --) ;;
+    esac
+    timeout 120 "${pre[@]}" "$ttcp" -r -p $port --json > /dev/null 2>&1 &
+    local r=$!
+    for _ in $(seq 200); do
+        ss -ltn | grep -q ":$port " && break
+        # (rsockets listen on the RDMA device, not the kernel's TCP table)
+        [ $mode = rsockets ] && rdma res show cm_id 2>/dev/null | grep -q "src-addr.*:$port" && break
+        sleep 0.05
+    done
+    [ $mode = rsockets ] && sleep 0.3
+    timeout 120 "${pre[@]}" "$ttcp" -t $IPA -p $port --json "$@" 2>/dev/null | head -1
+    wait $r 2>/dev/null
+}
+
+# median of the runs' FIELD.
+median() { sort -g | awk '{a[NR] = $1} END {if (NR) print a[int((NR + 1) / 2)]; else print "-"}'; }
+field() { grep -o "\"$1\":[0-9.]*" | cut -d: -f2; }
+
+# measure MODE FIELD TTCP-ARGS...: the median over RUNS, with the rxe
+# packets both devices sent in all the runs.
+measure() {
+    local mode=$1 f=$2; shift 2
+    local a0 b0; a0=$(sent rxeA); b0=$(sent rxeB)
+    local v
+    v=$(for _ in $(seq $runs); do run $mode "$@" | field $f; done | median)
+    echo "$v $(( $(sent rxeA) - a0 )) $(( $(sent rxeB) - b0 ))"
+}
+
+declare -A res pk
+for m in $modes; do
+    read -r v a b < <(measure $m gbytes_per_sec -l 65536 -n 512); res[$m,t64k]=$v; pk[$m]="$a/$b"
+    read -r v a b < <(measure $m gbytes_per_sec -l 1048576 -n 48); res[$m,t1m]=$v
+    read -r v a b < <(measure $m latency_us --test latency -l 64 -n 2000); res[$m,lat]=$v
+    echo "measured $m: 64K ${res[$m,t64k]} GB/s, 1M ${res[$m,t1m]} GB/s, 64B ${res[$m,lat]} us, rxe packets A/B ${pk[$m]}" >&2
+done
+# The overlap test: compute between 1 MiB sends about as long as ZSDP's
+# transfer of one (the paper's point of most overlap).
+zsdp=${res[zsdp,t1m]}
+compute=$(awk -v g="$zsdp" 'BEGIN { if (g > 0) printf "%d", 1048576 / (g * 1e9) * 1e6; else print 0 }')
+for m in $modes; do
+    read -r v a b < <(measure $m gbytes_per_sec -l 1048576 -n 32 --compute-us $compute); res[$m,ovl]=$v
+done
+
+# rstream, rsockets' own benchmark (blocking rsockets, its best case here).
+rs() { # SIZE COUNT
+    rstream -T b -S $1 -C $2 > "$work/rs.srv" 2>&1 &
+    local s=$!
+    sleep 0.5
+    rstream -s $IPA -T b -S $1 -C $2 2>/dev/null | awk 'NR > 1 {print $0}' | tail -1
+    wait $s 2>/dev/null
+}
+rs64=$(rs 65536 512); rs1m=$(rs 1048576 48); rs64b=$(rs 64 2000)
+
+gb() { awk -v g="$1" 'BEGIN { if (g == "-" || g == "") print "-"; else printf "%.1f MB/s", g * 1000 }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "-" }'; }
+echo
+echo "guest kernel $(uname -r), $(nproc) vCPUs, load average $(cut -d' ' -f1-3 /proc/loadavg), medians of $runs runs"
+echo
+echo "| stack | 64 KiB | 1 MiB | 64 B latency | overlap 1 MiB, ${compute} us compute | rxe packets A/B |"
+echo "|---|---|---|---|---|---|"
+for m in $modes; do
+    name=$m
+    case $m in
+        tcp) name="kernel TCP (veth)" ;;
+        rsockets) name="rsockets preload" ;;
+        *) name="azsdp $m" ;;
+    esac
+    echo "| $name | $(gb ${res[$m,t64k]}) | $(gb ${res[$m,t1m]}) | ${res[$m,lat]} us | $(gb ${res[$m,ovl]}) | ${pk[$m]} |"
+done
+echo
+echo "rstream (blocking): 64 KiB: ${rs64:-failed}"
+echo "rstream (blocking): 1 MiB: ${rs1m:-failed}"
+echo "rstream (blocking): 64 B: ${rs64b:-failed}"
+echo
+best() { # the better of azsdp-bow and azsdp-cow for KEY
+    awk -v a="${res[azsdp-bow,$1]}" -v b="${res[azsdp-cow,$1]}" 'BEGIN { print (a + 0 > b + 0 ? a : b) }'
+}
+echo "AZ-SDP / rsockets, 64 KiB: $(ratio $(best t64k) ${res[rsockets,t64k]}) (goal >= 1)"
+echo "AZ-SDP / rsockets, 1 MiB: $(ratio $(best t1m) ${res[rsockets,t1m]}) (goal >= 1)"
+echo "AZ-SDP / ZSDP, overlap 1 MiB: $(ratio $(best ovl) ${res[zsdp,ovl]}) (goal >= 1.5)"
+rm -rf "$work"
