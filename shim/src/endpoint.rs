@@ -163,6 +163,9 @@ impl Fabric for AnyEndpoint {
     fn freeze(&self) {
         each!(AnyEndpoint, self, e => e.freeze())
     }
+    fn follows_fork(&self) -> bool {
+        each!(AnyEndpoint, self, e => e.follows_fork())
+    }
     fn claim(&self) -> bool {
         each!(AnyEndpoint, self, e => e.claim())
     }

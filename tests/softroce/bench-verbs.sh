@@ -60,7 +60,8 @@ run() {
     wait $r 2>/dev/null
 }
 
-# median of the runs' FIELD.
+# median of the runs' FIELD. (The guest has no /dev/fd: no process
+# substitution.)
 median() { sort -g | awk '{a[NR] = $1} END {if (NR) print a[int((NR + 1) / 2)]; else print "-"}'; }
 field() { grep -o "\"$1\":[0-9.]*" | cut -d: -f2; }
 
@@ -76,9 +77,9 @@ measure() {
 
 declare -A res pk
 for m in $modes; do
-    read -r v a b < <(measure $m gbytes_per_sec -l 65536 -n 512); res[$m,t64k]=$v; pk[$m]="$a/$b"
-    read -r v a b < <(measure $m gbytes_per_sec -l 1048576 -n 48); res[$m,t1m]=$v
-    read -r v a b < <(measure $m latency_us --test latency -l 64 -n 2000); res[$m,lat]=$v
+    out=$(measure $m gbytes_per_sec -l 65536 -n 512); read -r v a b <<< "$out"; res[$m,t64k]=$v; pk[$m]="$a/$b"
+    out=$(measure $m gbytes_per_sec -l 1048576 -n 48); read -r v a b <<< "$out"; res[$m,t1m]=$v
+    out=$(measure $m latency_us --test latency -l 64 -n 2000); read -r v a b <<< "$out"; res[$m,lat]=$v
     echo "measured $m: 64K ${res[$m,t64k]} GB/s, 1M ${res[$m,t1m]} GB/s, 64B ${res[$m,lat]} us, rxe packets A/B ${pk[$m]}" >&2
 done
 # The overlap test: compute between 1 MiB sends about as long as ZSDP's
@@ -86,7 +87,7 @@ done
 zsdp=${res[zsdp,t1m]}
 compute=$(awk -v g="$zsdp" 'BEGIN { if (g > 0) printf "%d", 1048576 / (g * 1e9) * 1e6; else print 0 }')
 for m in $modes; do
-    read -r v a b < <(measure $m gbytes_per_sec -l 1048576 -n 32 --compute-us $compute); res[$m,ovl]=$v
+    out=$(measure $m gbytes_per_sec -l 1048576 -n 32 --compute-us $compute); read -r v a b <<< "$out"; res[$m,ovl]=$v
 done
 
 # rstream, rsockets' own benchmark (blocking rsockets, its best case here).

@@ -24,5 +24,8 @@ if [ -n "${2:-}" ]; then
     t=$(ms)
     bash "$here/shim-check.sh" "$2" 64 || fails=$((fails + 1))
     echo "programs under azsdp over verbs: $(($(ms) - t)) ms"
+    t=$(ms)
+    bash "$here/conform-verbs.sh" "$2" "$2/azsdp-sockcheck" || fails=$((fails + 1))
+    echo "socket semantics over verbs (sockcheck): $(($(ms) - t)) ms"
 fi
 exit $fails

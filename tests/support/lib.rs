@@ -8,12 +8,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use libc::c_int;
 
 /// `127.0.0.1:port`, as the C socket calls take it.
+///
+/// `SOCKCHECK_ADDR` (an IPv4 address of this host) replaces it: the
+/// SoftRoCE guest runs the same programs between its two RDMA devices.
 pub fn loopback(port: u16) -> libc::sockaddr_in {
+    let ip = std::env::var("SOCKCHECK_ADDR")
+        .ok()
+        .and_then(|a| a.parse::<std::net::Ipv4Addr>().ok())
+        .unwrap_or(std::net::Ipv4Addr::LOCALHOST);
     libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: port.to_be(),
         sin_addr: libc::in_addr {
-            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+            s_addr: u32::from(ip).to_be(),
         },
         sin_zero: [0; 8],
     }

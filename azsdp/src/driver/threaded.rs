@@ -1214,7 +1214,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
                 .shared
                 .mailbox()
                 .filter(|mb| mb.has_live_guests(process::pid()));
+            // A fork may have copied the descriptor, and its copy cannot
+            // take this fabric over: it goes on over TCP.
+            let copies_stay = self.shared.mailbox().is_some() && !d.fabric().follows_fork();
             match self.shared.own.close(d.fabric(), abort) {
+                Close::Now if copies_stay && guests.is_none() => d.leave_fabric(),
                 // Other processes still use it (their descriptors keep the
                 // kernel's socket open): it moves onto that socket, where
                 // they carry on, instead of ending (or, if the peer is

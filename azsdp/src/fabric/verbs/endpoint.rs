@@ -129,6 +129,8 @@ pub struct VerbsEndpoint {
     /// message came).
     last_heard: Instant,
     probing: bool,
+    /// Shared with the processes forked from this one.
+    fork: super::fork_words::ForkWords,
 }
 
 /// One `ibv_reg_mr`, shared by `users` registrations of the engine.
@@ -254,6 +256,7 @@ impl VerbsEndpoint {
             departed: std::sync::atomic::AtomicBool::new(false),
             last_heard: Instant::now(),
             probing: false,
+            fork: super::fork_words::ForkWords::new()?,
         };
         for i in 0..params.ring {
             ep.post_recv(i)?;
@@ -788,6 +791,26 @@ impl Fabric for VerbsEndpoint {
 
     fn claim(&self) -> bool {
         ffi::stack_is_ours()
+    }
+
+    fn follows_fork(&self) -> bool {
+        false
+    }
+
+    fn request_leave(&self) {
+        self.fork.request_leave();
+    }
+
+    fn leave_requested(&self) -> bool {
+        self.fork.leave_requested()
+    }
+
+    fn mark_left(&self) {
+        self.fork.mark_left();
+    }
+
+    fn has_left(&self) -> bool {
+        self.fork.has_left()
     }
 }
 

@@ -30,6 +30,8 @@ mod endpoint;
 #[cfg(feature = "verbs")]
 mod ffi;
 #[cfg(feature = "verbs")]
+mod fork_words;
+#[cfg(feature = "verbs")]
 mod loopback;
 #[cfg(feature = "verbs")]
 mod waiter;
