@@ -22,6 +22,7 @@ scenarios=${*:-basic nonblock halfclose sigpipe readiness threads signals descri
 # that closes while a forked child's receive waits on an advertisement
 # does not move the connection onto TCP cleanly.
 known=${KNOWN-prefork fork-child-serves}
+[ $# = 0 ] || known=
 if rdma link show rxeA/1 > /dev/null 2>&1; then
     IPA=${IPA:-198.51.100.1} IPB=${IPB:-198.51.100.2}
     ulimit -l unlimited
@@ -34,7 +35,7 @@ export AZSDP_CONFIG=$work/verbs.toml AZSDP_LOG_LEVEL=info SOCKCHECK_ADDR=$IPA
 fails=0; failed=""; port=8100; limits=""
 for s in $scenarios $known; do
     is_known=no
-    case " $known " in *" $s "*) [ $# = 0 ] && is_known=yes ;; esac
+    case " $known " in *" $s "*) is_known=yes ;; esac
     port=$((port + 2))
     t0=$(date +%s)
     AZSDP_LOG=$work/$s.srv.log timeout 120 "$azsdp" run -- "$bin" $s server $port > "$work/$s.out" 2>&1 &

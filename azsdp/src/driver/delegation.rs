@@ -243,7 +243,7 @@ static MAPPED: Lock<Vec<(usize, usize)>> = Lock::new(Vec::new());
 
 /// A page (or a few) of anonymous memory shared with forked children,
 /// zero-filled, holding a `T` made of atomics (all zero is valid).
-struct SharedPages<T> {
+pub(crate) struct SharedPages<T> {
     ptr: *mut T,
     len: usize,
 }
@@ -254,7 +254,7 @@ unsafe impl<T> Send for SharedPages<T> {}
 unsafe impl<T> Sync for SharedPages<T> {}
 
 impl<T> SharedPages<T> {
-    fn new() -> std::io::Result<Self> {
+    pub(crate) fn new() -> std::io::Result<Self> {
         let len = std::mem::size_of::<T>().next_multiple_of(4096);
         // SAFETY: a fresh anonymous shared mapping, owned by the result.
         let p = unsafe {
@@ -279,7 +279,7 @@ impl<T> SharedPages<T> {
         detach(self.ptr as usize, self.len);
     }
 
-    fn get(&self) -> &T {
+    pub(crate) fn get(&self) -> &T {
         // SAFETY: mapped, zero-filled (a valid T of atomics) and aligned to
         // a page, for as long as `self` lives.
         unsafe { &*self.ptr }

@@ -3,78 +3,49 @@
 //! connection onto its TCP socket, and whether it has. (A queue pair stays
 //! with its process; the others use the connection through it, or, once it
 //! moved, through the kernel's socket: `driver::delegation`.)
-//!
-//! `unsafe` here: the shared mapping.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-#[repr(C)]
+use crate::driver::delegation::SharedPages;
+
+#[derive(Default)]
 struct Words {
     leave: AtomicU32,
     left: AtomicU32,
 }
 
-/// One page of `MAP_SHARED` anonymous memory (inherited by every fork).
-#[derive(Debug)]
-pub struct ForkWords {
-    ptr: *mut Words,
+/// A page of `MAP_SHARED` anonymous memory (inherited by every fork).
+pub struct ForkWords(SharedPages<Words>);
+
+impl std::fmt::Debug for ForkWords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForkWords")
+            .field("leave_requested", &self.leave_requested())
+            .field("has_left", &self.has_left())
+            .finish()
+    }
 }
-
-// SAFETY: the page holds atomics only, shared on purpose.
-unsafe impl Send for ForkWords {}
-// SAFETY: as above.
-unsafe impl Sync for ForkWords {}
-
-const LEN: usize = 4096;
 
 impl ForkWords {
     pub fn new() -> std::io::Result<ForkWords> {
-        // SAFETY: a fresh anonymous shared mapping, owned by the result;
-        // zero-filled, which is a valid `Words`.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                LEN,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(ForkWords { ptr: p.cast() })
-    }
-
-    fn words(&self) -> &Words {
-        // SAFETY: mapped, page-aligned and zero-initialised for as long as
-        // `self` lives.
-        unsafe { &*self.ptr }
+        SharedPages::new().map(ForkWords)
     }
 
     pub fn request_leave(&self) {
-        self.words().leave.store(1, Ordering::Release);
+        self.0.get().leave.store(1, Ordering::Release);
     }
 
     pub fn leave_requested(&self) -> bool {
-        self.words().leave.load(Ordering::Acquire) != 0
+        self.0.get().leave.load(Ordering::Acquire) != 0
     }
 
     pub fn mark_left(&self) {
-        let w = &self.words().left;
+        let w = &self.0.get().left;
         w.store(1, Ordering::Release);
         crate::futex::wake_all(w);
     }
 
     pub fn has_left(&self) -> bool {
-        self.words().left.load(Ordering::Acquire) != 0
-    }
-}
-
-impl Drop for ForkWords {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping (the other processes keep theirs).
-        unsafe { libc::munmap(self.ptr.cast(), LEN) };
+        self.0.get().left.load(Ordering::Acquire) != 0
     }
 }
