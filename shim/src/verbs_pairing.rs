@@ -13,7 +13,9 @@ use azsdp::config::Settings;
 use azsdp::conn::Role;
 use azsdp::fabric::verbs::hello::{Request, Ring};
 use azsdp::fabric::verbs::pairing::{PairMsg, WaitingTable};
-use azsdp::fabric::verbs::{self, ConnectError, VerbsEndpoint, VerbsListener, VerbsParams};
+use azsdp::fabric::verbs::{
+    self, ConnectError, SharedFlag, VerbsEndpoint, VerbsListener, VerbsParams,
+};
 use azsdp::stats::TcpReason;
 use azsdp::sync::Lock;
 use libc::c_int;
@@ -169,6 +171,12 @@ pub struct VerbsAccepts {
     addr: SocketAddr,
     table: Lock<WaitingTable<Arc<Waiting>>>,
     stop: AtomicBool,
+    /// A process forked from this one accepts on the listening socket (a
+    /// pre-forked server): the RDMA connections this process's thread
+    /// accepts could be bound only to the TCP connections this process
+    /// accepts, so the thread refuses requests from then on and clients
+    /// fall back to TCP at once (`cm-rejected`), not after `pair_timeout`.
+    copies_accept: SharedFlag,
 }
 
 impl VerbsAccepts {
@@ -193,6 +201,13 @@ impl VerbsAccepts {
                 (s.pair_timeout * 2).max(Duration::from_secs(2)),
             )),
             stop: AtomicBool::new(false),
+            copies_accept: match SharedFlag::new() {
+                Ok(f) => f,
+                Err(e) => {
+                    info!("listener {addr}: no RDMA listener ({e})");
+                    return None;
+                }
+            },
         });
         let run = Arc::clone(&me);
         let p = params(s);
@@ -231,6 +246,16 @@ impl VerbsAccepts {
                 incoming.reject();
                 continue;
             };
+            if self.copies_accept.is_set() {
+                debug!(
+                    "listener {}: RDMA request from {from} rejected: forked processes accept \
+                     on this listener (a pre-forked server), and an RDMA connection stays with \
+                     the process that accepts it",
+                    self.addr
+                );
+                incoming.reject();
+                continue;
+            }
             if incoming.request.tcp_server_port != self.addr.port() {
                 debug!(
                     "listener {}: an RDMA request from {from} for port {}; rejected",
@@ -275,6 +300,14 @@ impl VerbsAccepts {
         s: &Settings,
     ) -> Option<Result<Arc<Conn>, TcpReason>> {
         if !verbs::stack_is_ours() {
+            if !self.copies_accept.is_set() {
+                info!(
+                    "listener {}: a forked process accepts here: from now on its clients stay \
+                     on TCP (cm-rejected)",
+                    self.addr
+                );
+                self.copies_accept.set();
+            }
             return None;
         }
         let taken = self

@@ -18,7 +18,8 @@ scenarios=${*:-basic nonblock halfclose sigpipe readiness threads signals descri
     exit-after-send _exit-after-send dead-peer-blocking dead-peer-epoll}
 # Known limits over verbs (docs/shim.md, "Between hosts"): a pre-forked
 # server's children accept connections whose RDMA side the parent's
-# listener thread took (they stay on TCP after pair_timeout); a runner
+# listener thread took (the first stays on TCP after pair_timeout, the
+# listener rejects RDMA requests from then on); a runner
 # that closes while a forked child's receive waits on an advertisement
 # does not move the connection onto TCP cleanly.
 known=${KNOWN-prefork fork-child-serves}

@@ -49,3 +49,27 @@ impl ForkWords {
         self.0.get().left.load(Ordering::Acquire) != 0
     }
 }
+
+/// One flag shared with the processes forked from the one that made it (a
+/// listener's: "a forked copy accepts on this socket").
+pub struct SharedFlag(SharedPages<AtomicU32>);
+
+impl std::fmt::Debug for SharedFlag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("SharedFlag").field(&self.is_set()).finish()
+    }
+}
+
+impl SharedFlag {
+    pub fn new() -> std::io::Result<SharedFlag> {
+        SharedPages::new().map(SharedFlag)
+    }
+
+    pub fn set(&self) {
+        self.0.get().store(1, Ordering::Release);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.get().load(Ordering::Acquire) != 0
+    }
+}

@@ -43,4 +43,6 @@ pub use endpoint::{VerbsEndpoint, VerbsParams};
 #[cfg(feature = "verbs")]
 pub use ffi::{device_count, stack_is_ours};
 #[cfg(feature = "verbs")]
+pub use fork_words::SharedFlag;
+#[cfg(feature = "verbs")]
 pub use waiter::VerbsWaiter;
