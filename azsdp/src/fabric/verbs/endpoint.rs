@@ -82,16 +82,8 @@ pub struct VerbsEndpoint {
     // Drop order matters: the queue pair (in the id) before the
     // registrations and the CQ, those before the PD and the channels.
     id: CmId,
-    /// Registrations by key: whether the peer may read them, and how
-    /// many of the engine's registrations share them (see `live`).
-    regs: HashMap<u32, Registered>,
-    /// Live registrations by exact range and access: a second
-    /// registration of the same range (a program sending one buffer again
-    /// while the peer still reads the last send) shares the first, whose
-    /// pages are write-protected by then (registering them again fails or
-    /// faults: docs/protocol.md, "Over verbs"). Exact ranges only: a key
-    /// never lets the peer read beyond what some live advertisement gives.
-    live: HashMap<(u64, u64, bool), u32>,
+    /// Registrations by key, shared and kept as `super::reg_cache` says.
+    regs: super::reg_cache::RegCache<Mr>,
     lock_mr: Option<Mr>,
     /// Our lock words registered for the loopback pair, when the device's
     /// atomics are not the CPU's (see `loopback`).
@@ -133,14 +125,8 @@ pub struct VerbsEndpoint {
     fork: super::fork_words::ForkWords,
 }
 
-/// One `ibv_reg_mr`, shared by `users` registrations of the engine.
-#[derive(Debug)]
-struct Registered {
-    _mr: Mr,
-    access: RegAccess,
-    range: (u64, u64),
-    users: u32,
-}
+/// Local registrations kept for reuse, per connection.
+const KEPT: usize = 8;
 
 /// The parts of a connection made before it is established (see `cm`).
 #[derive(Debug)]
@@ -225,8 +211,7 @@ impl VerbsEndpoint {
         };
         let ep = VerbsEndpoint {
             id,
-            regs: HashMap::new(),
-            live: HashMap::new(),
+            regs: super::reg_cache::RegCache::new(KEPT),
             lock_mr: Some(lock_mr),
             local_locks,
             no_local_locks,
@@ -531,10 +516,8 @@ impl Fabric for VerbsEndpoint {
         access: RegAccess,
     ) -> Result<(), FabricError> {
         let peer = access == RegAccess::PeerRead;
-        if let Some(&key) = self.live.get(&(addr, len, peer))
-            && let Some(r) = self.regs.get_mut(&key)
-        {
-            r.users += 1;
+        let epoch = crate::process::memory_epoch();
+        if let Some(key) = self.regs.reuse(addr, len, peer, epoch) {
             self.completions
                 .push_back((op, OpResult::Registered(Ok(key))));
             return Ok(());
@@ -546,20 +529,12 @@ impl Fabric for VerbsEndpoint {
         };
         // SAFETY: the engine registers memory it holds (a send buffer
         // under advertisement, a receive destination, pool memory) and
-        // deregisters it before letting go of it.
+        // deregisters it before letting go of it; a kept registration is
+        // dropped as soon as memory may have changed (`reg_cache`).
         let r = match unsafe { self._pd.register(addr, len, flags) } {
             Ok(mr) => {
                 let key = if peer { mr.rkey() } else { mr.lkey() };
-                self.live.insert((addr, len, peer), key);
-                self.regs.insert(
-                    key,
-                    Registered {
-                        _mr: mr,
-                        access,
-                        range: (addr, len),
-                        users: 1,
-                    },
-                );
+                self.regs.insert(key, mr, addr, len, peer, epoch);
                 Ok(key)
             }
             Err(_) => Err(OpError::Local),
@@ -569,16 +544,7 @@ impl Fabric for VerbsEndpoint {
     }
 
     fn deregister(&mut self, key: u32) {
-        let Some(r) = self.regs.get_mut(&key) else {
-            return;
-        };
-        r.users = r.users.saturating_sub(1);
-        if r.users == 0 {
-            let peer = r.access == RegAccess::PeerRead;
-            let (addr, len) = r.range;
-            self.live.remove(&(addr, len, peer));
-            self.regs.remove(&key);
-        }
+        self.regs.release(key, crate::process::memory_epoch());
     }
 
     fn has_room(&self, len: usize) -> bool {
@@ -709,8 +675,7 @@ impl Fabric for VerbsEndpoint {
     /// Every key the peer could use goes: the NIC refuses them from now,
     /// READs in flight included.
     fn revoke_access(&mut self) {
-        self.regs.retain(|_, r| r.access == RegAccess::LocalWrite);
-        self.live.retain(|&(_, _, peer), _| !peer);
+        self.regs.revoke_peer_keys();
         self.lock_mr = None;
     }
 
