@@ -309,32 +309,14 @@ pub fn active() -> bool {
     COUNT.load(Ordering::Relaxed) > 0
 }
 
-/// Bumped by every interposed call that may give memory back or replace
-/// its pages (free, realloc, munmap, mremap, discarding madvise, mmap):
-/// a registration a fabric keeps for reuse (a NIC's pinned pages) is
-/// valid only while this stays the same. (free and realloc count too: the
-/// allocator may unmap or trim inside libc, where no hook sees it.)
-static MEMORY_EPOCH: AtomicUsize = AtomicUsize::new(0);
-
-/// See [`MEMORY_EPOCH`].
-pub fn memory_epoch() -> usize {
-    MEMORY_EPOCH.load(Ordering::Acquire)
-}
-
-fn memory_changes() {
-    MEMORY_EPOCH.fetch_add(1, Ordering::AcqRel);
-}
-
 /// Before `free(ptr)` of a chunk with `usable` bytes (`malloc_usable_size`).
 pub fn before_free(ptr: u64, usable: u64) {
-    memory_changes();
     settle(ptr..ptr.saturating_add(usable));
 }
 
 /// Before `realloc(ptr, _)` of a chunk with `usable` bytes: it may move the
 /// data (and free the old chunk) or shrink in place.
 pub fn before_realloc(ptr: u64, usable: u64) {
-    memory_changes();
     settle(ptr..ptr.saturating_add(usable));
 }
 
@@ -345,7 +327,6 @@ pub fn before_unmap(addr: u64, len: u64) {
 
 /// After a successful `munmap(addr, len)`.
 pub fn after_unmap(addr: u64, len: u64) {
-    memory_changes();
     crate::memory_map::invalidate();
     forget(addr..addr.saturating_add(len));
 }
@@ -354,7 +335,6 @@ pub fn after_unmap(addr: u64, len: u64) {
 /// memory map changed, and shared anonymous memory made here belongs to
 /// this process alone (until it forks), so it may be protected.
 pub fn after_mmap(addr: u64, flags: i32) {
-    memory_changes();
     crate::memory_map::invalidate();
     let shared_anon = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
     if flags & shared_anon == shared_anon {
@@ -370,7 +350,6 @@ pub fn before_remap(old: u64, old_len: u64) {
 
 /// After a successful `mremap`: the old range is no longer what it was.
 pub fn after_remap(old: u64, old_len: u64) {
-    memory_changes();
     crate::memory_map::invalidate();
     forget(old..old.saturating_add(old_len));
 }
@@ -391,7 +370,6 @@ pub fn advice_discards(advice: i32) -> bool {
 /// Before `madvise(addr, len, advice)`.
 pub fn before_madvise(addr: u64, len: u64, advice: i32) {
     if advice_discards(advice) {
-        memory_changes();
         settle(addr..addr.saturating_add(len));
     }
 }

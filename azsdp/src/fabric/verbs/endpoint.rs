@@ -82,7 +82,7 @@ pub struct VerbsEndpoint {
     // Drop order matters: the queue pair (in the id) before the
     // registrations and the CQ, those before the PD and the channels.
     id: CmId,
-    /// Registrations by key, shared and kept as `super::reg_cache` says.
+    /// Registrations by key, shared as `super::reg_cache` says.
     regs: super::reg_cache::RegCache<Mr>,
     lock_mr: Option<Mr>,
     /// Our lock words registered for the loopback pair, when the device's
@@ -124,9 +124,6 @@ pub struct VerbsEndpoint {
     /// Shared with the processes forked from this one.
     fork: super::fork_words::ForkWords,
 }
-
-/// Local registrations kept for reuse, per connection.
-const KEPT: usize = 8;
 
 /// The parts of a connection made before it is established (see `cm`).
 #[derive(Debug)]
@@ -211,7 +208,7 @@ impl VerbsEndpoint {
         };
         let ep = VerbsEndpoint {
             id,
-            regs: super::reg_cache::RegCache::new(KEPT),
+            regs: super::reg_cache::RegCache::default(),
             lock_mr: Some(lock_mr),
             local_locks,
             no_local_locks,
@@ -516,8 +513,7 @@ impl Fabric for VerbsEndpoint {
         access: RegAccess,
     ) -> Result<(), FabricError> {
         let peer = access == RegAccess::PeerRead;
-        let epoch = crate::process::memory_epoch();
-        if let Some(key) = self.regs.reuse(addr, len, peer, epoch) {
+        if let Some(key) = self.regs.reuse(addr, len, peer) {
             self.completions
                 .push_back((op, OpResult::Registered(Ok(key))));
             return Ok(());
@@ -529,12 +525,11 @@ impl Fabric for VerbsEndpoint {
         };
         // SAFETY: the engine registers memory it holds (a send buffer
         // under advertisement, a receive destination, pool memory) and
-        // deregisters it before letting go of it; a kept registration is
-        // dropped as soon as memory may have changed (`reg_cache`).
+        // deregisters it before letting go of it.
         let r = match unsafe { self._pd.register(addr, len, flags) } {
             Ok(mr) => {
                 let key = if peer { mr.rkey() } else { mr.lkey() };
-                self.regs.insert(key, mr, addr, len, peer, epoch);
+                self.regs.insert(key, mr, addr, len, peer);
                 Ok(key)
             }
             Err(_) => Err(OpError::Local),
@@ -544,7 +539,7 @@ impl Fabric for VerbsEndpoint {
     }
 
     fn deregister(&mut self, key: u32) {
-        self.regs.release(key, crate::process::memory_epoch());
+        self.regs.release(key);
     }
 
     fn has_room(&self, len: usize) -> bool {

@@ -7,8 +7,8 @@
 //!   SDP-style flow control it carries: receives are pre-posted and
 //!   credited, so the queue pair never needs RNR retries.
 //! - [`hello`]: rdma_cm's private data when a connection is made.
-//! - [`reg_cache`]: an endpoint's registrations, shared while live and
-//!   (local ones) kept while memory stays unchanged.
+//! - [`reg_cache`]: an endpoint's registrations, exact ranges shared while
+//!   live.
 //! - [`pairing`]: binding a verbs connection to the TCP connection it
 //!   upgrades (the commit messages and the listener's waiting table).
 //! - `cm` (feature `verbs`): making connections with rdma_cm.
