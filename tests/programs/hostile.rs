@@ -36,6 +36,21 @@ fn tools() -> (PathBuf, PathBuf) {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     let dir = DIR.get_or_init(|| {
         use std::os::unix::fs::PermissionsExt;
+        // A static is never dropped: the copies of earlier runs (tens of
+        // MiB each) go when their test process is gone.
+        for e in std::fs::read_dir(std::env::temp_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("azsdp-hostile-")
+                && pid.parse::<u32>().is_ok()
+                && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
         let d = std::env::temp_dir().join(format!("azsdp-hostile-{}", std::process::id()));
         std::fs::create_dir_all(&d).expect("tool dir");
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).expect("chmod");
