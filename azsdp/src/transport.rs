@@ -82,6 +82,11 @@ pub trait Endpoint: Watched + Send + 'static {
     fn get_refused(&self) -> Option<String>;
     /// Is the peer of our own user? (Only then are our pages advertised.)
     fn same_user(&self) -> bool;
+    /// May a receive's destination pages be armed (receive-side
+    /// protection) on this fabric?
+    fn arms_receives(&self) -> bool {
+        true
+    }
     /// See [`Offer::agreement`].
     fn agreement(&self) -> &AtomicU32;
 }

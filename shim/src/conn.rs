@@ -88,13 +88,8 @@ impl Conn {
         // read them (a hostile one may claim it can, to have us protect
         // pages and wait for GETs that never come).
         caps.zcopy_source &= Endpoint::same_user(&ep);
-        let mut cfg = settings.engine_config(role, caps, LockRegion::UNSET);
-        if ep.fabric_name() == "verbs" {
-            // Not over verbs yet: registering a destination that overlaps
-            // pages still armed faults in ibv_reg_mr on 6.12 and waits for
-            // the landing it holds up (docs/protocol.md §1.1).
-            cfg.recv_protect = azsdp::conn::RecvProtect::Off;
-        }
+        caps.arm_recv &= ep.arms_receives();
+        let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
         let beneath = Arc::new(TcpBeneath::new(fd));
         let host = Self::host(settings, &beneath);
         let d = Driver::with_host(cfg, ep, p.protector, host);

@@ -228,6 +228,9 @@ impl Endpoint for AnyEndpoint {
     fn same_user(&self) -> bool {
         each!(AnyEndpoint, self, e => Endpoint::same_user(e))
     }
+    fn arms_receives(&self) -> bool {
+        each!(AnyEndpoint, self, e => Endpoint::arms_receives(e))
+    }
     fn agreement(&self) -> &AtomicU32 {
         each!(AnyEndpoint, self, e => Endpoint::agreement(e))
     }

@@ -933,6 +933,13 @@ impl crate::transport::Endpoint for VerbsEndpoint {
         true
     }
 
+    /// Not yet: registering a destination that overlaps pages still armed
+    /// faults in `ibv_reg_mr` on 6.12 and waits for the landing it holds
+    /// up (docs/protocol.md §1.1).
+    fn arms_receives(&self) -> bool {
+        false
+    }
+
     /// Pairing over verbs agrees by its own messages (`super::pairing`):
     /// an endpoint exists only once agreed.
     fn agreement(&self) -> &std::sync::atomic::AtomicU32 {
