@@ -1210,13 +1210,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            let guests = self
-                .shared
-                .mailbox()
-                .filter(|mb| mb.has_live_guests(process::pid()));
+            let mailbox = self.shared.mailbox();
             // A fork may have copied the descriptor, and its copy cannot
             // take this fabric over: it goes on over TCP.
-            let copies_stay = self.shared.mailbox().is_some() && !d.fabric().follows_fork();
+            let copies_stay = mailbox.is_some() && !d.fabric().follows_fork();
+            let guests = mailbox.filter(|mb| mb.has_live_guests(process::pid()));
             match self.shared.own.close(d.fabric(), abort) {
                 Close::Now if copies_stay && guests.is_none() => d.leave_fabric(),
                 // Other processes still use it (their descriptors keep the

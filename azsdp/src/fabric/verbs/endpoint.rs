@@ -117,9 +117,12 @@ pub struct VerbsEndpoint {
     broken: Option<String>,
     gone_reported: bool,
     departed: std::sync::atomic::AtomicBool,
-    /// The last completion: the peer's queue pair was alive then (or its
-    /// message came).
+    /// When a poll last found a completion: the peer's queue pair was
+    /// alive then (or its message came).
     last_heard: Instant,
+    /// A completion came since the last poll looked (the clock is read
+    /// once per poll, not per completion).
+    heard: bool,
     probing: bool,
     /// Shared with the processes forked from this one.
     fork: super::fork_words::ForkWords,
@@ -237,6 +240,7 @@ impl VerbsEndpoint {
             gone_reported: false,
             departed: std::sync::atomic::AtomicBool::new(false),
             last_heard: Instant::now(),
+            heard: false,
             probing: false,
             fork: super::fork_words::ForkWords::new()?,
         };
@@ -408,9 +412,7 @@ impl VerbsEndpoint {
         on_event: &mut dyn FnMut(FabricEvent<'_>),
     ) -> usize {
         let ok = wc.ok();
-        if ok {
-            self.last_heard = Instant::now();
-        }
+        self.heard |= ok;
         let index = wc.wr_id & !WR_KIND;
         match wc.wr_id & WR_KIND {
             WR_PROBE => {
@@ -877,7 +879,11 @@ impl VerbsEndpoint {
     /// probe's retries run out (a few seconds) and the peer is gone. The
     /// engine's own keepalive needs credits, which a dead peer may hold.
     fn probe_if_quiet(&mut self) {
-        if self.broken.is_some() || self.probing || self.last_heard.elapsed() < PROBE_QUIET {
+        let now = Instant::now();
+        if std::mem::take(&mut self.heard) {
+            self.last_heard = now;
+        }
+        if self.broken.is_some() || self.probing || now - self.last_heard < PROBE_QUIET {
             return;
         }
         match ffi::post_send(self.id.qp(), WR_PROBE, SendOp::Probe) {

@@ -135,9 +135,14 @@ static STACK_OWNER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32:
 pub fn stack_is_ours() -> bool {
     use std::sync::atomic::Ordering;
     let me = crate::process::pid();
-    match STACK_OWNER.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => true,
-        Err(owner) => owner == me,
+    // A plain load first: this is asked on every call's ownership check,
+    // and a compare-and-swap would take the line exclusive each time.
+    match STACK_OWNER.load(Ordering::Acquire) {
+        0 => match STACK_OWNER.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => true,
+            Err(owner) => owner == me,
+        },
+        owner => owner == me,
     }
 }
 
