@@ -44,8 +44,20 @@ for victim in server client; do
     cli=$!
     sleep 3
     # (The program, not the timeout around it.)
-    if [ $victim = server ]; then pkill -9 -P $srv; wait $cli; rc=$?; wait $srv
-    else pkill -9 -P $cli; wait $srv; rc=$?; wait $cli; fi
+    if [ $victim = server ]; then pkill -9 -P $srv; survivor=$cli; else pkill -9 -P $cli; survivor=$srv; fi
+    # A survivor still there after 60 s is stuck (a hang seen twice under
+    # load): say where each of its threads waits before the timeout ends it.
+    for _ in $(seq 600); do kill -0 $survivor 2>/dev/null || break; sleep 0.1; done
+    if kill -0 $survivor 2>/dev/null; then
+        for pid in $(pgrep -P $survivor); do
+            for task in /proc/$pid/task/*; do
+                echo "    stuck: thread $(cat $task/comm) waits in $(cat $task/wchan 2>/dev/null):"
+                sed 's/^/        /' $task/stack 2>/dev/null | head -12
+            done
+        done
+    fi
+    wait $survivor; rc=$?
+    if [ $victim = server ]; then wait $srv; else wait $cli; fi
     t=$(( $(date +%s) - t0 ))
     ok=no
     [ $rc != 0 ] && [ $rc != 124 ] && ok=yes
