@@ -31,6 +31,7 @@ fn main() {
         for watched in [
             "shim",
             "azsdp/src",
+            "azsdp/proto",
             "azsdp/Cargo.toml",
             "Cargo.toml",
             "Cargo.lock",
