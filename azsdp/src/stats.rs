@@ -72,7 +72,7 @@ mod w {
 }
 
 /// Fabric names, by the code the stat word holds (0: none, TCP).
-pub const FABRICS: [&str; 2] = ["shm", "verbs"];
+pub const FABRICS: [&str; 3] = ["shm", "verbs", "verbs-msglock"];
 
 /// Header word indices.
 mod h {
@@ -223,6 +223,7 @@ fn zc_code(r: Option<FallbackReason>) -> u64 {
         Some(FallbackReason::NoCopyOnWrite) => 3,
         Some(FallbackReason::NoZeroCopy) => 4,
         Some(FallbackReason::PrepareFailed) => 5,
+        Some(FallbackReason::MemlockLimit) => 6,
     }
 }
 
@@ -233,6 +234,7 @@ fn zc_name(c: u64) -> Option<&'static str> {
         3 => "no-copy-on-write",
         4 => "no-zero-copy",
         5 => "prepare-failed",
+        6 => "memlock-limit",
         _ => return None,
     })
 }

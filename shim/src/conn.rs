@@ -293,9 +293,11 @@ impl Conn {
         }
         let (c, _, _) = self.driver.snapshot();
         let end = match self.driver.state() {
-            _ if self.driver.orphaned() => "moved to its TCP socket for the processes left \
-                 when the peer's process died"
-                .to_string(),
+            // (The peer's process died and others of its side carry on, or
+            // the peer had closed and gone when this side left the fabric.)
+            _ if self.driver.orphaned() => {
+                "moved to its TCP socket alone (the peer's end was gone)".to_string()
+            }
             _ if self.driver.is_switched() => "moved to its TCP socket".to_string(),
             azsdp::conn::State::Aborted(r) if c.bytes_unread_by_peer > 0 => format!(
                 "reset ({r}, {} sent bytes never read)",
@@ -306,8 +308,15 @@ impl Conn {
             _ => "closed".to_string(),
         };
         if let Some(w) = self.driver.stalled() {
-            // A timeout is a stall somewhere: say where, whatever the level.
-            warning!("{} -> {}: timed out waiting: {w}", self.local, self.peer);
+            // A timeout is a stall somewhere: say where, whatever the level
+            // (and what the fabric waits for, where it can say).
+            let fabric = self.driver.with_fabric(|ep| ep.describe());
+            let fabric = fabric.map(|f| format!("; fabric: {f}")).unwrap_or_default();
+            warning!(
+                "{} -> {}: timed out waiting: {w}{fabric}",
+                self.local,
+                self.peer
+            );
         }
         let copied = match c.copy_summary() {
             s if s.is_empty() => String::new(),

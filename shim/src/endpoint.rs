@@ -50,8 +50,21 @@ impl AnyEndpoint {
     pub fn fabric_name(&self) -> &'static str {
         match self {
             AnyEndpoint::Shm(_) => "shm",
+            // The copy-on-write lock by message, not by the NICs' atomics
+            // (`VerbsEndpoint::lock_by_message`).
+            #[cfg(feature = "verbs")]
+            AnyEndpoint::Verbs(e) if e.lock_by_message().is_some() => "verbs-msglock",
             #[cfg(feature = "verbs")]
             AnyEndpoint::Verbs(_) => "verbs",
+        }
+    }
+
+    /// What the fabric waits for, if it can say (for a stall's report).
+    pub fn describe(&self) -> Option<String> {
+        match self {
+            AnyEndpoint::Shm(_) => None,
+            #[cfg(feature = "verbs")]
+            AnyEndpoint::Verbs(e) => Some(e.describe()),
         }
     }
 

@@ -96,6 +96,8 @@ pub fn connect(
         nonce: nonce(),
         tcp_client_port: port,
         tcp_server_port: dst.port(),
+        // (Set by `connect`, which knows the device.)
+        locks_by_message: false,
     };
     let deadline = Instant::now() + settings.pair_timeout;
     let mut ep = match verbs::connect(

@@ -30,6 +30,14 @@ pub fn pattern(off: u64) -> u8 {
     word(off / 8).to_le_bytes()[(off % 8) as usize]
 }
 
+/// Bytes of `got` that are not the stream's from offset `off`.
+pub fn mismatches(got: &[u8], off: u64) -> u64 {
+    got.iter()
+        .enumerate()
+        .filter(|(k, x)| **x != pattern(off + *k as u64))
+        .count() as u64
+}
+
 pub fn cfg(role: Role, caps: Capabilities, zsdp: bool, threshold: u64) -> EngineConfig {
     let mut e = EngineConfig::new(role, caps, LockRegion::UNSET);
     e.async_zcopy = !zsdp;
@@ -236,11 +244,7 @@ pub fn random_receiver(sock: &UnixStream, seed: u64, armed: bool) -> i32 {
         if n == 0 {
             break;
         }
-        bad += buf[start..start + n]
-            .iter()
-            .enumerate()
-            .filter(|(k, x)| **x != pattern(off + *k as u64))
-            .count() as u64;
+        bad += mismatches(&buf[start..start + n], off);
         off += n as u64;
     }
     let (_, c) = d.close(Duration::from_secs(10));

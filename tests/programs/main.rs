@@ -763,7 +763,7 @@ fn the_process_left_carries_on_when_the_one_running_the_connection_is_killed() {
     sockcheck_run("runner-killed", false, 134);
     let log = sockcheck_run("runner-killed", true, 135);
     assert!(
-        log.contains("for the processes left when the peer's process died"),
+        log.contains("moved to its TCP socket alone (the peer's end was gone)"),
         "{log}"
     );
     assert!(!log.contains("reset"), "{log}");

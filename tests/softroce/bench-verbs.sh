@@ -100,6 +100,11 @@ rs() { # SIZE COUNT
 }
 rs64=$(rs 65536 512); rs1m=$(rs 1048576 48); rs64b=$(rs 64 2000)
 
+# What a pinned registration costs here against a copy of the same size
+# (each AZ-SDP advertisement registers its pages, each zero-copy receive
+# its destination; rsockets copies into buffers registered once).
+regcost=$(gcc -O2 -o "$work/regcost" "$here/probes/regcost.c" -libverbs 2>&1 && "$work/regcost" rxeA 50 2>&1)
+
 gb() { awk -v g="$1" 'BEGIN { if (g == "-" || g == "") print "-"; else printf "%.1f MB/s", g * 1000 }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "-" }'; }
 echo
@@ -120,6 +125,8 @@ echo
 echo "rstream (blocking): 64 KiB: ${rs64:-failed}"
 echo "rstream (blocking): 1 MiB: ${rs1m:-failed}"
 echo "rstream (blocking): 64 B: ${rs64b:-failed}"
+echo
+echo "$regcost"
 echo
 best() { # the better of azsdp-bow and azsdp-cow for KEY
     awk -v a="${res[azsdp-bow,$1]}" -v b="${res[azsdp-cow,$1]}" 'BEGIN { print (a + 0 > b + 0 ? a : b) }'

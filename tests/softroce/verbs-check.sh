@@ -9,7 +9,11 @@ bin=$1; mib=${2:-8}; shift 2 2>/dev/null || shift $#
 # (`armed`, receive-side protection, is left out until a destination that
 # overlaps pages still armed is registered without blocking: on 6.12
 # ibv_reg_mr faults on them and waits for the landing it holds up.)
-modes=${*:-bsdp zsdp block copy}
+# (`copy-msg` takes the copy-on-write lock by message, as on a device
+# without atomics; `memlock-tx` and `memlock-rx` run both ends without
+# CAP_IPC_LOCK, the sender's or the receiver's locked-memory limit lowered
+# once connected.)
+modes=${*:-bsdp zsdp block copy copy-msg memlock-tx memlock-rx}
 . "$(dirname "$0")/topo-wire.sh" > /dev/null
 sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
 fails=0; port=7600
@@ -17,10 +21,12 @@ for mode in $modes; do
     port=$((port + 1))
     t0=$(date +%s.%N)
     a0=$(sent rxeA); b0=$(sent rxeB)
-    timeout 300 "$bin" server "$IPA" $port $mode 7 $mib > /tmp/v.srv 2>&1 &
+    pre=()
+    case $mode in memlock-*) pre=(setpriv --bounding-set -ipc_lock) ;; esac
+    timeout 300 "${pre[@]}" "$bin" server "$IPA" $port $mode 7 $mib > /tmp/v.srv 2>&1 &
     srv=$!
     for _ in $(seq 100); do grep -q listening /tmp/v.srv 2>/dev/null && break; sleep 0.1; done
-    timeout 300 "$bin" client "$IPA" $port $mode 7 $mib "$IPB" > /tmp/v.cli 2>&1
+    timeout 300 "${pre[@]}" "$bin" client "$IPA" $port $mode 7 $mib "$IPB" > /tmp/v.cli 2>&1
     c=$?
     wait $srv; s=$?
     a1=$(sent rxeA); b1=$(sent rxeB)
@@ -28,7 +34,7 @@ for mode in $modes; do
     ok=no
     [ $c = 0 ] && [ $s = 0 ] && [ "${a1:-0}" -gt "${a0:-0}" ] && [ "${b1:-0}" -gt "${b0:-0}" ] && ok=yes
     echo "--- verbs $mode ${mib} MiB: $ok (client rc=$c server rc=$s, ${t%???????} s, sent_pkts rxeA +$(( ${a1:-0} - ${a0:-0} )) rxeB +$(( ${b1:-0} - ${b0:-0} )))"
-    grep -h "received\|sent \|no copy-on-write" /tmp/v.srv /tmp/v.cli | sed "s/^/    /"
+    grep -h "received\|sent \|copy-on-write lock\|locked-memory" /tmp/v.srv /tmp/v.cli | sed "s/^/    /"
     if [ $ok != yes ]; then fails=$((fails + 1)); sed 's/^/    server: /' /tmp/v.srv | tail -5; sed 's/^/    client: /' /tmp/v.cli | tail -5; fi
 done
 # A peer killed mid-stream, on either side: the survivor's call fails

@@ -5,8 +5,15 @@
 //! client connects from FROM (another RDMA device's address) to the server
 //! at ADDR:PORT and sends MIB MiB in random sizes at random alignments, in
 //! MODE (`bsdp`, `zsdp`, `block`: AZ-SDP with block-on-write, `copy`:
-//! AZ-SDP with copy-on-write, `armed`: AZ-SDP with the receiver's receives
-//! returning before the data lands); with a touching mode one send in four
+//! AZ-SDP with copy-on-write, `copy-msg`: the same with the copy-on-write
+//! lock taken by message, as on devices without atomics, `memlock-tx` and
+//! `memlock-rx`: the same as `copy` with the sender's (or the receiver's)
+//! locked-memory limit lowered, once connected, to what it pinned plus 192
+//! KiB (run them without CAP_IPC_LOCK: sends that cannot be pinned go by
+//! copy, receives into such destinations through a bounce buffer),
+//! `armed`: AZ-SDP
+//! with the receiver's receives returning before the data lands); with a
+//! touching mode one send in four
 //! is rewritten right after it returns. The server checks every byte and
 //! prints `received N bad B gets G armed A`; the client prints its
 //! counters. Exit status 0 only if the stream arrived exactly.
@@ -26,7 +33,7 @@ use azsdp::protect::{self, ProtectionMode};
 // The stream pattern the shm two-process tests use.
 #[path = "../common/mod.rs"]
 mod common;
-use common::{pattern, word};
+use common::{mismatches, pattern, word};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
@@ -34,6 +41,9 @@ enum Mode {
     Zsdp,
     Block,
     Copy,
+    CopyMsg,
+    MemlockTx,
+    MemlockRx,
     Armed,
 }
 
@@ -45,7 +55,10 @@ fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
     } else {
         16 << 10
     };
-    e.write_fault = if mode == Mode::Copy {
+    e.write_fault = if matches!(
+        mode,
+        Mode::Copy | Mode::CopyMsg | Mode::MemlockTx | Mode::MemlockRx
+    ) {
         FaultPolicy::Copy
     } else {
         FaultPolicy::Block
@@ -81,6 +94,9 @@ fn main() {
         "zsdp" => Mode::Zsdp,
         "block" => Mode::Block,
         "copy" => Mode::Copy,
+        "copy-msg" => Mode::CopyMsg,
+        "memlock-tx" => Mode::MemlockTx,
+        "memlock-rx" => Mode::MemlockRx,
         "armed" => Mode::Armed,
         m => fail(format!("unknown mode {m}")),
     };
@@ -101,6 +117,53 @@ fn main() {
     }
 }
 
+/// The fabric's parameters: `copy-msg` leaves the device's atomics unused.
+fn params(mode: Mode) -> VerbsParams {
+    VerbsParams {
+        device_atomics: mode != Mode::CopyMsg,
+        ..VerbsParams::default()
+    }
+}
+
+/// Say how the copy-on-write lock is taken; `copy-msg` must take it by
+/// message.
+fn lock_path(ep: &verbs::VerbsEndpoint, mode: Mode) {
+    match ep.lock_by_message() {
+        Some(why) => eprintln!("copy-on-write lock by message ({why})"),
+        None if mode == Mode::CopyMsg => fail("copy-msg: the lock is not by message".into()),
+        None => eprintln!("copy-on-write lock by the devices' atomics"),
+    }
+}
+
+/// `memlock-tx` (`memlock-rx`): lower the sender's (receiver's)
+/// locked-memory limit to what it has pinned now (its connection) plus 192
+/// KiB.
+fn tighten_memlock(mode: Mode, role: Role) {
+    let limited = match role {
+        Role::Client => Mode::MemlockTx,
+        Role::Server => Mode::MemlockRx,
+    };
+    if mode != limited {
+        return;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let pinned_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmPin:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let limit = (pinned_kib + 192) << 10;
+    if let Err(e) =
+        nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK, limit, limit)
+    {
+        fail(format!("setrlimit: {e}"));
+    }
+    eprintln!(
+        "locked-memory limit {} KiB ({pinned_kib} KiB pinned)",
+        limit >> 10
+    );
+}
+
 fn protection(mode: Mode) -> ProtectionMode {
     match mode {
         Mode::Bsdp | Mode::Zsdp => ProtectionMode::Off,
@@ -118,18 +181,16 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     };
     eprintln!("request from {:?}: {:?}", inc.from, inc.request);
     let ep = inc
-        .accept(VerbsParams::default(), Duration::from_secs(30))
+        .accept(params(mode), Duration::from_secs(30))
         .unwrap_or_else(|e| fail(format!("accept: {e}")));
     let p = protect::open(protection(mode));
-    let mut caps = capabilities(true, p.protector.as_ref());
-    caps.cas &= ep.cas_coherent();
-    if let Some(why) = ep.no_cas_reason() {
-        eprintln!("no copy-on-write lock: {why}");
-    }
+    let caps = capabilities(true, p.protector.as_ref());
+    lock_path(&ep, mode);
     let waiter = ep.waiter();
     let mut d = Driver::new(engine(Role::Server, caps, mode), ep, p.protector);
     d.establish(Duration::from_secs(60))
         .unwrap_or_else(|e| fail(format!("establish: {e:?}")));
+    tighten_memlock(mode, Role::Server);
     let d = ThreadedDriver::start(d, waiter, p.faults);
     let mut store = vec![0u64; (4 << 20) / 8];
     // SAFETY: a byte view of our own Vec, which outlives every use.
@@ -139,34 +200,60 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
         ..RecvFlags::default()
     };
     let (mut off, mut bad, mut i) = (0u64, 0u64, seed ^ 0x77);
-    loop {
-        i = word(i);
-        let start = (i % 8192) as usize;
-        let len = 1 + (word(i) % (2 << 20)) as usize;
-        let n = match d.recv(&mut buf[start..start + len], flags) {
-            Ok(n) => n as usize,
-            Err(e) => fail(format!("recv at {off}: {e:?}")),
-        };
-        if n == 0 {
-            break;
+    let progress = std::sync::atomic::AtomicU64::new(0);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // A receive that makes no progress for 20 s says what the engine and
+        // the queue pair wait for (a survivor of a killed peer must end by
+        // then: peer_timeout is 30 s).
+        s.spawn(|| {
+            let mut last = (u64::MAX, std::time::Instant::now());
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(500));
+                let now = progress.load(std::sync::atomic::Ordering::Relaxed);
+                if now != last.0 {
+                    last = (now, std::time::Instant::now());
+                } else if last.1.elapsed() > Duration::from_secs(20) {
+                    eprintln!(
+                        "stuck at {now}: engine {}; queue pair {}",
+                        d.describe(),
+                        d.with_fabric(|ep| ep.describe())
+                    );
+                    last.1 = std::time::Instant::now();
+                }
+            }
+        });
+        loop {
+            i = word(i);
+            let start = (i % 8192) as usize;
+            let len = 1 + (word(i) % (2 << 20)) as usize;
+            let n = match d.recv(&mut buf[start..start + len], flags) {
+                Ok(n) => n as usize,
+                Err(e) => fail(format!("recv at {off}: {e:?}")),
+            };
+            if n == 0 {
+                break;
+            }
+            bad += mismatches(&buf[start..start + n], off);
+            off += n as u64;
+            progress.store(off, std::sync::atomic::Ordering::Relaxed);
         }
-        bad += buf[start..start + n]
-            .iter()
-            .enumerate()
-            .filter(|(k, x)| **x != pattern(off + *k as u64))
-            .count() as u64;
-        off += n as u64;
-    }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let bounced = d.with_fabric(|ep| ep.bounced());
     let (_, c) = d.close(Duration::from_secs(30));
     println!(
-        "received {off} bad {bad} gets {} armed {} zero-copy {}",
+        "received {off} bad {bad} gets {} armed {} zero-copy {} bounced {bounced}",
         c.gets, c.armed_recvs, c.bytes_recv_zcopy
     );
     drop(store);
     // Every mode but BSDP moves its bulk by RDMA READ.
     let zero_copy_expected = mode != Mode::Bsdp;
+    // Under the locked-memory limit, destinations it refuses take the
+    // bounce buffer.
+    let bounce_ok = mode != Mode::MemlockRx || bounced > 0;
     std::process::exit(i32::from(
-        bad != 0 || off == 0 || (zero_copy_expected && c.bytes_recv_zcopy == 0),
+        bad != 0 || off == 0 || !bounce_ok || (zero_copy_expected && c.bytes_recv_zcopy == 0),
     ));
 }
 
@@ -176,26 +263,20 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
         nonce: seed,
         tcp_client_port: 0,
         tcp_server_port: addr.port(),
+        // (Set by `connect`, which knows the device.)
+        locks_by_message: false,
     };
-    let ep = verbs::connect(
-        addr,
-        from,
-        request,
-        VerbsParams::default(),
-        Duration::from_secs(60),
-    )
-    .unwrap_or_else(|e| fail(format!("connect ({}): {e}", e.reason())));
+    let ep = verbs::connect(addr, from, request, params(mode), Duration::from_secs(60))
+        .unwrap_or_else(|e| fail(format!("connect ({}): {e}", e.reason())));
     let p = protect::open(protection(mode));
     let backend = p.backend;
-    let mut caps = capabilities(true, p.protector.as_ref());
-    caps.cas &= ep.cas_coherent();
-    if let Some(why) = ep.no_cas_reason() {
-        eprintln!("no copy-on-write lock: {why}");
-    }
+    let caps = capabilities(true, p.protector.as_ref());
+    lock_path(&ep, mode);
     let waiter = ep.waiter();
     let mut d = Driver::new(engine(Role::Client, caps, mode), ep, p.protector);
     d.establish(Duration::from_secs(60))
         .unwrap_or_else(|e| fail(format!("establish: {e:?}")));
+    tighten_memlock(mode, Role::Client);
     let d = ThreadedDriver::start(d, waiter, p.faults);
     let touching = !matches!(mode, Mode::Bsdp | Mode::Zsdp);
     let mut store = vec![0u64; (3 << 20) / 8];
@@ -247,8 +328,14 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
     drop(store);
     // AZ-SDP modes must have sent asynchronously, and copy-on-write must
     // have copied (the rewrites fault), where the lock can be taken.
-    let azsdp_ok = !touching || c.bytes_sent_async > total / 2;
-    let cow_ok = mode != Mode::Copy || !caps.cas || c.cow_copies > 0;
+    // Under the locked-memory limit, sends that cannot be pinned go by
+    // copy and say why.
+    let azsdp_ok = if mode == Mode::MemlockTx {
+        c.fallback_reason == Some(azsdp::conn::FallbackReason::MemlockLimit)
+    } else {
+        !touching || c.bytes_sent_async > total / 2
+    };
+    let cow_ok = !matches!(mode, Mode::Copy | Mode::CopyMsg) || !caps.cas || c.cow_copies > 0;
     if !azsdp_ok || !cow_ok {
         eprintln!("azsdp-verbs-check: {mode:?} did not run as it should: {c:?}");
     }

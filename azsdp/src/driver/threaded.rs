@@ -1173,6 +1173,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.lock().connection().stalled().map(String::from)
     }
 
+    /// What the engine waits for now, in a line (for a caller that finds
+    /// it stuck).
+    pub fn describe(&self) -> String {
+        self.shared.lock().connection().describe_waits()
+    }
+
     /// Pages the connection holds write-protected now.
     pub fn protected_ranges(&self) -> Vec<Range<u64>> {
         if self.shared.orphaned() {

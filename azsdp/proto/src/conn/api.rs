@@ -285,6 +285,10 @@ pub enum OpError {
     /// A local resource failed (registration, protection, memory).
     #[error("local resource failure")]
     Local,
+    /// A registration was refused for the locked-memory limit
+    /// (`RLIMIT_MEMLOCK`): the pages cannot be pinned.
+    #[error("locked-memory limit reached")]
+    PinLimit,
 }
 
 /// How an application call failed; drivers map these to errno.

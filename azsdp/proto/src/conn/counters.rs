@@ -16,6 +16,9 @@ pub enum FallbackReason {
     NoZeroCopy,
     /// Protecting or registering a buffer failed; that send used BSDP.
     PrepareFailed,
+    /// Registering a buffer hit the locked-memory limit (`RLIMIT_MEMLOCK`);
+    /// that send used BSDP.
+    MemlockLimit,
 }
 
 /// Why bytes of a send went by copy (BSDP) rather than by zero-copy.

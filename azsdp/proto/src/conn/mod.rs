@@ -674,11 +674,16 @@ impl Connection {
             *kinds.entry(name).or_default() += 1;
         }
         let ops: Vec<String> = kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        let leaving = match self.switch {
+            Switch::No => String::new(),
+            s => format!(" (leaving the fabric: {s:?})"),
+        };
         format!(
-            "{:?}, {} send call(s), {} recv call(s), {} advertisement(s) out, {} in, \
+            "{:?}{leaving}{}, {} send call(s), {} recv call(s), {} advertisement(s) out, {} in, \
              ops in flight [{}], credits {} ({} in use), {} fault waiter(s), \
              {} B buffered out, {} B buffered in, peer silent {:?}",
             self.state,
+            if self.peer_left { " (peer gone)" } else { "" },
             self.send_calls.len(),
             self.recv_calls.len(),
             self.out_avails.len(),
@@ -808,6 +813,8 @@ impl Connection {
         self.now = now;
         let Some(left) = left else {
             self.handle_peer_gone(now);
+            // (A switch under way settles now: see `switch_without_peer`.)
+            self.progress(mem);
             return;
         };
         if self.is_finished() || self.is_aborted() {

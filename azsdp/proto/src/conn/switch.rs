@@ -199,6 +199,16 @@ impl Connection {
         true
     }
 
+    /// Leaving, with a peer that is gone after closing cleanly (all it
+    /// sent is here, and it can take nothing more): no SWITCH will come, and
+    /// none need go. As a TCP peer that closed, it reads no more of our
+    /// stream, so nothing goes again; what it sent stays to be read first,
+    /// and the connection is on TCP at once (not after `peer_timeout`).
+    fn switch_without_peer(&mut self) {
+        self.orphaned = true;
+        self.peer_switch = Some(self.tx_stream_off);
+    }
+
     /// The peer left the fabric (its SWITCH): so do we.
     pub(super) fn on_switch(&mut self, consumed: u64, sent: u64) -> Result<(), ProtocolError> {
         let ty = MsgType::Switch;
@@ -252,6 +262,9 @@ impl Connection {
     pub(super) fn progress_switch(&mut self) {
         if self.is_aborted() || self.state != State::Established {
             return;
+        }
+        if self.peer_left && self.switch != Switch::No && self.peer_switch.is_none() {
+            self.switch_without_peer();
         }
         match self.switch {
             Switch::No | Switch::Checking | Switch::Resending => {}

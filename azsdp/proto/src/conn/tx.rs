@@ -589,7 +589,7 @@ impl Connection {
                 a.key = Some(key);
                 self.drop_out_avail(id);
             }
-            Err(_) => {
+            Err(e) => {
                 // Nothing was protected; the refcount must not say otherwise.
                 let asked = std::mem::take(&mut a.asked);
                 if let Some(p) = a.prot.take() {
@@ -597,7 +597,11 @@ impl Connection {
                 }
                 let a = self.out_avails.get_mut(&id).expect("present");
                 self.counters.prepare_failures += 1;
-                self.counters.fallback_reason = Some(FallbackReason::PrepareFailed);
+                self.counters.fallback_reason = Some(if e == OpError::PinLimit {
+                    FallbackReason::MemlockLimit
+                } else {
+                    FallbackReason::PrepareFailed
+                });
                 let (addr, len) = (a.addr, u64::from(a.len));
                 self.drop_out_avail(id);
                 // Send those bytes by copy instead, in the same place in the

@@ -56,6 +56,8 @@ pub struct SimFabricParams {
     pub lock_slots: u16,
     /// Chance that a registration for the peer fails.
     pub p_register_fail: f64,
+    /// How it fails (a resource, or the locked-memory limit).
+    pub register_error: OpError,
     /// Chance that the pool has no room for a copy.
     pub p_pool_fail: f64,
     /// Chance that the survivor of a death is not told how far the dead
@@ -73,6 +75,7 @@ impl Default for SimFabricParams {
             death_detect: Duration::from_millis(1),
             lock_slots: 16,
             p_register_fail: 0.0,
+            register_error: OpError::Local,
             p_pool_fail: 0.0,
             p_departure_unknown: 0.25,
         }
@@ -594,7 +597,7 @@ impl Fabric for SimEndpoint {
         let p = fab.params.p_register_fail;
         let fail = access == RegAccess::PeerRead && fab.rng.chance(p);
         let result = if fail {
-            Err(OpError::Local)
+            Err(fab.params.register_error)
         } else {
             let s = &mut fab.sides[side];
             s.next_key = s.next_key.wrapping_add(1);

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use super::rng::Rng;
-use crate::conn::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect, Role};
+use crate::conn::{
+    Capabilities, EngineConfig, FaultPolicy, LockRegion, OpError, RecvProtect, Role,
+};
 use crate::fabric::sim::SimFabricParams;
 
 /// What goes wrong in this run.
@@ -106,6 +108,13 @@ impl Scenario {
             lock_slots: r.range(1, 16) as u16,
             // Set from the scenario's host failures below.
             p_register_fail: 0.0,
+            // Half the seeds' failed registrations are the locked-memory
+            // limit (by parity: the scenario's other draws stay as they were).
+            register_error: if seed.is_multiple_of(2) {
+                OpError::PinLimit
+            } else {
+                OpError::Local
+            },
             p_pool_fail: 0.0,
             p_departure_unknown: 0.25,
         };

@@ -131,15 +131,20 @@ pub fn connect(
     let mut ep = VerbsEndpoint::new(parts(id, events)?, params)?;
     let caps_depth = ep.read_depth();
     request.ring = ring(&params);
+    request.locks_by_message = ep.own_words_by_message();
     ep.id().connect(&request.emit(), caps_depth)?;
     let e = step(ep.events(), until, "connect")?;
     match e.kind() {
         RDMA_CM_EVENT_ESTABLISHED => match Reply::parse(&e.private_data()) {
-            Ok(Reply::Accept(r)) => {
+            Ok(Reply::Accept {
+                ring: r,
+                locks_by_message,
+            }) => {
                 drop(e);
                 ep.set_peer(PeerParams {
                     ring: r.count,
                     slot: r.slot,
+                    locks_by_message,
                 });
                 Ok(ep)
             }
@@ -235,12 +240,16 @@ impl Incoming {
         let peer = PeerParams {
             ring: self.request.ring.count,
             slot: self.request.ring.slot,
+            locks_by_message: self.request.locks_by_message,
         };
         let mut ep = VerbsEndpoint::new(parts(self.id, events)?, params)?;
         ep.set_peer(peer);
         let depth = ep.read_depth();
-        ep.id()
-            .accept(&Reply::Accept(ring(&params)).emit(), depth)?;
+        let reply = Reply::Accept {
+            ring: ring(&params),
+            locks_by_message: ep.own_words_by_message(),
+        };
+        ep.id().accept(&reply.emit(), depth)?;
         let e = step(ep.events(), until, "establish")?;
         if e.kind() != RDMA_CM_EVENT_ESTABLISHED {
             return Err(ConnectError::Route(e.name().to_string()));

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | message | SEND into one of the peer's pre-posted receives, behind a [`Header`] with credits |
 //! | GET | RDMA READ from the peer's rkey into our lkey |
-//! | compare-and-swap | ATOMIC_CMP_AND_SWP on the peer's lock words (its own: the CPU's, when the device's atomics are coherent with it) |
+//! | compare-and-swap | ATOMIC_CMP_AND_SWP on the peer's lock words (its own: the CPU's, when the device's atomics are coherent with it); by message (`wire::CasRequest`, made by the peer's CPU) where either side's device has no atomics, or a side's atomics and CPU do not meet |
 //! | register | `ibv_reg_mr` (pinned; completes at once) |
 //! | revocation | every registration the peer can use is deregistered |
 //! | peer gone | a failed completion, or rdma_cm's DISCONNECTED / DEVICE_REMOVAL |
@@ -20,7 +20,7 @@ use memmap2::MmapMut;
 use super::credits::Credits;
 use super::ffi::{self, Access, CmId, CompChannel, Cq, DeviceCaps, EventChannel, Mr, Pd, SendOp};
 use super::waiter::VerbsWaiter;
-use super::wire::{HEADER_LEN, Header, Kind};
+use super::wire::{CasAnswer, CasRequest, HEADER_LEN, Header, Kind};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use crate::fabric::pool::Pool;
 use crate::fabric::{Armed, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
@@ -37,6 +37,9 @@ pub struct VerbsParams {
     pub lock_slots: u16,
     /// Busy-poll before sleeping.
     pub poll: Duration,
+    /// Take the copy-on-write lock with the device's atomics where it has
+    /// them (false: by message, as on a device without; for tests).
+    pub device_atomics: bool,
 }
 
 impl Default for VerbsParams {
@@ -48,6 +51,7 @@ impl Default for VerbsParams {
             slot: (16 << 10) + 512,
             lock_slots: 64,
             poll: Duration::from_micros(20),
+            device_atomics: true,
         }
     }
 }
@@ -57,6 +61,8 @@ impl Default for VerbsParams {
 pub struct PeerParams {
     pub ring: u16,
     pub slot: u32,
+    /// Its lock words take compare-and-swap by message only.
+    pub locks_by_message: bool,
 }
 
 // Work request ids: the kind in the top byte, an index below.
@@ -64,6 +70,7 @@ const WR_RECV: u64 = 1 << 56;
 const WR_SEND: u64 = 2 << 56;
 const WR_OP: u64 = 3 << 56;
 const WR_PROBE: u64 = 4 << 56;
+const WR_BOUNCE: u64 = 5 << 56;
 const WR_KIND: u64 = 0xff << 56;
 
 /// A GET or compare-and-swap on the send queue.
@@ -76,6 +83,37 @@ struct Pending {
 
 /// Compare-and-swaps that may be outstanding at once.
 const CAS_SLOTS: usize = 64;
+
+/// Bytes of the bounce buffer (see [`Bounce`]).
+const BOUNCE_LEN: usize = 64 << 10;
+
+/// Receive destinations the locked-memory limit (`RLIMIT_MEMLOCK`) will not
+/// let us pin: their READs land, a piece at a time, in one buffer pinned
+/// once per connection, and are copied from there. The receive is then a
+/// copy, not zero-copy, but it works, as TCP would (a GET that failed would
+/// reset the connection). Bounced destinations are "registered" with the
+/// buffer's own lkey, which no real registration can have while it lives.
+#[derive(Debug)]
+struct Bounce {
+    // The registration goes before its memory.
+    mr: Mr,
+    buf: MmapMut,
+    /// GETs into bounced destinations, in order; the front one's piece is
+    /// on the send queue while `in_flight`.
+    jobs: VecDeque<BounceJob>,
+    in_flight: Option<u32>,
+    /// Bytes copied from it so far.
+    copied: u64,
+}
+
+#[derive(Debug)]
+struct BounceJob {
+    op: OpId,
+    src: RemoteBuf,
+    dst: u64,
+    len: u64,
+    done: u64,
+}
 
 #[derive(Debug)]
 pub struct VerbsEndpoint {
@@ -90,6 +128,18 @@ pub struct VerbsEndpoint {
     local_locks: Option<(Mr, Arc<super::loopback::Loopback>)>,
     /// Why there is none.
     no_local_locks: Option<String>,
+    /// Our lock words take the peer's compare-and-swap by message only
+    /// (a NIC's would not meet our own), and why.
+    words_by_message: Option<String>,
+    /// We take the peer's lock words by message (our device has no
+    /// atomics, or the peer asked).
+    cas_by_message: bool,
+    /// Compare-and-swaps by message in flight, by tag (their result slot).
+    cas_by_tag: HashMap<u16, OpId>,
+    /// Answers to the peer's, waiting for a credit.
+    cas_answers: VecDeque<CasAnswer>,
+    /// Made when a destination could not be pinned.
+    bounce: Option<Bounce>,
     slot_mr: Mr,
     cas_mr: Mr,
     cq: Arc<Cq>,
@@ -123,7 +173,13 @@ pub struct VerbsEndpoint {
     /// A completion came since the last poll looked (the clock is read
     /// once per poll, not per completion).
     heard: bool,
-    probing: bool,
+    /// Since when a liveness probe is out (its completion not in yet).
+    probing: Option<Instant>,
+    /// When the engine let go of the peer's access (the connection ended
+    /// or left the fabric; see [`VerbsEndpoint::flush_if_over`]).
+    revoked_at: Option<Instant>,
+    /// The queue pair was moved to the error state ([`VerbsEndpoint::flush_if_over`]).
+    flushed: bool,
     /// Shared with the processes forked from this one.
     fork: super::fork_words::ForkWords,
 }
@@ -170,7 +226,11 @@ impl VerbsEndpoint {
                 pd.register(
                     locks.as_ptr() as u64,
                     locks.len() as u64,
-                    Access::PEER_ATOMIC,
+                    if caps.atomics {
+                        Access::PEER_ATOMIC
+                    } else {
+                        Access::LOCAL
+                    },
                 )?,
                 pd.register(
                     cas_words.as_ptr() as u64,
@@ -190,6 +250,8 @@ impl VerbsEndpoint {
         )?;
         let local_locks = if !caps.atomics {
             Err("the device has no atomics".to_string())
+        } else if !params.device_atomics {
+            Err("the device's atomics are not used".to_string())
         } else if caps.atomics_with_cpu {
             Err("not needed".to_string())
         } else {
@@ -209,12 +271,23 @@ impl VerbsEndpoint {
             Ok(l) => (Some(l), None),
             Err(e) => (None, Some(e)),
         };
+        let nic_meets_cpu = params.device_atomics && caps.atomics_with_cpu;
+        let words_by_message = if nic_meets_cpu || local_locks.is_some() {
+            None
+        } else {
+            no_local_locks.clone()
+        };
         let ep = VerbsEndpoint {
             id,
             regs: super::reg_cache::RegCache::default(),
             lock_mr: Some(lock_mr),
             local_locks,
             no_local_locks,
+            cas_by_message: !caps.atomics || !params.device_atomics,
+            words_by_message,
+            cas_by_tag: HashMap::new(),
+            cas_answers: VecDeque::new(),
+            bounce: None,
             slot_mr,
             cas_mr,
             cq,
@@ -227,7 +300,11 @@ impl VerbsEndpoint {
             cas_words,
             free_cas: (0..CAS_SLOTS).rev().collect(),
             params,
-            peer: PeerParams { ring: 0, slot: 0 },
+            peer: PeerParams {
+                ring: 0,
+                slot: 0,
+                locks_by_message: false,
+            },
             caps,
             credits: Credits::new(params.ring, 0),
             free_send: (0..params.ring).rev().collect(),
@@ -241,11 +318,18 @@ impl VerbsEndpoint {
             departed: std::sync::atomic::AtomicBool::new(false),
             last_heard: Instant::now(),
             heard: false,
-            probing: false,
+            probing: None,
+            revoked_at: None,
+            flushed: false,
             fork: super::fork_words::ForkWords::new()?,
         };
         for i in 0..params.ring {
             ep.post_recv(i)?;
+        }
+        let mut ep = ep;
+        if memlock_finite() {
+            // (Without it, a refused destination resets the connection.)
+            let _ = ep.ensure_bounce();
         }
         Ok(ep)
     }
@@ -253,6 +337,7 @@ impl VerbsEndpoint {
     /// The peer's receives, learnt at connection time.
     pub(super) fn set_peer(&mut self, peer: PeerParams) {
         self.peer = peer;
+        self.cas_by_message |= peer.locks_by_message;
         self.credits = Credits::new(self.params.ring, peer.ring);
     }
 
@@ -274,21 +359,52 @@ impl VerbsEndpoint {
         self.caps.max_rd_atom
     }
 
-    /// Are the device's atomics atomic with this CPU's too? Only then can
-    /// the peer's compare-and-swap and ours on our own lock words meet
-    /// (the copy-on-write lock); without, copy-on-write degrades to
-    /// block-on-write.
-    pub fn cas_coherent(&self) -> bool {
-        self.caps.atomics_with_cpu || self.local_locks.is_some()
+    /// Does the copy-on-write lock go by message either way (and why)?
+    /// `None`: both sides' NICs take it with their atomics. Either way the
+    /// lock holds: a lock word is only ever changed in one coherence
+    /// domain (its owner's CPU, or its owner's device).
+    pub fn lock_by_message(&self) -> Option<String> {
+        match (&self.words_by_message, self.cas_by_message) {
+            (None, false) => None,
+            (Some(why), _) => Some(format!("our lock words: {why}")),
+            (None, true) if self.peer.locks_by_message => {
+                Some("the peer's lock words: asked by the peer".into())
+            }
+            (None, true) => Some(
+                self.no_local_locks
+                    .clone()
+                    .unwrap_or_else(|| "the device's atomics are not used".into()),
+            ),
+        }
     }
 
-    /// Why copy-on-write's lock cannot be taken here, if it cannot.
-    pub fn no_cas_reason(&self) -> Option<&str> {
-        if self.cas_coherent() {
-            None
-        } else {
-            self.no_local_locks.as_deref()
-        }
+    /// What the queue pair waits for, in a line (for a caller that finds
+    /// the connection stuck).
+    pub fn describe(&self) -> String {
+        format!(
+            "{} operation(s) posted, {} lock request(s) by message, {} bounced GET(s), {} SEND(s) out, \
+             {} completion(s) unread, probe out for {:?}, last heard {:?} ago, broken {:?}",
+            self.pending.len(),
+            self.cas_by_tag.len(),
+            self.bounce.as_ref().map_or(0, |b| b.jobs.len()),
+            usize::from(self.params.ring) - self.free_send.len(),
+            self.completions.len() + self.stash.len(),
+            self.probing.map(|t| t.elapsed()),
+            self.last_heard.elapsed(),
+            self.broken
+        )
+    }
+
+    /// Bytes received through the bounce buffer (destinations the
+    /// locked-memory limit would not let us pin).
+    pub fn bounced(&self) -> u64 {
+        self.bounce.as_ref().map_or(0, |b| b.copied)
+    }
+
+    /// Must the peer compare-and-swap our lock words by message? (Said in
+    /// the connection's private data, `hello`.)
+    pub(super) fn own_words_by_message(&self) -> bool {
+        self.words_by_message.is_some()
     }
 
     /// The local and the peer's address, as the kernel's RDMA stack says.
@@ -316,30 +432,24 @@ impl VerbsEndpoint {
         }
     }
 
-    /// Post a SEND of `payload` (`None`: credits only).
-    fn send(&mut self, payload: Option<&[u8]>) -> Result<(), FabricError> {
+    /// Post a SEND of `kind` with `payload` (empty for credits only).
+    fn send(&mut self, kind: Kind, payload: &[u8]) -> Result<(), FabricError> {
         let Some(i) = self.free_send.pop() else {
             return Err(FabricError::NoCredits);
         };
         let returned = self.credits.on_send();
         let header = Header {
-            kind: if payload.is_some() {
-                Kind::Message
-            } else {
-                Kind::Credits
-            },
+            kind,
             credits: returned,
         };
         let ring = usize::from(self.params.ring);
         let at = (ring + usize::from(i)) * self.params.slot as usize;
-        let len = HEADER_LEN + payload.map_or(0, <[u8]>::len);
+        let len = HEADER_LEN + payload.len();
         let buf = &mut self.slots[at..at + len];
         let mut h = [0u8; HEADER_LEN];
         header.emit(&mut h);
         buf[..HEADER_LEN].copy_from_slice(&h);
-        if let Some(p) = payload {
-            buf[HEADER_LEN..].copy_from_slice(p);
-        }
+        buf[HEADER_LEN..].copy_from_slice(payload);
         let op = SendOp::Send {
             addr: self.slot_addr(ring + usize::from(i)),
             len: len as u32,
@@ -416,12 +526,13 @@ impl VerbsEndpoint {
         let index = wc.wr_id & !WR_KIND;
         match wc.wr_id & WR_KIND {
             WR_PROBE => {
-                self.probing = false;
+                self.probing = None;
                 if !ok {
                     self.break_with(format!("liveness probe: {}", wc.describe()));
                 }
                 0
             }
+            WR_BOUNCE => self.bounce_piece_done(wc, on_event),
             WR_RECV if ok => self.received(index as u16, wc.byte_len as usize, on_event),
             WR_SEND => {
                 self.free_send.push(index as u16);
@@ -467,10 +578,21 @@ impl VerbsEndpoint {
                     self.break_with(format!("the peer lied about credits: {e}"));
                     return 0;
                 }
-                if h.kind == Kind::Message {
-                    let payload = &self.slots[at + HEADER_LEN..at + HEADER_LEN + plen];
-                    on_event(FabricEvent::Message(payload));
-                    n = 1;
+                let body = at + HEADER_LEN..at + HEADER_LEN + plen;
+                match h.kind {
+                    Kind::Message => {
+                        on_event(FabricEvent::Message(&self.slots[body]));
+                        n = 1;
+                    }
+                    Kind::Credits => {}
+                    Kind::CasRequest => match CasRequest::parse(&self.slots[body]) {
+                        Ok(r) => self.answer_cas(r),
+                        Err(e) => self.break_with(format!("the peer sent garbage: {e}")),
+                    },
+                    Kind::CasAnswer => match CasAnswer::parse(&self.slots[body]) {
+                        Ok(a) => n = self.cas_answered(a, on_event),
+                        Err(e) => self.break_with(format!("the peer sent garbage: {e}")),
+                    },
                 }
             }
             Err(e) => {
@@ -484,6 +606,150 @@ impl VerbsEndpoint {
         }
         n
     }
+}
+
+impl VerbsEndpoint {
+    /// The key for a destination that cannot be pinned: the bounce
+    /// buffer's.
+    fn bounce_key(&mut self) -> Result<u32, OpError> {
+        self.ensure_bounce()?;
+        crate::protect::log_once(
+            "verbs: receive destinations cannot be pinned (RLIMIT_MEMLOCK): \
+             their READs land in a bounce buffer and are copied",
+        );
+        Ok(self.bounce.as_ref().map_or(0, |b| b.mr.lkey()))
+    }
+
+    /// Make (and pin) the bounce buffer, once. Done with the connection
+    /// where the locked-memory limit is finite, so that the fallback never
+    /// needs the memory the limit has just refused.
+    fn ensure_bounce(&mut self) -> Result<(), OpError> {
+        if self.bounce.is_some() {
+            return Ok(());
+        }
+        let buf = anon(BOUNCE_LEN).map_err(|_| OpError::Local)?;
+        // SAFETY: the buffer lives in the endpoint with its registration,
+        // which is dropped first (field order in Bounce).
+        let mr = unsafe {
+            self._pd
+                .register(buf.as_ptr() as u64, buf.len() as u64, Access::LOCAL)
+        }
+        .map_err(|e| {
+            if pin_limit(&e) {
+                OpError::PinLimit
+            } else {
+                OpError::Local
+            }
+        })?;
+        self.bounce = Some(Bounce {
+            mr,
+            buf,
+            jobs: VecDeque::new(),
+            in_flight: None,
+            copied: 0,
+        });
+        Ok(())
+    }
+
+    /// Post the next piece of the front bounced GET, unless one is out.
+    fn next_bounce_piece(&mut self) {
+        let Some(b) = self.bounce.as_mut() else {
+            return;
+        };
+        let Some(j) = b.jobs.front() else {
+            return;
+        };
+        if b.in_flight.is_some() || self.broken.is_some() {
+            return;
+        }
+        let n = (j.len - j.done).min(BOUNCE_LEN as u64) as u32;
+        let read = SendOp::Read {
+            addr: b.buf.as_ptr() as u64,
+            len: n,
+            lkey: b.mr.lkey(),
+            remote: j.src.addr + j.done,
+            rkey: j.src.key,
+        };
+        match ffi::post_send(self.id.qp(), WR_BOUNCE, read) {
+            Ok(()) => b.in_flight = Some(n),
+            Err(e) => self.break_with(format!("post: {e}")),
+        }
+    }
+
+    /// A bounced piece landed (or failed): copy it to its destination, and
+    /// finish the GET or post its next piece.
+    fn bounce_piece_done(
+        &mut self,
+        wc: &ffi::Completion,
+        on_event: &mut dyn FnMut(FabricEvent<'_>),
+    ) -> usize {
+        let Some(b) = self.bounce.as_mut() else {
+            return 0;
+        };
+        let (Some(n), Some(j)) = (b.in_flight.take(), b.jobs.front_mut()) else {
+            return 0;
+        };
+        if !wc.ok() {
+            let op = j.op;
+            b.jobs.pop_front();
+            if !wc.remote_refusal() {
+                self.break_with(format!("operation: {}", wc.describe()));
+            }
+            on_event(FabricEvent::Done {
+                op,
+                result: OpResult::Get(Err(op_error(wc))),
+            });
+            self.next_bounce_piece();
+            return 1;
+        }
+        // SAFETY: the destination is the memory of a receive in progress,
+        // which the engine "registered" for this GET and keeps until it
+        // completes (as it would for the NIC's own write); the bounce
+        // buffer holds `n` bytes the READ just landed, and the two do not
+        // overlap (the buffer is ours alone).
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.buf.as_ptr(), (j.dst + j.done) as *mut u8, n as usize);
+        }
+        j.done += u64::from(n);
+        b.copied += u64::from(n);
+        let mut events = 0;
+        if j.done == j.len {
+            let op = j.op;
+            b.jobs.pop_front();
+            on_event(FabricEvent::Done {
+                op,
+                result: OpResult::Get(Ok(())),
+            });
+            events = 1;
+        }
+        self.next_bounce_piece();
+        events
+    }
+}
+
+/// Did a registration fail for the locked-memory limit? (The kernel says
+/// ENOMEM; only a finite `RLIMIT_MEMLOCK` makes that the limit.)
+fn pin_limit(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::OutOfMemory && memlock_finite()
+}
+
+fn memlock_finite() -> bool {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)
+        .is_ok_and(|(soft, _)| soft != libc::RLIM_INFINITY)
+}
+
+/// The lock word a peer's [`CasRequest`] names, if it names one of ours:
+/// the key of our lock region (none once revoked), an aligned word inside
+/// its `slots` words from `base`.
+fn requested_slot(base: u64, slots: u16, region: Option<u32>, r: &CasRequest) -> Option<u16> {
+    if region != Some(r.key) || r.addr < base {
+        return None;
+    }
+    let off = r.addr - base;
+    if !off.is_multiple_of(8) {
+        return None;
+    }
+    u16::try_from(off / 8).ok().filter(|&slot| slot < slots)
 }
 
 fn op_error(wc: &ffi::Completion) -> OpError {
@@ -534,6 +800,8 @@ impl Fabric for VerbsEndpoint {
                 self.regs.insert(key, mr, addr, len, peer);
                 Ok(key)
             }
+            Err(e) if pin_limit(&e) && !peer => self.bounce_key(),
+            Err(e) if pin_limit(&e) => Err(OpError::PinLimit),
             Err(_) => Err(OpError::Local),
         };
         self.completions.push_back((op, OpResult::Registered(r)));
@@ -541,6 +809,9 @@ impl Fabric for VerbsEndpoint {
     }
 
     fn deregister(&mut self, key: u32) {
+        if self.bounce.as_ref().is_some_and(|b| b.mr.lkey() == key) {
+            return;
+        }
         self.regs.release(key);
     }
 
@@ -561,7 +832,7 @@ impl Fabric for VerbsEndpoint {
         if !self.credits.may_send_message() {
             return Err(FabricError::NoCredits);
         }
-        self.send(Some(msg))
+        self.send(Kind::Message, msg)
     }
 
     fn post_get(
@@ -579,6 +850,19 @@ impl Fabric for VerbsEndpoint {
                 .push_back((op, OpResult::Get(Err(OpError::Local))));
             return Ok(());
         };
+        if let Some(b) = self.bounce.as_mut()
+            && b.mr.lkey() == dst.key
+        {
+            b.jobs.push_back(BounceJob {
+                op,
+                src,
+                dst: dst.addr,
+                len: u64::from(len),
+                done: 0,
+            });
+            self.next_bounce_piece();
+            return Ok(());
+        }
         let read = SendOp::Read {
             addr: dst.addr,
             len,
@@ -597,37 +881,8 @@ impl Fabric for VerbsEndpoint {
         new: u64,
     ) -> Result<(), FabricError> {
         match target {
-            CasTarget::Local { slot } if slot >= self.params.lock_slots => {
-                self.completions
-                    .push_back((op, OpResult::Cas(Err(OpError::Local))));
-                Ok(())
-            }
-            CasTarget::Local { slot } if self.local_locks.is_some() => {
-                // Through the device, as the peer's are (see `loopback`).
-                let addr = self.locks.as_ptr() as u64 + u64::from(slot) * 8;
-                let r = self
-                    .local_locks
-                    .as_ref()
-                    .and_then(|(mr, l)| l.cas(mr, addr, expect, new))
-                    .ok_or(OpError::Local);
-                self.completions.push_back((op, OpResult::Cas(r)));
-                Ok(())
-            }
             CasTarget::Local { slot } => {
-                // Our own lock word, by the CPU (see `cas_coherent`).
-                let r = if slot < self.params.lock_slots {
-                    let words = self.locks.as_ptr() as *const AtomicU64;
-                    // SAFETY: slot is in range of the mapping, whose words
-                    // are 8-byte aligned (a page).
-                    let w = unsafe { &*words.add(usize::from(slot)) };
-                    Ok(
-                        match w.compare_exchange(expect, new, Ordering::AcqRel, Ordering::Acquire) {
-                            Ok(v) | Err(v) => v,
-                        },
-                    )
-                } else {
-                    Err(OpError::Local)
-                };
+                let r = self.cas_own(slot, expect, new);
                 self.completions.push_back((op, OpResult::Cas(r)));
                 Ok(())
             }
@@ -635,8 +890,8 @@ impl Fabric for VerbsEndpoint {
                 if self.broken.is_some() {
                     return Err(FabricError::Broken);
                 }
-                if !self.caps.atomics {
-                    return Err(FabricError::Unsupported);
+                if self.cas_by_message {
+                    return self.post_cas_message(op, addr, key, expect, new);
                 }
                 let Some(s) = self.free_cas.pop() else {
                     return Err(FabricError::NoCredits);
@@ -674,6 +929,7 @@ impl Fabric for VerbsEndpoint {
     fn revoke_access(&mut self) {
         self.regs.revoke_peer_keys();
         self.lock_mr = None;
+        self.revoked_at.get_or_insert_with(Instant::now);
     }
 
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
@@ -683,14 +939,33 @@ impl Fabric for VerbsEndpoint {
             n += 1;
         }
         n += self.take_completions(on_event);
+        self.send_cas_answers();
         if self.broken.is_none() && self.credits.want_credits_only() && !self.free_send.is_empty() {
-            let _ = self.send(None);
+            let _ = self.send(Kind::Credits, &[]);
         }
         self.take_cm_events();
         self.probe_if_quiet();
+        self.flush_if_over();
         if self.broken.is_some() && !self.gone_reported {
             // What arrived before the end was delivered above.
             n += self.take_completions(on_event);
+            // Lock requests no answer will come for fail, as the NIC's
+            // own operations do (flushed).
+            for (tag, op) in std::mem::take(&mut self.cas_by_tag) {
+                self.free_cas.push(usize::from(tag));
+                let result = OpResult::Cas(Err(OpError::Unreachable));
+                on_event(FabricEvent::Done { op, result });
+                n += 1;
+            }
+            // (The piece on the send queue, if any, comes back flushed.)
+            if let Some(b) = self.bounce.as_mut() {
+                let waiting = b.jobs.len() - usize::from(b.in_flight.is_some());
+                for j in b.jobs.drain(b.jobs.len() - waiting..) {
+                    let result = OpResult::Get(Err(OpError::Unreachable));
+                    on_event(FabricEvent::Done { op: j.op, result });
+                    n += 1;
+                }
+            }
             self.gone_reported = true;
             on_event(FabricEvent::PeerGone {
                 left: None,
@@ -773,6 +1048,102 @@ impl Fabric for VerbsEndpoint {
 
     fn has_left(&self) -> bool {
         self.fork.has_left()
+    }
+}
+
+impl VerbsEndpoint {
+    /// A compare-and-swap on our own lock word `slot`, in the coherence
+    /// domain the peer's take it in: the CPU's, or the device's (through
+    /// the loopback pair) when the peer's NIC takes them.
+    fn cas_own(&self, slot: u16, expect: u64, new: u64) -> Result<u64, OpError> {
+        if slot >= self.params.lock_slots {
+            return Err(OpError::Local);
+        }
+        if let Some((mr, l)) = &self.local_locks {
+            let addr = self.locks.as_ptr() as u64 + u64::from(slot) * 8;
+            return l.cas(mr, addr, expect, new).ok_or(OpError::Local);
+        }
+        let words = self.locks.as_ptr() as *const AtomicU64;
+        // SAFETY: slot is in range of the mapping, whose words are 8-byte
+        // aligned (a page).
+        let w = unsafe { &*words.add(usize::from(slot)) };
+        Ok(
+            match w.compare_exchange(expect, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(v) | Err(v) => v,
+            },
+        )
+    }
+
+    /// The peer's lock by message: a request, answered by the peer's CPU.
+    fn post_cas_message(
+        &mut self,
+        op: OpId,
+        addr: u64,
+        key: u32,
+        expect: u64,
+        new: u64,
+    ) -> Result<(), FabricError> {
+        if !self.credits.may_send_message() || self.free_send.is_empty() {
+            return Err(FabricError::NoCredits);
+        }
+        let Some(s) = self.free_cas.pop() else {
+            return Err(FabricError::NoCredits);
+        };
+        let tag = s as u16;
+        let req = CasRequest {
+            tag,
+            key,
+            addr,
+            expect,
+            new,
+        };
+        if let Err(e) = self.send(Kind::CasRequest, &req.emit()) {
+            self.free_cas.push(s);
+            return Err(e);
+        }
+        self.cas_by_tag.insert(tag, op);
+        Ok(())
+    }
+
+    /// The peer asks for a compare-and-swap on one of our lock words: made
+    /// here if it names one (our lock region's key, an aligned word in
+    /// it, not revoked), refused otherwise, as a NIC would refuse it.
+    fn answer_cas(&mut self, r: CasRequest) {
+        let region = self.lock_mr.as_ref().map(Mr::rkey);
+        let base = self.locks.as_ptr() as u64;
+        let old = requested_slot(base, self.params.lock_slots, region, &r)
+            .and_then(|slot| self.cas_own(slot, r.expect, r.new).ok());
+        self.cas_answers.push_back(CasAnswer { tag: r.tag, old });
+        self.send_cas_answers();
+    }
+
+    /// Answers that waited for a credit go now (in order).
+    fn send_cas_answers(&mut self) {
+        while let Some(a) = self.cas_answers.front().copied() {
+            if self.broken.is_some()
+                || !self.credits.may_send_message()
+                || self.free_send.is_empty()
+                || self.send(Kind::CasAnswer, &a.emit()).is_err()
+            {
+                return;
+            }
+            self.cas_answers.pop_front();
+        }
+    }
+
+    /// The peer's answer to one of our requests.
+    fn cas_answered(&mut self, a: CasAnswer, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        let Some(op) = self.cas_by_tag.remove(&a.tag) else {
+            self.break_with(format!(
+                "the peer answered lock request {} never made",
+                a.tag
+            ));
+            return 0;
+        };
+        self.free_cas.push(usize::from(a.tag));
+        let result = OpResult::Cas(a.old.ok_or(OpError::RemoteAccess));
+        on_event(FabricEvent::Done { op, result });
+        1
     }
 }
 
@@ -876,19 +1247,58 @@ impl VerbsEndpoint {
     /// A connection quiet for [`PROBE_QUIET`] asks the peer's queue pair
     /// whether it is still there. A peer whose process died leaves no
     /// completion and, if its rdma_cm DREQ is lost, no event either: the
-    /// probe's retries run out (a few seconds) and the peer is gone. The
-    /// engine's own keepalive needs credits, which a dead peer may hold.
+    /// probe's retries run out (a few seconds) and the peer is gone; a
+    /// probe with no completion at all in [`PROBE_GIVE_UP`] ends it too.
+    /// The engine's own keepalive needs credits, which a dead peer may
+    /// hold.
     fn probe_if_quiet(&mut self) {
         let now = Instant::now();
         if std::mem::take(&mut self.heard) {
             self.last_heard = now;
         }
-        if self.broken.is_some() || self.probing || now - self.last_heard < PROBE_QUIET {
+        if let Some(since) = self.probing
+            && self.broken.is_none()
+            && now - since >= PROBE_GIVE_UP
+        {
+            // Neither acknowledged nor failed: something ahead of it on the
+            // send queue never ends (a READ from a peer that is gone).
+            self.flushed = true;
+            self.id.disconnect();
+            self.break_with(format!(
+                "liveness probe neither acknowledged nor failed in {PROBE_GIVE_UP:?}: flushed"
+            ));
+        }
+        if self.broken.is_some() || self.probing.is_some() || now - self.last_heard < PROBE_QUIET {
             return;
         }
         match ffi::post_send(self.id.qp(), WR_PROBE, SendOp::Probe) {
-            Ok(()) => self.probing = true,
+            Ok(()) => self.probing = Some(now),
             Err(e) => self.break_with(format!("post probe: {e}")),
+        }
+    }
+
+    /// Operations still in flight once the connection is over (the peer
+    /// gone, or [`REVOKED_FLUSH`] after the engine let go of it) would wait
+    /// for a peer that will not answer: rxe was seen to keep a READ from a
+    /// killed peer outstanding for good after its DREQ came, with no retry
+    /// and no error. The queue pair goes to the error state, which flushes
+    /// them, so the calls waiting on them end (a receive whose READ writes
+    /// into its buffer cannot return before).
+    fn flush_if_over(&mut self) {
+        let bounced = self.bounce.as_ref().map_or(0, |b| b.jobs.len());
+        if self.flushed || (self.pending.is_empty() && self.cas_by_tag.is_empty() && bounced == 0) {
+            return;
+        }
+        let revoked_long_ago = self
+            .revoked_at
+            .is_some_and(|t| t.elapsed() >= REVOKED_FLUSH);
+        if self.broken.is_some() || revoked_long_ago {
+            self.flushed = true;
+            self.id.disconnect();
+            self.break_with(format!(
+                "{} operation(s) in flight after the end: flushed",
+                self.pending.len() + self.cas_by_tag.len() + bounced
+            ));
         }
     }
 
@@ -907,6 +1317,14 @@ impl VerbsEndpoint {
 
 /// How long a connection may be quiet before its peer is probed.
 const PROBE_QUIET: Duration = Duration::from_secs(2);
+
+/// How long a probe may go without a completion. A dead peer's queue pair
+/// fails it once the retries run out (seconds); a live one acknowledges it
+/// from its kernel or NIC, whatever its program does.
+const PROBE_GIVE_UP: Duration = Duration::from_secs(15);
+
+/// How long operations may stay in flight after the connection ended.
+const REVOKED_FLUSH: Duration = Duration::from_secs(2);
 
 /// How long leaving waits for the last SENDs to be taken.
 const DEPART_WAIT: Duration = Duration::from_secs(5);
@@ -959,3 +1377,46 @@ impl crate::transport::Endpoint for VerbsEndpoint {
 /// events of this connection): no bell, and the peer's leaving comes as
 /// an rdma_cm event, not a pidfd.
 impl crate::fabric::Watched for VerbsEndpoint {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn req(key: u32, addr: u64) -> CasRequest {
+        CasRequest {
+            tag: 1,
+            key,
+            addr,
+            expect: 0,
+            new: 1,
+        }
+    }
+
+    #[test]
+    fn a_lock_request_names_only_our_words() {
+        let base = 0x10000;
+        assert_eq!(requested_slot(base, 4, Some(7), &req(7, base)), Some(0));
+        assert_eq!(
+            requested_slot(base, 4, Some(7), &req(7, base + 24)),
+            Some(3)
+        );
+        // Past the region, misaligned, before it, another key, revoked.
+        assert_eq!(requested_slot(base, 4, Some(7), &req(7, base + 32)), None);
+        assert_eq!(requested_slot(base, 4, Some(7), &req(7, base + 4)), None);
+        assert_eq!(requested_slot(base, 4, Some(7), &req(7, base - 8)), None);
+        assert_eq!(requested_slot(base, 4, Some(7), &req(8, base)), None);
+        assert_eq!(requested_slot(base, 4, None, &req(7, base)), None);
+    }
+
+    proptest! {
+        #[test]
+        fn a_named_word_is_inside_the_region(base in 0u64..1 << 40, slots: u16, key: u32, addr: u64) {
+            let base = base * 8;
+            if let Some(slot) = requested_slot(base, slots, Some(key), &req(key, addr)) {
+                prop_assert!(slot < slots);
+                prop_assert_eq!(base + u64::from(slot) * 8, addr);
+            }
+        }
+    }
+}

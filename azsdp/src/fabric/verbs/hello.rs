@@ -9,11 +9,16 @@
 //! 3    0 (request)              3    1 (accept)             3    2 (reject)
 //! 4-5  receives posted          4-5  receives posted
 //! 6-9  bytes per receive        6-9  bytes per receive
-//! 10-17 nonce                   10-15 0
-//! 18-19 client's TCP port
+//! 10-17 nonce                   10   flags
+//! 18-19 client's TCP port       11-15 0
 //! 20-21 server's TCP port
-//! 22-23 0
+//! 22   flags
+//! 23   0
 //! ```
+//!
+//! Flags: bit 0, "compare-and-swap my lock words by message" (the sender's
+//! device has no atomics, or its atomics and its CPU's do not meet and it
+//! cannot loop its own through the device: `wire::CasRequest`).
 //!
 //! rdma_cm leaves 56 bytes of private data for a request in the TCP port
 //! space: the addresses are not in it, rdma_cm reports them (the kernel's
@@ -27,6 +32,7 @@ pub const VERSION: u8 = 1;
 const REQUEST: u8 = 0;
 const ACCEPT: u8 = 1;
 const REJECT: u8 = 2;
+const FLAG_LOCKS_BY_MESSAGE: u8 = 1;
 
 pub const REQUEST_LEN: usize = 24;
 pub const ACCEPT_LEN: usize = 16;
@@ -53,11 +59,18 @@ pub struct Request {
     /// server's port.
     pub tcp_client_port: u16,
     pub tcp_server_port: u16,
+    /// The client's lock words take compare-and-swap by message only.
+    pub locks_by_message: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reply {
-    Accept(Ring),
+    /// Accepted: the server's receives, and whether its lock words take
+    /// compare-and-swap by message only.
+    Accept {
+        ring: Ring,
+        locks_by_message: bool,
+    },
     Reject,
 }
 
@@ -125,6 +138,11 @@ impl Request {
         b[10..18].copy_from_slice(&self.nonce.to_le_bytes());
         b[18..20].copy_from_slice(&self.tcp_client_port.to_le_bytes());
         b[20..22].copy_from_slice(&self.tcp_server_port.to_le_bytes());
+        b[22] = if self.locks_by_message {
+            FLAG_LOCKS_BY_MESSAGE
+        } else {
+            0
+        };
         b
     }
 
@@ -133,7 +151,7 @@ impl Request {
             REQUEST => {}
             k => return Err(HelloError::Kind(k)),
         }
-        if b[22..24] != [0, 0] {
+        if b[22] & !FLAG_LOCKS_BY_MESSAGE != 0 || b[23] != 0 {
             return Err(HelloError::Reserved);
         }
         Ok(Request {
@@ -141,6 +159,7 @@ impl Request {
             nonce: u64::from_le_bytes(b[10..18].try_into().unwrap_or_default()),
             tcp_client_port: u16::from_le_bytes([b[18], b[19]]),
             tcp_server_port: u16::from_le_bytes([b[20], b[21]]),
+            locks_by_message: b[22] & FLAG_LOCKS_BY_MESSAGE != 0,
         })
     }
 }
@@ -148,9 +167,15 @@ impl Request {
 impl Reply {
     pub fn emit(&self) -> Vec<u8> {
         match self {
-            Reply::Accept(r) => {
+            Reply::Accept {
+                ring,
+                locks_by_message,
+            } => {
                 let mut b = vec![0u8; ACCEPT_LEN];
-                emit_ring(&mut b, ACCEPT, *r);
+                emit_ring(&mut b, ACCEPT, *ring);
+                if *locks_by_message {
+                    b[10] = FLAG_LOCKS_BY_MESSAGE;
+                }
                 b
             }
             Reply::Reject => {
@@ -169,10 +194,13 @@ impl Reply {
                 if b.len() < ACCEPT_LEN {
                     return Err(HelloError::Short(b.len()));
                 }
-                if b[10..16].iter().any(|&x| x != 0) {
+                if b[10] & !FLAG_LOCKS_BY_MESSAGE != 0 || b[11..16].iter().any(|&x| x != 0) {
                     return Err(HelloError::Reserved);
                 }
-                Ok(Reply::Accept(ring_ok(ring_at(b))?))
+                Ok(Reply::Accept {
+                    ring: ring_ok(ring_at(b))?,
+                    locks_by_message: b[10] & FLAG_LOCKS_BY_MESSAGE != 0,
+                })
             }
             REJECT => Ok(Reply::Reject),
             k => Err(HelloError::Kind(k)),
@@ -192,8 +220,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn requests_round_trip(ring in ring(), nonce: u64, a: u16, b: u16) {
-            let r = Request { ring, nonce, tcp_client_port: a, tcp_server_port: b };
+        fn requests_round_trip(ring in ring(), nonce: u64, a: u16, b: u16, locks_by_message: bool) {
+            let r = Request { ring, nonce, tcp_client_port: a, tcp_server_port: b, locks_by_message };
             prop_assert_eq!(Request::parse(&r.emit()), Ok(r));
             // rdma_cm may hand it over padded.
             let mut padded = r.emit().to_vec();
@@ -202,8 +230,8 @@ mod tests {
         }
 
         #[test]
-        fn replies_round_trip(ring in ring(), accept: bool) {
-            let r = if accept { Reply::Accept(ring) } else { Reply::Reject };
+        fn replies_round_trip(ring in ring(), accept: bool, locks_by_message: bool) {
+            let r = if accept { Reply::Accept { ring, locks_by_message } } else { Reply::Reject };
             prop_assert_eq!(Reply::parse(&r.emit()), Ok(r));
         }
 
@@ -224,7 +252,11 @@ mod tests {
             nonce: 7,
             tcp_client_port: 1,
             tcp_server_port: 2,
+            locks_by_message: false,
         };
+        let mut b = r.emit();
+        b[22] = 2;
+        assert_eq!(Request::parse(&b), Err(HelloError::Reserved));
         let mut b = r.emit();
         b[0] = b'X';
         assert_eq!(Request::parse(&b), Err(HelloError::NotOurs));

@@ -51,6 +51,31 @@ fn azsdp_send_returns_at_once_and_splits_head_and_tail() {
     assert_eq!(p.counters(1).gets, 1);
 }
 
+/// Every registration for the peer refused for the locked-memory limit
+/// (`RLIMIT_MEMLOCK`): the sends go by copy, every byte arrives, and the
+/// reason says why.
+#[test]
+fn the_locked_memory_limit_sends_by_copy_and_says_so() {
+    let params = SimFabricParams {
+        p_register_fail: 1.0,
+        register_error: OpError::PinLimit,
+        ..fabric_params()
+    };
+    let mut p = Pair::with_fabric(params, cfg(Role::Client), cfg(Role::Server));
+    let (addr, len) = (BUF + 0x100, 8 * PAGE + 100);
+    let data = pattern(len as usize, 3);
+    p.write(0, addr, &data);
+    let call = p.send(0, addr, len);
+    assert_eq!(p.poll(0, call), Some(Ok(len)));
+    let r = p.recv_all(1, DST, len);
+    assert_eq!(p.wait(1, r), Ok(len));
+    assert_eq!(p.read(1, DST, len as usize), data);
+    let c = p.counters(0);
+    assert_eq!(c.bytes_sent_bsdp, len);
+    assert_eq!(c.fallback_reason, Some(FallbackReason::MemlockLimit));
+    assert!(p.pages(0, Prot::WriteProtected).is_empty());
+}
+
 #[test]
 fn zsdp_send_waits_for_get_complete() {
     let mut c0 = cfg(Role::Client);

@@ -262,3 +262,59 @@ fn a_dead_peer_whose_heir_would_miss_bytes_resets_the_connection() {
     assert!(!p.fabric.borrow().left_for_heirs(0));
     assert!(p.tcp.borrow().wrote[1].is_empty());
 }
+
+/// A fabric that says only that the peer is gone, not how far it got (as
+/// verbs' rdma_cm DISCONNECTED), within 100 us.
+fn departure_unknown() -> SimFabricParams {
+    SimFabricParams {
+        death_detect: Duration::from_micros(100),
+        p_departure_unknown: 1.0,
+        ..fabric_params()
+    }
+}
+
+/// The peer closed cleanly (its data and its end of stream all read here)
+/// and its endpoint is gone, then this side leaves the fabric (a close
+/// while a forked process holds a copy): no SWITCH will ever answer, and
+/// none is awaited. The connection is on TCP at once, not after the peer
+/// timeout, and nothing goes again (the peer reads no more).
+#[test]
+fn leaving_after_the_peer_closed_and_left_waits_for_nobody() {
+    for peer_gone_first in [true, false] {
+        let mut p = Pair::with_fabric(departure_unknown(), cfg(Role::Client), cfg(Role::Server));
+        let a = pattern(20_000, 3);
+        p.write(0, BUF, &a);
+        let s = p.send(0, BUF, a.len() as u64);
+        let r = p.recv_all(1, DST, a.len() as u64);
+        assert_eq!(p.wait(1, r), Ok(a.len() as u64));
+        assert_eq!(p.wait(0, s), Ok(a.len() as u64));
+        let b = pattern(300, 4);
+        p.write(1, BUF, &b);
+        let s = p.send(1, BUF, 300);
+        assert_eq!(p.poll(1, s), Some(Ok(300)));
+        let r = p.recv_all(0, DST, 300);
+        assert_eq!(p.wait(0, r), Ok(300));
+        p.d[0].submit_close();
+        let eof = p.recv(1, DST, 100);
+        assert_eq!(p.wait(1, eof), Ok(0));
+        p.run_until(Duration::from_millis(10), |p| p.d[0].is_finished());
+        if peer_gone_first {
+            p.fabric.borrow_mut().kill(0);
+            p.run_for(Duration::from_millis(1));
+            assert!(p.d[1].peer_left());
+            p.d[1].leave_fabric();
+        } else {
+            // Our SWITCH goes to an endpoint that is going: no answer.
+            p.d[1].leave_fabric();
+            p.fabric.borrow_mut().kill(0);
+        }
+        p.run_until(Duration::from_millis(10), |p| {
+            *p.d[1].connection().state() == State::Switched
+        });
+        assert!(p.d[1].is_finished());
+        assert!(p.tcp.borrow().wrote[1].is_empty());
+        // The end of the peer's stream came over the fabric: still EOF.
+        let r = p.recv(1, DST, 100);
+        assert_eq!(p.wait(1, r), Ok(0));
+    }
+}
