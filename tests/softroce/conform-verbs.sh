@@ -14,15 +14,13 @@ azsdp=$dir/azsdp
 # what it covers in the host suite (tests/programs/main.rs).
 scenarios=${*:-basic nonblock halfclose sigpipe readiness threads signals descriptors \
     batch-calls names eintr-waits bad-args exec exec-bare exec-l spawn system \
-    fork-both-use fork-split fork-parent-serves \
+    fork-both-use fork-split fork-parent-serves fork-child-serves \
     exit-after-send _exit-after-send dead-peer-blocking dead-peer-epoll}
 # Known limits over verbs (docs/shim.md, "Between hosts"): a pre-forked
 # server's children accept connections whose RDMA side the parent's
 # listener thread took (the first stays on TCP after pair_timeout, the
-# listener rejects RDMA requests from then on); a runner
-# that closes while a forked child's receive waits on an advertisement
-# does not move the connection onto TCP cleanly.
-known=${KNOWN-prefork fork-child-serves}
+# listener rejects RDMA requests from then on).
+known=${KNOWN-prefork}
 [ $# = 0 ] || known=
 if rdma link show rxeA/1 > /dev/null 2>&1; then
     IPA=${IPA:-198.51.100.1} IPB=${IPB:-198.51.100.2}

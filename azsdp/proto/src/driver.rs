@@ -132,6 +132,8 @@ pub struct Driver<F: Fabric, P: Protector, H: Host> {
     /// A message the fabric refused although it said it had room (one at
     /// most: nothing is taken from the engine while it is here).
     refused: Option<Vec<u8>>,
+    /// This side's resend, written to TCP once its SWITCH is out.
+    resend: Option<Resend>,
     /// No new arms (a fork is pending: staging pages shared with a child
     /// could not be moved back).
     arms_paused: bool,
@@ -174,6 +176,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             steps: IdMap::default(),
             next_op: 0,
             refused: None,
+            resend: None,
             arms_paused: false,
             buf: Vec::new(),
             completed: Vec::new(),
@@ -257,6 +260,16 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 if let Err(FabricError::NoCredits) = self.fabric.post_message(&self.buf[..n]) {
                     self.refused = Some(self.buf[..n].to_vec());
                 }
+            }
+            // The resend may block until the peer reads TCP, which it does
+            // once it has our SWITCH: so that goes first. (An orphan
+            // switch posts none, and its dead peer may take nothing.)
+            if self.resend.is_some()
+                && (self.conn.orphaned() || (self.refused.is_none() && !self.conn.has_transmit()))
+                && let Some(r) = self.resend.take()
+            {
+                self.write_resend(r);
+                continue;
             }
             if !any {
                 // (Progress was published above, and nothing changed since.)
@@ -395,18 +408,22 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 let (now, clean) = (self.now(), self.host.stream_clean());
                 self.conn.stream_checked(now, clean, &mut self.host);
             }
-            Action::Resend(r) => {
-                let now = self.now();
-                if self.host.write_stream(&r) {
-                    self.conn.resend_written(now, &mut self.host);
-                    if self.conn.orphaned() {
-                        // The dead peer's heirs read it from TCP now.
-                        self.fabric.mark_peer_left();
-                    }
-                } else {
-                    self.conn.stream_failed(now, &mut self.host);
-                }
+            // Written once our SWITCH is out (see `drive`).
+            Action::Resend(r) => self.resend = Some(r),
+        }
+    }
+
+    /// Write this side's resend to TCP (both SWITCHes are out).
+    fn write_resend(&mut self, r: Resend) {
+        let now = self.now();
+        if self.host.write_stream(&r) {
+            self.conn.resend_written(now, &mut self.host);
+            if self.conn.orphaned() {
+                // The dead peer's heirs read it from TCP now.
+                self.fabric.mark_peer_left();
             }
+        } else {
+            self.conn.stream_failed(now, &mut self.host);
         }
     }
 

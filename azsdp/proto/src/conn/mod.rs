@@ -526,6 +526,11 @@ impl Connection {
     /// and return its length, or `None` if nothing is due.
     ///
     /// [`max_message_len`]: Connection::max_message_len
+    /// Are messages waiting for [`Connection::poll_transmit`]?
+    pub fn has_transmit(&self) -> bool {
+        !self.out.is_empty()
+    }
+
     pub fn poll_transmit(&mut self, buf: &mut [u8]) -> Option<usize> {
         loop {
             let msg = self.out.pop_front()?;

@@ -78,7 +78,10 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         if let Some(b) = self.conn.park_blocker() {
             return Some(b);
         }
-        if !self.steps.is_empty() || !self.completed.is_empty() || self.fabric.completions_pending()
+        if !self.steps.is_empty()
+            || !self.completed.is_empty()
+            || self.resend.is_some()
+            || self.fabric.completions_pending()
         {
             return Some(Unparkable::InFlight);
         }
@@ -146,6 +149,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             steps: IdMap::default(),
             next_op: p.next_op,
             refused: p.refused,
+            resend: None,
             arms_paused: false,
             buf: Vec::new(),
             completed: Vec::new(),

@@ -177,6 +177,11 @@ pub trait Fabric {
     /// from now on, including those in flight. Messages still flow.
     fn revoke_access(&mut self);
     /// Deliver what is ready; returns how many events were delivered.
+    ///
+    /// Every GET and compare-and-swap posted completes here, with an error
+    /// if need be, in bounded time once the peer is gone (or a while after
+    /// [`Fabric::revoke_access`]): a receive whose GET writes into its
+    /// buffer waits for it.
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize;
     /// Block until something may be ready to poll, or `timeout` passes.
     fn wait(&self, timeout: std::time::Duration);
