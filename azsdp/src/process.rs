@@ -45,6 +45,10 @@ pub trait Participant: Send + Sync {
     /// returned value is dropped (after `fork()`, in parent and child), so
     /// the child's copy is consistent and unlocked.
     fn hold_for_fork(self: Arc<Self>) -> Box<dyn std::any::Any>;
+    /// Process `pid` holds the connection's descriptor now: a child just
+    /// forked with it (noted by the parent as `fork()` returns, and by
+    /// the child itself).
+    fn forked_holder(&self, pid: u32);
 }
 
 /// Where a participant holds pages, readable without its lock and without
@@ -442,5 +446,21 @@ extern "C" fn fork_child() {
     release_held();
     LIVE.release();
     crate::sync::lower_fork_barrier();
-    // Connections see they are in a child by their owner's pid.
+    // Connections see they are in a child by their owner's pid; the
+    // processes that share them learn that this one holds them too.
+    let _ = std::panic::catch_unwind(|| forked_holder(pid()));
+}
+
+/// Process `child` was just forked from this one (or is this one, in the
+/// child): it holds every connection's descriptor this process held, so a
+/// runner's close must not end them while it lives. The parent calls this
+/// as `fork()` returns, before the program can close anything; the child
+/// calls it too (forks the shim's hook did not see).
+pub fn forked_holder(child: u32) {
+    if COUNT.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    for c in live() {
+        c.forked_holder(child);
+    }
 }

@@ -299,11 +299,16 @@ impl Conn {
                 "moved to its TCP socket alone (the peer's end was gone)".to_string()
             }
             _ if self.driver.is_switched() => "moved to its TCP socket".to_string(),
-            azsdp::conn::State::Aborted(r) if c.bytes_unread_by_peer > 0 => format!(
-                "reset ({r}, {} sent bytes never read)",
-                c.bytes_unread_by_peer
-            ),
-            azsdp::conn::State::Aborted(r) => format!("reset ({r})"),
+            azsdp::conn::State::Aborted(r) => {
+                let mut why = r.to_string();
+                if c.bytes_unread_by_peer > 0 {
+                    why += &format!(", {} sent bytes never read", c.bytes_unread_by_peer);
+                }
+                if let Some(f) = self.driver.with_fabric(|ep| ep.broken_reason()) {
+                    why += &format!("; fabric: {f}");
+                }
+                format!("reset ({why})")
+            }
             azsdp::conn::State::Switched => "moved to its TCP socket".to_string(),
             _ => "closed".to_string(),
         };

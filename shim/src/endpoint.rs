@@ -68,6 +68,17 @@ impl AnyEndpoint {
         }
     }
 
+    /// Why the fabric broke, if it did and can say (shm: why the first
+    /// operation found the peer unreachable; verbs: the completion or
+    /// event that ended the queue pair).
+    pub fn broken_reason(&self) -> Option<String> {
+        match self {
+            AnyEndpoint::Shm(e) => e.first_failure().map(str::to_string),
+            #[cfg(feature = "verbs")]
+            AnyEndpoint::Verbs(e) => e.broken_reason().map(str::to_string),
+        }
+    }
+
     /// The shared-memory endpoint, if that is the fabric (exec parking and
     /// fork claims are shm's).
     pub fn shm(&self) -> Option<&ShmEndpoint> {
@@ -175,9 +186,6 @@ impl Fabric for AnyEndpoint {
     }
     fn freeze(&self) {
         each!(AnyEndpoint, self, e => e.freeze())
-    }
-    fn follows_fork(&self) -> bool {
-        each!(AnyEndpoint, self, e => e.follows_fork())
     }
     fn claim(&self) -> bool {
         each!(AnyEndpoint, self, e => e.claim())

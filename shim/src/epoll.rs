@@ -154,6 +154,22 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
     Some(s)
 }
 
+/// The program closed every descriptor in `range` at once.
+pub fn forget_sets_in(range: std::ops::RangeInclusive<c_int>) {
+    if !has_sets() {
+        return;
+    }
+    let gone: Vec<c_int> = SETS
+        .lock()
+        .keys()
+        .copied()
+        .filter(|fd| range.contains(fd))
+        .collect();
+    for epfd in gone {
+        forget_set(epfd);
+    }
+}
+
 /// `epfd` was closed.
 pub fn forget_set(epfd: c_int) {
     let gone = {

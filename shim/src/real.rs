@@ -83,6 +83,7 @@ real! {
     fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int;
     fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int;
     fn close(fd: c_int) -> c_int;
+    fn closefrom(low: c_int) -> ();
     fn shutdown(fd: c_int, how: c_int) -> c_int;
     fn send(fd: c_int, buf: *const c_void, len: size_t, flags: c_int) -> ssize_t;
     fn sendto(fd: c_int, buf: *const c_void, len: size_t, flags: c_int, addr: *const sockaddr, alen: socklen_t) -> ssize_t;

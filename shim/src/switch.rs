@@ -79,6 +79,8 @@ pub fn before_exec_except(parked: &[Arc<Sock>]) {
             // Served by another process after a fork: the new image will
             // not be, so that process moves it onto TCP.
             moved(&sock, &c);
+        } else if !survives {
+            c.driver.not_held_after_exec();
         }
     }
     crate::runtime::join_closing();

@@ -30,7 +30,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// fork-split-reader-runs; 100-115; 128-133 exec-twice, exec-failing,
 /// stray-bytes (each plain, then azsdp); 134-135 runner-killed; 136
 /// redis (it shared 2 with execl before); 137-140 exit-after-send and
-/// _exit-after-send (plain, azsdp); 141-255 free.
+/// _exit-after-send (plain, azsdp); 141-142 fork-idle-holder; 143-144
+/// close-range; 145-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -657,6 +658,13 @@ fn dup_dup2_and_close_of_one_descriptor() {
     sockcheck("descriptors", 15);
 }
 
+/// `close_range`, and `closefrom` in a forked child: the closed number
+/// names the file opened on it next, and the parent keeps its connection.
+#[test]
+fn descriptors_closed_as_a_range_are_forgotten() {
+    sockcheck_at("close-range", 143, 144);
+}
+
 #[test]
 fn pre_fork_server_children_accept_on_the_inherited_listener() {
     sockcheck("prefork", 16);
@@ -701,6 +709,25 @@ fn the_process_left_carries_on_when_the_one_running_the_connection_exits() {
         "the connection was reset when its runner left:\n{log}"
     );
 }
+
+/// A forked child runs the connection and leaves (closing first, by
+/// `_exit`, by `exit()`) before its parent, which holds the descriptor
+/// too, has touched it: the connection moves onto TCP for the parent
+/// instead of ending, and the parent's answer arrives.
+#[test]
+fn a_runner_that_leaves_before_its_parent_used_the_connection_hands_it_over() {
+    sockcheck_run("fork-idle-holder", false, 141);
+    let log = sockcheck_run("fork-idle-holder", true, 142);
+    // (Each child's close line, each client's, and the parent's.)
+    assert!(
+        log.matches("moved to its TCP socket;").count() >= 2 * IDLE_HOLDER_RUNS,
+        "{log}"
+    );
+    assert!(!log.contains("reset"), "{log}");
+}
+
+/// Connections of `fork-idle-holder`.
+const IDLE_HOLDER_RUNS: usize = 3;
 
 /// A privilege-separated server: the child it forks drops root, then
 /// serves the connection.

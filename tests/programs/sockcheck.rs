@@ -601,6 +601,127 @@ fn descriptors(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// A memory file holding `bytes`, read back from its start: it takes the
+/// lowest free descriptor number, as the kernel gives out.
+fn memfd_with(bytes: &[u8]) -> Result<c_int, String> {
+    // SAFETY: memfd_create(2) with a NUL-terminated name.
+    let f = unsafe { libc::memfd_create(c"azsdp-check".as_ptr(), 0) };
+    check!(f >= 0, "memfd_create: {}", err_name(errno()));
+    // SAFETY: write(2) from our slice, lseek(2) on our own descriptor.
+    unsafe {
+        check!(
+            libc::write(f, bytes.as_ptr().cast(), bytes.len()) == bytes.len() as isize,
+            "write to the memory file"
+        );
+        libc::lseek(f, 0, libc::SEEK_SET);
+    }
+    Ok(f)
+}
+
+/// Descriptors closed as a range (`close_range`, and `closefrom` in a
+/// forked child before it execs, as Python's subprocess and sshd do): the
+/// number of a closed connection names whatever the kernel opens next on
+/// it, and reads that, not the connection; a child's `closefrom` takes
+/// nothing from its parent, which carries on with the connection.
+fn close_range_scenario(server: bool, port: u16) -> R {
+    let msg = data(1 << 20, 80);
+    let file = data(64 << 10, 81);
+    if server {
+        let l = listen_on(port)?;
+        for _ in 0..2 {
+            let c = accept_one(l)?;
+            loop {
+                let mut buf = vec![0u8; 256 << 10];
+                let n = recv_some(c, &mut buf, 0);
+                check!(n >= 0, "echo recv: {}", err_name(errno()));
+                if n == 0 {
+                    break;
+                }
+                send_all(c, &buf[..n as usize])?;
+            }
+            close(c);
+        }
+        close(l);
+        return Ok(());
+    }
+    let exchange = |c: c_int| -> R {
+        send_all(c, &msg)?;
+        check!(recv_exact(c, msg.len())? == msg, "the echo");
+        Ok(())
+    };
+    let c = connect_to(port)?;
+    exchange(c)?;
+    // SAFETY: close_range(2) of our own descriptor.
+    let r = unsafe { libc::close_range(c as u32, c as u32, 0) };
+    check!(r == 0, "close_range");
+    let f = memfd_with(&file)?;
+    check!(
+        f == c,
+        "the memory file took {f}, not the socket's number {c}"
+    );
+    let mut got = vec![0u8; file.len()];
+    check!(
+        recv_exact_read(f, &mut got)? && got == file,
+        "the file read through the socket's old number"
+    );
+    close(f);
+
+    let c = connect_to(port)?;
+    exchange(c)?;
+    // SAFETY: fork(2); the child closes from the socket's number up, opens
+    // a file there, reads it and _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let r = (|| -> R {
+            // SAFETY: glibc's closefrom(3) (2.34; not in the libc crate) in
+            // our own process.
+            unsafe { closefrom(c) };
+            let f = memfd_with(&file)?;
+            check!(f == c, "the child's memory file took {f}, not {c}");
+            let mut got = vec![0u8; file.len()];
+            check!(
+                recv_exact_read(f, &mut got)? && got == file,
+                "the child's file"
+            );
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            eprintln!("child: {e}");
+        }
+        // SAFETY: leave the child without unwinding.
+        unsafe { libc::_exit(i32::from(r.is_err())) };
+    }
+    let mut st = 0;
+    // SAFETY: waitpid(2) on our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    check!(
+        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+        "the child failed: {st:#x}"
+    );
+    exchange(c)?;
+    close(c);
+    Ok(())
+}
+
+unsafe extern "C" {
+    fn closefrom(low: c_int);
+}
+
+/// `read(2)` until `buf` is full; whether it filled (false at end of file).
+fn recv_exact_read(fd: c_int, buf: &mut [u8]) -> Result<bool, String> {
+    let mut at = 0;
+    while at < buf.len() {
+        // SAFETY: read(2) into the rest of our buffer.
+        let n = unsafe { libc::read(fd, buf[at..].as_mut_ptr().cast(), buf.len() - at) };
+        check!(n >= 0, "read: {}", err_name(errno()));
+        if n == 0 {
+            return Ok(false);
+        }
+        at += n as usize;
+    }
+    Ok(true)
+}
+
 /// A pre-fork server: the children accept on the inherited listener.
 fn prefork(server: bool, port: u16) -> R {
     let msg = data(1 << 20, 5);
@@ -1029,11 +1150,6 @@ fn fork_split(server: bool, port: u16, reader_first: bool) -> R {
             let mut at = 0;
             let mut told = false;
             while at < SPLIT_BYTES {
-                if at > 0 && !told {
-                    told = true;
-                    // SAFETY: one byte into our pipe.
-                    unsafe { libc::write(started[1], b"x".as_ptr().cast(), 1) };
-                }
                 let mut p = libc::pollfd {
                     fd: c,
                     events: libc::POLLIN,
@@ -1048,6 +1164,12 @@ fn fork_split(server: bool, port: u16, reader_first: bool) -> R {
                 }
                 check!(n > 0, "recv after {at}: {n} ({})", err_name(errno()));
                 at += n as usize;
+                if !told {
+                    // (After the first bytes: one receive may take them all.)
+                    told = true;
+                    // SAFETY: one byte into our pipe.
+                    unsafe { libc::write(started[1], b"x".as_ptr().cast(), 1) };
+                }
             }
             check!(got == up, "the client's bytes");
             Ok(())
@@ -1078,6 +1200,72 @@ fn fork_split(server: bool, port: u16, reader_first: bool) -> R {
     send_all(c, &tail)?;
     check!(recv_exact(c, 3)? == b"bye", "bye");
     close(c);
+    Ok(())
+}
+
+/// How the forked child of [`fork_idle_holder`] leaves.
+const IDLE_HOLDER_ENDINGS: [&str; 3] = ["close, _exit", "_exit", "exit"];
+
+/// A forked child runs the connection (it is the first to use it) and
+/// leaves, while its parent, which holds the descriptor too, has not
+/// touched it yet: the parent answers only once the child is reaped. As
+/// on TCP, the child's going does not end the connection (the parent's
+/// descriptor keeps the socket open), whether it closes first or leaves
+/// by `_exit` or `exit()`. (A runner once ended it when no other process
+/// had made a call yet: rsync's shape, under load.)
+fn fork_idle_holder(server: bool, port: u16) -> R {
+    let question = data(4 << 20, 63);
+    let answer = data(1 << 20, 64);
+    if !server {
+        for ending in IDLE_HOLDER_ENDINGS {
+            let c = connect_to(port)?;
+            send_all(c, &question)?;
+            check!(
+                recv_exact(c, answer.len())? == answer,
+                "the answer ({ending})"
+            );
+            expect_eof(c)?;
+            close(c);
+        }
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    for (i, ending) in IDLE_HOLDER_ENDINGS.into_iter().enumerate() {
+        let c = accept_one(l)?;
+        // SAFETY: fork(2); the child reads, then leaves as told.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let r = (|| -> R {
+                check!(recv_exact(c, question.len())? == question, "the question");
+                Ok(())
+            })();
+            if let Err(e) = &r {
+                eprintln!("child ({ending}): {e}");
+            }
+            let code = i32::from(r.is_err());
+            match i {
+                0 => {
+                    close(c);
+                    // SAFETY: leave the child without unwinding.
+                    unsafe { libc::_exit(code) }
+                }
+                // SAFETY: as above, the descriptor still open.
+                1 => unsafe { libc::_exit(code) },
+                // SAFETY: libc's exit (its handlers run), without unwinding.
+                _ => unsafe { libc::exit(code) },
+            }
+        }
+        let mut st = 0;
+        // SAFETY: waitpid(2) on our own child.
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        check!(
+            libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+            "the child ({ending}) failed: {st:#x}"
+        );
+        send_all(c, &answer)?;
+        close(c);
+    }
+    close(l);
     Ok(())
 }
 
@@ -2350,6 +2538,8 @@ fn main() {
         "fork-setuid" => fork_setuid(server, port),
         "fork-split" => fork_split(server, port, false),
         "fork-split-reader-runs" => fork_split(server, port, true),
+        "fork-idle-holder" => fork_idle_holder(server, port),
+        "close-range" => close_range_scenario(server, port),
         "killed-idle" => killed_idle(server, port),
         "exit-after-send" => exit_after_send(server, port, false),
         "_exit-after-send" => exit_after_send(server, port, true),

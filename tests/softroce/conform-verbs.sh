@@ -14,7 +14,8 @@ azsdp=$dir/azsdp
 # what it covers in the host suite (tests/programs/main.rs).
 scenarios=${*:-basic nonblock halfclose sigpipe readiness threads signals descriptors \
     batch-calls names eintr-waits bad-args exec exec-bare exec-l spawn system \
-    fork-both-use fork-split fork-parent-serves fork-child-serves \
+    fork-both-use fork-split fork-split-reader-runs fork-idle-holder close-range \
+    fork-parent-serves fork-child-serves \
     exit-after-send _exit-after-send dead-peer-blocking dead-peer-epoll}
 # Known limits over verbs (docs/shim.md, "Between hosts"): a pre-forked
 # server's children accept connections whose RDMA side the parent's

@@ -38,10 +38,16 @@
 //!   tells that process's `poll`/`epoll` waiters to look again.
 //! - **Departures**: a guest that dies is forgotten (its pending calls
 //!   cancelled, what they took dropped, as the kernel drops what a dead
-//!   reader took). A runner that closes the connection, or exits, while a
-//!   guest lives moves the connection onto its TCP socket first (both
-//!   sides agree where the stream stands, docs/protocol.md §8a), and the
-//!   guests carry on there. A runner killed outright takes the engine with
+//!   reader took). A runner that closes the connection, or exits, while
+//!   another process may hold its descriptor moves the connection onto its
+//!   TCP socket first (both sides agree where the stream stands,
+//!   docs/protocol.md §8a), and the others carry on there. "May hold" is
+//!   the mailbox's **holders**: the process that forked first, every child
+//!   forked with it (noted by the parent as `fork()` returns, and by the
+//!   child), whoever made a call; a process leaves by closing its copy or
+//!   dying. Not only the guests that made a call: a process that had not
+//!   used the connection yet when the runner closed would otherwise find
+//!   it ended (the kernel keeps a socket open while anyone holds it). A runner killed outright takes the engine with
 //!   it, but each guest wrote its pid in the segment (`Fabric::note_heir`):
 //!   the peer then moves the stream onto TCP for the guests alone, when
 //!   nothing was lost (docs/protocol.md §8a), and their calls go there
@@ -60,9 +66,10 @@ use crate::sync::Lock;
 
 /// Requests in flight per connection at once (further guests wait).
 const SLOTS: usize = 32;
-/// Guests remembered per connection (enough for any real server; more
-/// are served all the same, only not waited for at the runner's close).
-const GUESTS: usize = 16;
+/// Processes remembered per connection as holding its descriptor (enough
+/// for any real server; past that, a runner's close assumes others hold
+/// it and moves the connection onto TCP, which is right either way).
+const HOLDERS: usize = 16;
 /// The most one request moves; a longer call is several requests.
 pub const CHUNK: u64 = 1 << 20;
 /// Looks at a posted request's state before sleeping on it.
@@ -233,7 +240,13 @@ struct MailboxPage {
     arrived: AtomicU64,
     drained: AtomicU64,
     readable: AtomicU64,
-    guests: [AtomicU32; GUESTS],
+    /// The processes that may hold the descriptor: the one that forked
+    /// first, each child forked with it, and whoever made a call; a
+    /// process leaves by closing its copy (or by dying).
+    holders: [AtomicU32; HOLDERS],
+    /// Set when a holder found no free entry: from then on, others may hold
+    /// it whatever the entries say.
+    holders_overflowed: AtomicU32,
     slots: [Slot; SLOTS],
 }
 
@@ -428,7 +441,9 @@ impl Mailbox {
     pub fn for_fork() -> Option<Arc<Mailbox>> {
         let family = family_for_fork()?;
         let page = SharedPages::new().ok()?;
-        Some(Arc::new(Mailbox { page, family }))
+        let mb = Mailbox { page, family };
+        mb.note_holder(crate::process::pid());
+        Some(Arc::new(mb))
     }
 
     fn p(&self) -> &MailboxPage {
@@ -453,27 +468,45 @@ impl Mailbox {
         self.p().runner.load(Ordering::SeqCst)
     }
 
-    /// Is any guest other than `me` alive (one that made a call)?
-    pub fn has_live_guests(&self, me: u32) -> bool {
-        self.p().guests.iter().any(|g| {
-            let pid = g.load(Ordering::SeqCst);
-            pid != 0 && pid != me && crate::stats::alive(pid)
-        })
+    /// May a process other than `me` still hold the descriptor (and use
+    /// the connection later)? A runner's close then moves the connection
+    /// onto TCP instead of ending it, as the kernel keeps a socket open
+    /// while any process holds it: whether or not that process used it
+    /// yet (a forked child scheduled late, a parent that had not sent).
+    /// Errs towards yes (a reused pid, an overflow): moving is right
+    /// either way, only slower.
+    pub fn has_other_holders(&self, me: u32) -> bool {
+        let p = self.p();
+        p.holders_overflowed.load(Ordering::SeqCst) != 0
+            || p.holders.iter().any(|g| {
+                let pid = g.load(Ordering::SeqCst);
+                pid != 0 && pid != me && crate::stats::alive(pid)
+            })
     }
 
-    fn note_guest(&self, me: u32) {
-        let guests = &self.p().guests;
-        if guests.iter().any(|g| g.load(Ordering::SeqCst) == me) {
+    /// `pid` holds the descriptor (it forked with it, was forked with it,
+    /// or made a call).
+    pub fn note_holder(&self, pid: u32) {
+        let holders = &self.p().holders;
+        if holders.iter().any(|g| g.load(Ordering::SeqCst) == pid) {
             return;
         }
-        for g in guests {
-            let pid = g.load(Ordering::SeqCst);
-            if (pid == 0 || !crate::stats::alive(pid))
-                && g.compare_exchange(pid, me, Ordering::SeqCst, Ordering::SeqCst)
+        for g in holders {
+            let old = g.load(Ordering::SeqCst);
+            if (old == 0 || !crate::stats::alive(old))
+                && g.compare_exchange(old, pid, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
             {
                 return;
             }
+        }
+        self.p().holders_overflowed.store(1, Ordering::SeqCst);
+    }
+
+    /// `pid` closed its copy of the descriptor (or execs with it closing).
+    pub fn drop_holder(&self, pid: u32) {
+        for g in &self.p().holders {
+            let _ = g.compare_exchange(pid, 0, Ordering::SeqCst, Ordering::SeqCst);
         }
     }
 
@@ -581,7 +614,7 @@ impl std::fmt::Debug for GuestWait<'_> {
 /// Interrupted, as the runner's own calls do).
 pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
     let me = crate::process::pid();
-    mb.note_guest(me);
+    mb.note_holder(me);
     if let Some(e) = mb.ending() {
         return e.answer(req);
     }

@@ -99,6 +99,9 @@ struct Shared<F: Fabric, P: Protector> {
     family_watched: AtomicBool,
     /// A guest found the runner gone (killed): said once.
     runner_gone: AtomicBool,
+    /// The program closed its descriptor of the connection in this process
+    /// (a child forked from here on does not hold it).
+    closed_here: AtomicBool,
 }
 
 /// How long a process sharing a connection after a fork waits for the one
@@ -804,6 +807,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             serving: Lock::new(Serving::default()),
             family_watched: AtomicBool::new(false),
             runner_gone: AtomicBool::new(false),
+            closed_here: AtomicBool::new(false),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));
@@ -1002,22 +1006,32 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.share_by_tcp()
     }
 
+    /// This process is about to exec, and its descriptors of the
+    /// connection close on exec: it no longer holds it (the process that
+    /// runs it may end it at its close). (Should the exec fail, the
+    /// process's next call notes it again.)
+    pub fn not_held_after_exec(&self) {
+        if let Some(mb) = self.shared.mailbox() {
+            mb.drop_holder(process::pid());
+        }
+    }
+
     /// Has a fork copied this connection (other processes may hold its
     /// descriptor, whether they used it yet or not)?
     pub fn shared_by_fork(&self) -> bool {
         self.shared.has_mailbox.load(Ordering::Acquire)
     }
 
-    /// Does this process run the connection for others too (processes
-    /// forked with it that made calls and live)? Cheap when no fork
-    /// copied it.
+    /// Does this process run the connection for others too (live
+    /// processes that may hold its descriptor: forked with it, or that made
+    /// calls)? Cheap when no fork copied it.
     pub fn serves_others(&self) -> bool {
         let Some(mb) = self.shared.mailbox() else {
             return false;
         };
         !self.shared.orphaned()
             && !self.shared.own.taken(self.shared.lock().fabric())
-            && mb.has_live_guests(process::pid())
+            && mb.has_other_holders(process::pid())
     }
 
     /// This process runs the connection for others and is about to go
@@ -1209,6 +1223,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// background and lets go once it is finished or `linger` passed.
     /// [`ThreadedDriver::join_closed`] waits for that.
     pub fn close_in_background(&self, abort: bool, linger: Duration) {
+        self.shared.closed_here.store(true, Ordering::SeqCst);
+        if let Some(mb) = self.shared.mailbox() {
+            mb.drop_holder(process::pid());
+        }
         if self.shared.orphaned() {
             // A forked child's copy it never used: the connection is not
             // this process's to end.
@@ -1216,17 +1234,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            let mailbox = self.shared.mailbox();
-            // A fork may have copied the descriptor, and its copy cannot
-            // take this fabric over: it goes on over TCP.
-            let copies_stay = mailbox.is_some() && !d.fabric().follows_fork();
-            let guests = mailbox.filter(|mb| mb.has_live_guests(process::pid()));
+            let guests = (self.shared.mailbox()).filter(|mb| mb.has_other_holders(process::pid()));
             match self.shared.own.close(d.fabric(), abort) {
-                Close::Now if copies_stay && guests.is_none() => d.leave_fabric(),
-                // Other processes still use it (their descriptors keep the
-                // kernel's socket open): it moves onto that socket, where
-                // they carry on, instead of ending (or, if the peer is
-                // gone, they are told how it ended).
+                // Other processes may still hold it (their descriptors keep
+                // the kernel's socket open, used yet or not): it moves onto
+                // that socket, where they carry on, instead of ending (or,
+                // if the peer is gone, they are told how it ended).
                 Close::Now if guests.is_some() => {
                     if let Some(how) = Shared::ending_for_guests(&d) {
                         if let Some(mb) = &guests {
@@ -1593,6 +1606,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
     fn set_forking(&self, forking: bool) {
         if !self.orphaned() {
             self.lock().pause_arms(forking);
+        }
+    }
+
+    fn forked_holder(&self, pid: u32) {
+        if !self.closed_here.load(Ordering::SeqCst)
+            && let Some(mb) = self.mailbox()
+        {
+            mb.note_holder(pid);
         }
     }
 }

@@ -7,7 +7,7 @@ use azsdp::conn::CallError;
 use libc::{c_int, c_ulong, c_void, sockaddr, socklen_t, timeval};
 
 use super::sockets::release;
-use super::{guard, hook};
+use super::{guard, hook, quietly};
 use crate::sock::Sock;
 use crate::{fdtable, net, real};
 
@@ -139,6 +139,59 @@ pub unsafe extern "C" fn dup3(fd: c_int, fd2: c_int, flags: c_int) -> c_int {
         // SAFETY: forwarded.
         unsafe { dup2_impl(fd, fd2, Some(flags)) }
     })
+}
+
+/// The program closes every descriptor in `first..=last` at once
+/// (`close_range`, `closefrom`): forget what the shim kept for each, as
+/// `close` would. Otherwise a closed number would still name its
+/// connection here, and whatever the kernel opens next on that number (a
+/// file, a pipe) would be read and written as the connection.
+fn closing_range(first: libc::c_uint, last: libc::c_uint) {
+    let (Ok(first), last) = (
+        c_int::try_from(first),
+        c_int::try_from(last).unwrap_or(c_int::MAX),
+    ) else {
+        return;
+    };
+    for (fd, _) in fdtable::entries() {
+        if (first..=last).contains(&fd)
+            && let Some(sock) = fdtable::remove(fd)
+        {
+            release(fd, sock);
+        }
+    }
+    crate::epoll::forget_sets_in(first..=last);
+}
+
+/// `close_range(2)` (glibc 2.34): what glibc's `closefrom`, Python's
+/// subprocess and daemons that close what they inherited call. With
+/// `CLOSE_RANGE_CLOEXEC` it closes nothing (exec checks each descriptor's
+/// flag when it comes).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn close_range(
+    first: libc::c_uint,
+    last: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    hook(|| {
+        if flags as libc::c_uint & libc::CLOSE_RANGE_CLOEXEC == 0 && first <= last {
+            guard((), || closing_range(first, last));
+        }
+        // SAFETY: the system call glibc's wrapper makes, with the program's
+        // arguments (glibc before 2.34 has no wrapper to forward to).
+        unsafe { libc::syscall(libc::SYS_close_range, first, last, flags) as c_int }
+    })
+}
+
+/// `closefrom(3)` (glibc 2.34): glibc calls its own `close_range`
+/// inside, which no interposition sees.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn closefrom(low: c_int) {
+    if let Ok(low) = libc::c_uint::try_from(low) {
+        quietly(|| closing_range(low, libc::c_uint::MAX));
+    }
+    // SAFETY: libc's closefrom.
+    unsafe { real::closefrom(low) }
 }
 
 fn timeval_duration(val: *const c_void, len: socklen_t) -> Option<std::time::Duration> {

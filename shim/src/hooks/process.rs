@@ -21,6 +21,12 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
         let pid = unsafe { real::fork() };
         if pid == 0 {
             guard((), runtime::after_fork_in_child);
+        } else if let Ok(child) = u32::try_from(pid)
+            && child > 0
+        {
+            // Before the program can close its copy: a connection the
+            // child holds must not end at another process's close.
+            guard((), || azsdp::process::forked_holder(child));
         }
         pid
     })

@@ -213,15 +213,6 @@ pub trait Fabric {
     }
     /// A fork is about to copy this side into a child: freeze it.
     fn freeze(&self) {}
-    /// Can a forked child take this side over (shm's segment is shared by
-    /// both)? If not (a verbs queue pair stays with the process that made
-    /// it), a `close()` in the process running it, once a fork may have
-    /// copied its descriptor, moves the connection onto the TCP socket for
-    /// the copies instead of ending it: the kernel ends it when the last
-    /// descriptor goes, as it ends a TCP socket.
-    fn follows_fork(&self) -> bool {
-        true
-    }
     /// Take an unclaimed side for this process; whether it is ours now.
     fn claim(&self) -> bool {
         true

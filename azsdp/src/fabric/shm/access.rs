@@ -88,14 +88,43 @@ fn read_remote(pid: u32, src: u64, dst: *mut u8, len: usize) -> Result<(), nix::
     Ok(())
 }
 
+/// Why an operation found the peer unreachable (see [`ShmEndpoint::failure`]):
+/// an index into [`FAILURES`], 1-based (0: none yet).
+pub(super) const REVOKED: u8 = 1;
+pub(super) const REVOKED_DURING: u8 = 2;
+pub(super) const PROCESS_GONE: u8 = 3;
+pub(super) const CLAIM_LATE: u8 = 4;
+pub(super) const CLAIMER_DIED: u8 = 5;
+const FAILURES: [&str; 5] = [
+    "the peer had revoked its memory (it closed, aborted or left)",
+    "the peer revoked its memory while we read it",
+    "the peer's process is gone",
+    "the process that took the peer side over never claimed it",
+    "the process that took the peer side over died before its claim",
+];
+
 impl ShmEndpoint {
+    /// `OpError::Unreachable`, remembering `why` if it is the first.
+    pub(super) fn failure(&self, why: u8) -> OpError {
+        let _ = self
+            .first_failure
+            .compare_exchange(0, why, Ordering::AcqRel, Ordering::Acquire);
+        OpError::Unreachable
+    }
+
+    /// Why the first operation that failed for the peer's sake failed.
+    pub fn first_failure(&self) -> Option<&'static str> {
+        let i = self.first_failure.load(Ordering::Acquire);
+        FAILURES.get(usize::from(i).checked_sub(1)?).copied()
+    }
+
     pub(super) fn cas(&self, target: CasTarget, expect: u64, new: u64) -> Result<u64, OpError> {
         let word = match target {
             CasTarget::Local { slot } => self.seg.lock_word(self.side, usize::from(slot)),
             CasTarget::Remote { addr, key } => {
                 let peer = 1 - self.side;
                 if self.seg.hdr().revoked[peer].load(Ordering::Acquire) != 0 {
-                    return Err(OpError::Unreachable);
+                    return Err(self.failure(REVOKED));
                 }
                 let base = self.seg.layout.locks[peer] as u64;
                 match addr.checked_sub(base) {
@@ -145,7 +174,7 @@ impl ShmEndpoint {
         }
         let revoked = || self.seg.hdr().revoked[1 - self.side].load(Ordering::Acquire) != 0;
         if revoked() {
-            return Err(OpError::Unreachable);
+            return Err(self.failure(REVOKED));
         }
         if !self.registered(src.key, src.addr, len) {
             return Err(OpError::RemoteAccess);
@@ -154,10 +183,10 @@ impl ShmEndpoint {
         // The pid named the pinned process throughout only if it is still
         // alive now (until it exits, no other process can have its pid).
         if !self.peer.alive() {
-            return Err(OpError::Unreachable);
+            return Err(self.failure(PROCESS_GONE));
         }
         match r {
-            Err(nix::Error::ESRCH) => return Err(OpError::Unreachable),
+            Err(nix::Error::ESRCH) => return Err(self.failure(PROCESS_GONE)),
             Err(_) => return Err(OpError::RemoteAccess),
             Ok(()) => {}
         }
@@ -167,7 +196,7 @@ impl ShmEndpoint {
             return Err(OpError::RemoteAccess);
         }
         if revoked() {
-            return Err(OpError::Unreachable);
+            return Err(self.failure(REVOKED_DURING));
         }
         Ok(())
     }

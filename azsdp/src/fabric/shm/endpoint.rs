@@ -49,6 +49,13 @@ pub struct ShmEndpoint {
     /// The generation of the freeze this copy made or was made by (see
     /// [`FORK_GEN`]); a fork copies it into the child.
     pub(super) fork_gen: AtomicU32,
+    /// Why the first operation that failed for the peer's sake failed (the
+    /// engine's abort says only "peer unreachable"; the close line says
+    /// this too).
+    pub(super) first_failure: std::sync::atomic::AtomicU8,
+    /// Our claim (after taking this side over in a forked child) has not
+    /// reached the peer yet: [`Fabric::poll`] sends it again.
+    pub(super) claim_unsent: std::sync::atomic::AtomicBool,
 }
 
 /// An endpoint this process runs and lets go of says so in the segment:
@@ -97,6 +104,8 @@ impl ShmEndpoint {
             alive_at: None,
             held_gets: VecDeque::new(),
             fork_gen: AtomicU32::new(0),
+            first_failure: std::sync::atomic::AtomicU8::new(0),
+            claim_unsent: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -405,6 +414,7 @@ impl Fabric for ShmEndpoint {
     }
 
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        self.resend_claim();
         if !self.held_gets.is_empty() {
             self.release_held_gets();
         }
@@ -438,7 +448,7 @@ impl Fabric for ShmEndpoint {
             for g in std::mem::take(&mut self.held_gets) {
                 on_event(FabricEvent::Done {
                     op: g.op,
-                    result: OpResult::Get(Err(OpError::Unreachable)),
+                    result: OpResult::Get(Err(self.failure(super::access::PROCESS_GONE))),
                 });
                 n += 1;
             }

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use super::access::get_permission;
 use super::endpoint::{ShmEndpoint, page_size};
 use super::segment::PID_MASK;
-use crate::conn::{OpError, OpId, RemoteBuf};
+use crate::conn::{OpId, RemoteBuf};
 use crate::driver::reactor::{self, Mail, Reactor};
-use crate::fabric::OpResult;
+use crate::fabric::{Fabric, OpResult, Ownership};
 use crate::identity::PeerId;
 use crate::pairing::{Intro, IntroKind};
 use crate::sync::Lock;
@@ -85,10 +85,15 @@ impl ShmEndpoint {
     pub(super) fn release_held_gets(&mut self) {
         while let Some(g) = self.held_gets.front() {
             let result = if let Some(claimer) = self.claimer() {
-                if g.since.elapsed() < CLAIM_WAIT && crate::stats::alive(claimer) {
+                let alive = crate::stats::alive(claimer);
+                if g.since.elapsed() < CLAIM_WAIT && alive {
                     return;
                 }
-                Err(OpError::Unreachable)
+                Err(self.failure(if alive {
+                    super::access::CLAIM_LATE
+                } else {
+                    super::access::CLAIMER_DIED
+                }))
             } else {
                 self.get(g.src, g.dst, g.len)
             };
@@ -100,15 +105,35 @@ impl ShmEndpoint {
 
     /// Tell the peer, with our kernel identity and our process's bell, that
     /// this process runs our side now (after a fork).
+    /// Tell the peer that this process runs our side now. Until it has
+    /// that claim it holds its GETs (and fails them after [`CLAIM_WAIT`]),
+    /// so one that could not go yet goes again at the next poll: the
+    /// peer's connection may not have put its bell token in the segment
+    /// yet (a child that claims at its first call, right after the
+    /// connect, under load), or its bell may be full.
     pub(super) fn send_claim(&self) {
-        let Ok(reactor) = Reactor::get() else {
-            return;
-        };
-        let mut body = [0u8; reactor::MAIL_LEN];
-        Intro::new(IntroKind::Claim, page_size()).emit(&mut body);
-        let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
-        // A peer that is gone needs no claim.
-        let _ = reactor::send_mail(self.peer_bell.as_fd(), token, &body, &[reactor.bell()]);
+        let sent = (|| {
+            let reactor = Reactor::get().ok()?;
+            let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
+            if token == 0 {
+                return None;
+            }
+            let mut body = [0u8; reactor::MAIL_LEN];
+            Intro::new(IntroKind::Claim, page_size()).emit(&mut body);
+            match reactor::send_mail(self.peer_bell.as_fd(), token, &body, &[reactor.bell()]) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                // (Sent, or a peer that is gone: it needs no claim.)
+                _ => Some(()),
+            }
+        })();
+        self.claim_unsent.store(sent.is_none(), Ordering::Release);
+    }
+
+    /// A claim that could not go before: try again (see [`Self::send_claim`]).
+    pub(super) fn resend_claim(&self) {
+        if self.claim_unsent.load(Ordering::Acquire) && self.ownership() == Ownership::Mine {
+            self.send_claim();
+        }
     }
 
     pub(super) fn peer_alive(&mut self) -> bool {

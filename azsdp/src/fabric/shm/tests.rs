@@ -406,6 +406,28 @@ fn a_rewritten_owner_word_is_not_followed() {
     }
 }
 
+/// A claim made before the peer's connection has put its bell token in
+/// the segment (a forked child that claims at its first call, right after
+/// the connect, with the peer's thread slow under load) cannot be
+/// delivered yet: it goes at a later poll, once the token is there. (It
+/// was dropped: the peer then held its GETs for a claim that never came,
+/// and reset the connection after five seconds.)
+#[test]
+fn a_claim_the_peer_cannot_take_yet_goes_again_at_the_next_poll() {
+    let (mut a, _b) = pair();
+    let token = a.seg.hdr().bell[1].swap(0, Ordering::AcqRel);
+    a.send_claim();
+    assert!(a.claim_unsent.load(Ordering::Acquire), "no token: not sent");
+    drain(&mut a);
+    assert!(a.claim_unsent.load(Ordering::Acquire), "still no token");
+    a.seg.hdr().bell[1].store(token.max(1), Ordering::Release);
+    drain(&mut a);
+    assert!(
+        !a.claim_unsent.load(Ordering::Acquire),
+        "sent at the poll after the token came"
+    );
+}
+
 /// A peer that corrupts the ring's positions ends the connection with an
 /// error (PeerGone without a stream length), on both directions.
 #[test]

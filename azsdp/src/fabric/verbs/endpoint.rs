@@ -378,6 +378,13 @@ impl VerbsEndpoint {
         }
     }
 
+    /// Why the endpoint stopped (an error completion, a disconnect, a
+    /// probe unanswered), once it has: the close line says it beside the
+    /// engine's reason, which for every such break is "peer is gone".
+    pub fn broken_reason(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
     /// What the queue pair waits for, in a line (for a caller that finds
     /// the connection stuck).
     pub fn describe(&self) -> String {
@@ -634,13 +641,7 @@ impl VerbsEndpoint {
             self._pd
                 .register(buf.as_ptr() as u64, buf.len() as u64, Access::LOCAL)
         }
-        .map_err(|e| {
-            if pin_limit(&e) {
-                OpError::PinLimit
-            } else {
-                OpError::Local
-            }
-        })?;
+        .map_err(|e| registration_error(&e))?;
         self.bounce = Some(Bounce {
             mr,
             buf,
@@ -728,9 +729,31 @@ impl VerbsEndpoint {
 }
 
 /// Did a registration fail for the locked-memory limit? (The kernel says
-/// ENOMEM; only a finite `RLIMIT_MEMLOCK` makes that the limit.)
+/// ENOMEM; only a finite `RLIMIT_MEMLOCK`, in a process without
+/// CAP_IPC_LOCK, which lifts it, makes that the limit: any other ENOMEM is
+/// a local failure, not a reason to bounce.)
 fn pin_limit(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::OutOfMemory && memlock_finite()
+    e.kind() == std::io::ErrorKind::OutOfMemory && memlock_finite() && !may_lock_memory()
+}
+
+/// CAP_IPC_LOCK in the effective set (`CapEff` of /proc/self/status).
+fn may_lock_memory() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|st| {
+        st.lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+    })
+}
+
+/// What a failed registration means for the engine.
+fn registration_error(e: &std::io::Error) -> OpError {
+    if pin_limit(e) {
+        OpError::PinLimit
+    } else {
+        OpError::Local
+    }
 }
 
 fn memlock_finite() -> bool {
@@ -800,9 +823,10 @@ impl Fabric for VerbsEndpoint {
                 self.regs.insert(key, mr, addr, len, peer);
                 Ok(key)
             }
-            Err(e) if pin_limit(&e) && !peer => self.bounce_key(),
-            Err(e) if pin_limit(&e) => Err(OpError::PinLimit),
-            Err(_) => Err(OpError::Local),
+            Err(e) => match registration_error(&e) {
+                OpError::PinLimit if !peer => self.bounce_key(),
+                why => Err(why),
+            },
         };
         self.completions.push_back((op, OpResult::Registered(r)));
         Ok(())
@@ -1028,10 +1052,6 @@ impl Fabric for VerbsEndpoint {
 
     fn claim(&self) -> bool {
         ffi::stack_is_ours()
-    }
-
-    fn follows_fork(&self) -> bool {
-        false
     }
 
     fn request_leave(&self) {
