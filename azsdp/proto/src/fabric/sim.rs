@@ -192,6 +192,9 @@ pub struct SimFabric {
     pub gets_posted: [u64; 2],
     /// What the drivers did that the contract forbids.
     pub violations: Vec<String>,
+    /// Each side has posted its SWITCH (the peer will learn it is leaving,
+    /// and read TCP from then on).
+    pub switch_posted: [bool; 2],
 }
 
 /// Where the simulated lock words of each side live.
@@ -249,6 +252,7 @@ impl SimFabric {
             injection,
             gets_posted: [0; 2],
             violations: Vec::new(),
+            switch_posted: [false; 2],
         }
     }
 
@@ -636,6 +640,9 @@ impl Fabric for SimEndpoint {
             return Err(FabricError::NoCredits);
         }
         fab.trace.note(|| format!("side {me} -> {}", describe(msg)));
+        if matches!(wire::parse(msg), Ok(f) if matches!(f.msg, wire::Message::Switch { .. })) {
+            fab.switch_posted[me] = true;
+        }
         let msg = fab.tamper(me, msg.to_vec());
         let range = fab.params.msg_latency;
         let lat = fab.rand_in(range);

@@ -70,6 +70,8 @@ pub type Unprotectables = Rc<RefCell<Vec<(Range<u64>, Unprotectable)>>>;
 pub struct SimTcp {
     pub wrote: [VecDeque<u8>; 2],
     pub shut: [bool; 2],
+    /// What the drivers did with it that a real socket would punish.
+    pub violations: Vec<String>,
 }
 
 /// The TCP connection, shared by both hosts and the world.
@@ -85,6 +87,9 @@ pub struct SimHost {
     pub unprotectable: Unprotectables,
     /// The TCP connection beneath.
     pub tcp: SharedTcp,
+    /// The fabric, to see whether this side's SWITCH is out when it writes
+    /// its resend.
+    pub fabric: Option<Rc<RefCell<crate::fabric::sim::SimFabric>>>,
 }
 
 impl SimHost {
@@ -95,6 +100,7 @@ impl SimHost {
             clock,
             unprotectable: Rc::default(),
             tcp,
+            fabric: None,
         }
     }
 }
@@ -120,6 +126,28 @@ impl Host for SimHost {
 
     fn write_stream(&mut self, r: &Resend) -> bool {
         let mut tcp = self.tcp.borrow_mut();
+        // A real socket's buffers are bounded: a resend larger than they
+        // are blocks until the peer reads TCP, which it does only once it
+        // has our SWITCH. So the SWITCH must be out first, whatever the
+        // size (a live peer; a dead one's heirs read TCP at once).
+        let bytes: u64 = r
+            .pieces
+            .iter()
+            .map(|p| match p {
+                ResendPiece::Bytes(b) => b.len() as u64,
+                ResendPiece::Memory { len, .. } => *len,
+            })
+            .sum();
+        if let Some(f) = &self.fabric {
+            let f = f.borrow();
+            if bytes > 0 && !f.switch_posted[self.side] && f.is_alive(1 - self.side) {
+                tcp.violations.push(format!(
+                    "side {}: resend of {bytes} bytes written before its SWITCH was posted \
+                     (a real socket would block for ever once its buffers are full)",
+                    self.side
+                ));
+            }
+        }
         for p in &r.pieces {
             match p {
                 ResendPiece::Bytes(b) => tcp.wrote[self.side].extend(b),

@@ -238,7 +238,8 @@ impl World {
         let side = |s: usize, rng: &mut Rng| {
             let p = SimProtector::new(s, Rc::clone(&mems), rng.fork(), sc.p_arm_fail);
             let log = Rc::clone(&p.log);
-            let host = SimHost::new(s, Rc::clone(&mems), clock.clone(), Rc::clone(&tcp));
+            let mut host = SimHost::new(s, Rc::clone(&mems), clock.clone(), Rc::clone(&tcp));
+            host.fabric = Some(Rc::clone(&fabric));
             let ep = SimEndpoint::new(Rc::clone(&fabric), s);
             (Driver::with_host(sc.engine[s].clone(), ep, p, host), log)
         };
@@ -1264,6 +1265,8 @@ impl World {
             .collect();
         self.violations
             .append(&mut self.fabric.borrow_mut().violations);
+        self.violations
+            .append(&mut self.tcp.borrow_mut().violations);
         for log in &self.protect {
             self.violations.append(&mut log.borrow_mut().violations);
         }
