@@ -355,6 +355,9 @@ impl std::fmt::Debug for FaultReader {
     }
 }
 
+/// EAGAINs in a row (no page moved) before `UFFDIO_MOVE` is given up.
+const MOVE_RETRIES: u32 = 200;
+
 impl UffdProtect {
     /// Page protection on the process's full userfaultfd.
     pub fn new() -> Result<UffdProtect, ProtectError> {
@@ -588,6 +591,7 @@ impl UffdProtect {
     /// anonymous, `dst` registered and unpopulated), retrying partial moves.
     fn move_pages(&self, dst: u64, src: u64, len: u64, mode: u64) -> Result<(), String> {
         let mut done = 0u64;
+        let mut busy = 0u32;
         while done < len {
             // SAFETY: both ranges are private anonymous memory of ours, the
             // destination registered (the callers' contract).
@@ -600,7 +604,20 @@ impl UffdProtect {
             match r {
                 Ok(()) if moved == 0 => break,
                 Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {}
+                // EAGAIN is transient (a folio lock, a split under way)...
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && busy < MOVE_RETRIES => {
+                    busy = if moved > 0 { 0 } else { busy + 1 };
+                    std::thread::yield_now();
+                }
+                // ...or so it should be: give up after a bound rather than
+                // spin on a condition that lasts (a huge page that cannot be
+                // split while another of its pages is pinned says EBUSY on
+                // 6.18; 6.12 retries inside the kernel and never returns,
+                // which no bound here can help: see `rx.rs` on the order of
+                // arming and registering). The receive runs synchronously.
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    return Err(format!("UFFDIO_MOVE: still busy after {busy} tries ({e})"));
+                }
                 Err(e) => return Err(format!("UFFDIO_MOVE: {e}")),
             }
         }

@@ -394,12 +394,6 @@ impl Connection {
         let src_head = a.src_at(pos);
         let src_mid = a.src_at(pos + head as u32);
         let src_tail = a.src_at(pos + (head + mlen) as u32);
-        if head > 0 {
-            self.issue_get(id, Some(call_id), src_head, dst, head, None);
-        }
-        if tail > 0 {
-            self.issue_get(id, Some(call_id), src_tail, middle.end, tail, None);
-        }
         self.counters.armed_recvs += 1;
         self.counters.armed_bytes += mlen;
         self.recv_calls[0].pending_arm += 1;
@@ -410,7 +404,16 @@ impl Connection {
             range: middle.clone(),
             src: src_mid,
         });
+        // The arm first: it moves the middle pages out, which a huge page
+        // allows only while no page of it is pinned, and the head and tail
+        // GETs register (pin, on a NIC) the pages beside them.
         self.push(Action::Arm { op, range: middle });
+        if head > 0 {
+            self.issue_get(id, Some(call_id), src_head, dst, head, None);
+        }
+        if tail > 0 {
+            self.issue_get(id, Some(call_id), src_tail, dst + k - tail, tail, None);
+        }
     }
 
     fn issue_get(

@@ -1377,9 +1377,14 @@ impl crate::transport::Endpoint for VerbsEndpoint {
         true
     }
 
-    /// Not yet: registering a destination that overlaps pages still armed
-    /// faults in `ibv_reg_mr` on 6.12 and waits for the landing it holds
-    /// up (docs/protocol.md §1.1).
+    /// Not yet: arming moves the middle pages out of a receive's buffer
+    /// (`UFFDIO_MOVE`), which 6.12 cannot do, and retries inside the kernel
+    /// for ever, while another page of the same transparent huge page is
+    /// pinned, as a registration of this endpoint (or of the program's)
+    /// pins it. The engine arms before it registers the head and tail
+    /// beside, which `azsdp-verbs-check armed` passes on 6.12; other
+    /// registrations in the same huge page are not checked yet
+    /// (docs/protocol.md §1.1).
     fn arms_receives(&self) -> bool {
         false
     }

@@ -321,3 +321,92 @@ fn a_registration_gone_with_its_memory_is_redone() {
     // SAFETY: unmapping our mapping.
     unsafe { libc::munmap(q, len) };
 }
+
+/// Pin `len` bytes at `addr` the way a NIC's registration does (a
+/// long-term pin), with io_uring's fixed buffers: the pin lasts as long as
+/// the returned ring.
+fn pin_like_a_nic(addr: usize, len: usize) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut params = [0u8; 120];
+    // SAFETY: io_uring_setup(2) with a zeroed io_uring_params of its size.
+    let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1u32, params.as_mut_ptr()) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: a descriptor io_uring_setup just returned, ours alone.
+    let ring = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let iov = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len,
+    };
+    const IORING_REGISTER_BUFFERS: u32 = 0;
+    // SAFETY: io_uring_register(2) of one iovec of ours.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            fd,
+            IORING_REGISTER_BUFFERS,
+            &raw const iov,
+            1u32,
+        )
+    };
+    (r == 0).then_some(ring)
+}
+
+/// Arming pages of a transparent huge page while another of its pages is
+/// pinned (a NIC's registration of the bytes beside a receive's middle
+/// pages): the kernel cannot split the huge page. 6.18 says EBUSY, and the
+/// arm must then fail (the receive runs synchronously) with the pages
+/// untouched. (6.12's `UFFDIO_MOVE` never returns here: it retries inside
+/// the kernel, which is why the engine arms before it registers the bytes
+/// beside, and why the shim does not arm receives over verbs yet.)
+#[test]
+fn arming_beside_a_pinned_page_of_a_huge_page_fails_instead_of_spinning() {
+    let Some(mut u) = uffd() else { return };
+    if !u.can_arm() {
+        eprintln!("skipped: no UFFDIO_MOVE");
+        return;
+    }
+    const HUGE: usize = 2 << 20;
+    let map = Pages::new(2 * HUGE / 4096, false);
+    let huge = map.ptr as usize + (HUGE - map.ptr as usize % HUGE) % HUGE;
+    // SAFETY: madvise of our own mapping; then touch the huge page.
+    unsafe {
+        libc::madvise(huge as *mut libc::c_void, HUGE, libc::MADV_HUGEPAGE);
+        std::ptr::write_bytes(huge as *mut u8, 3, HUGE);
+    }
+    let smaps = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+    let anon_huge_kb: u64 = smaps
+        .lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    if anon_huge_kb == 0 {
+        eprintln!("skipped: no transparent huge page here");
+        return;
+    }
+    let Some(_pin) = pin_like_a_nic(huge, 4096) else {
+        eprintln!("skipped: io_uring cannot pin here");
+        return;
+    };
+    let middle = (huge + 16 * 4096) as u64..(huge + 48 * 4096) as u64;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let arm = std::thread::spawn(move || {
+        let r = u.arm(middle.clone());
+        let _ = tx.send(r.is_ok());
+        (u, middle)
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(armed) => {
+            let (mut u, middle) = arm.join().unwrap();
+            if armed {
+                // (A kernel that could move them after all: fine too.)
+                u.disarm(middle, crate::conn::DisarmOutcome::Abandoned);
+            }
+        }
+        Err(_) => panic!("arming beside a pinned huge page did not return in 30 s"),
+    }
+    // The pages are the program's again, with their bytes.
+    // SAFETY: inside our mapping.
+    assert_eq!(unsafe { *((huge + 20 * 4096) as *const u8) }, 3);
+}
