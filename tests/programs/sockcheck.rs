@@ -691,13 +691,7 @@ fn close_range_scenario(server: bool, port: u16) -> R {
         // SAFETY: leave the child without unwinding.
         unsafe { libc::_exit(i32::from(r.is_err())) };
     }
-    let mut st = 0;
-    // SAFETY: waitpid(2) on our own child.
-    unsafe { libc::waitpid(pid, &mut st, 0) };
-    check!(
-        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
-        "the child failed: {st:#x}"
-    );
+    reap_ok(pid, "the child")?;
     exchange(c)?;
     close(c);
     Ok(())
@@ -705,6 +699,18 @@ fn close_range_scenario(server: bool, port: u16) -> R {
 
 unsafe extern "C" {
     fn closefrom(low: c_int);
+}
+
+/// Wait for our child `pid`: an error naming `who` unless it exited 0.
+fn reap_ok(pid: libc::pid_t, who: &str) -> R {
+    let mut st = 0;
+    // SAFETY: waitpid(2) on our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    check!(
+        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+        "{who} failed: {st:#x}"
+    );
+    Ok(())
 }
 
 /// `read(2)` until `buf` is full; whether it filled (false at end of file).
@@ -1085,13 +1091,7 @@ fn fork_both_use(server: bool, port: u16) -> R {
         unsafe { libc::_exit(i32::from(r.is_err())) };
     }
     turn(0, to_parent[0], to_child[1])?;
-    let mut st = 0;
-    // SAFETY: waitpid(2) on our own child.
-    unsafe { libc::waitpid(pid, &mut st, 0) };
-    check!(
-        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
-        "the child failed: {st:#x}"
-    );
+    reap_ok(pid, "the child")?;
     close(c);
     Ok(())
 }
@@ -1190,13 +1190,7 @@ fn fork_split(server: bool, port: u16, reader_first: bool) -> R {
         unsafe { libc::write(go[1], b"x".as_ptr().cast(), 1) };
         send_all(c, &down[4096..])?;
     }
-    let mut st = 0;
-    // SAFETY: waitpid(2) on our own child.
-    unsafe { libc::waitpid(pid, &mut st, 0) };
-    check!(
-        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
-        "the reader failed: {st:#x}"
-    );
+    reap_ok(pid, "the reader")?;
     send_all(c, &tail)?;
     check!(recv_exact(c, 3)? == b"bye", "bye");
     close(c);
@@ -1255,13 +1249,7 @@ fn fork_idle_holder(server: bool, port: u16) -> R {
                 _ => unsafe { libc::exit(code) },
             }
         }
-        let mut st = 0;
-        // SAFETY: waitpid(2) on our own child.
-        unsafe { libc::waitpid(pid, &mut st, 0) };
-        check!(
-            libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
-            "the child ({ending}) failed: {st:#x}"
-        );
+        reap_ok(pid, "the child ({ending})")?;
         send_all(c, &answer)?;
         close(c);
     }
@@ -1568,13 +1556,7 @@ fn fork_setuid(server: bool, port: u16) -> R {
     }
     check!(pid > 0, "fork: {}", err_name(errno()));
     close(c);
-    let mut st = 0;
-    // SAFETY: waitpid(2) on our own child.
-    unsafe { libc::waitpid(pid, &mut st, 0) };
-    check!(
-        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
-        "the child failed: {st:#x}"
-    );
+    reap_ok(pid, "the child")?;
     Ok(())
 }
 

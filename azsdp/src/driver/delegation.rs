@@ -47,8 +47,8 @@
 //!   child), whoever made a call; a process leaves by closing its copy or
 //!   dying. Not only the guests that made a call: a process that had not
 //!   used the connection yet when the runner closed would otherwise find
-//!   it ended (the kernel keeps a socket open while anyone holds it). A runner killed outright takes the engine with
-//!   it, but each guest wrote its pid in the segment (`Fabric::note_heir`):
+//!   it ended (the kernel keeps a socket open while anyone holds it). A
+//!   runner killed outright takes the engine with it, but each guest wrote its pid in the segment (`Fabric::note_heir`):
 //!   the peer then moves the stream onto TCP for the guests alone, when
 //!   nothing was lost (docs/protocol.md §8a), and their calls go there
 //!   (those the runner had not taken; one it was serving fails with

@@ -477,6 +477,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         self.mailbox.lock().clone()
     }
 
+    /// This process no longer holds the connection's descriptor (it closed
+    /// it, or execs with it closing): off the mailbox's holders.
+    fn not_held_here(&self) {
+        if let Some(mb) = self.mailbox() {
+            mb.drop_holder(process::pid());
+        }
+    }
+
     /// Has the connection left the fabric (this process's calls go to the
     /// TCP socket)? Seen from a process that does not run it.
     fn left(&self) -> bool {
@@ -1011,9 +1019,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// runs it may end it at its close). (Should the exec fail, the
     /// process's next call notes it again.)
     pub fn not_held_after_exec(&self) {
-        if let Some(mb) = self.shared.mailbox() {
-            mb.drop_holder(process::pid());
-        }
+        self.shared.not_held_here();
     }
 
     /// Has a fork copied this connection (other processes may hold its
@@ -1224,9 +1230,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// [`ThreadedDriver::join_closed`] waits for that.
     pub fn close_in_background(&self, abort: bool, linger: Duration) {
         self.shared.closed_here.store(true, Ordering::SeqCst);
-        if let Some(mb) = self.shared.mailbox() {
-            mb.drop_holder(process::pid());
-        }
+        self.shared.not_held_here();
         if self.shared.orphaned() {
             // A forked child's copy it never used: the connection is not
             // this process's to end.
@@ -1234,7 +1238,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            let guests = (self.shared.mailbox()).filter(|mb| mb.has_other_holders(process::pid()));
+            let guests = self
+                .shared
+                .mailbox()
+                .filter(|mb| mb.has_other_holders(process::pid()));
             match self.shared.own.close(d.fabric(), abort) {
                 // Other processes may still hold it (their descriptors keep
                 // the kernel's socket open, used yet or not): it moves onto

@@ -522,15 +522,15 @@ impl Connection {
         data.max(wire::MAX_CONTROL_LEN)
     }
 
-    /// Write the next message into `buf` (at least [`max_message_len`] bytes)
-    /// and return its length, or `None` if nothing is due.
-    ///
-    /// [`max_message_len`]: Connection::max_message_len
     /// Are messages waiting for [`Connection::poll_transmit`]?
     pub fn has_transmit(&self) -> bool {
         !self.out.is_empty()
     }
 
+    /// Write the next message into `buf` (at least [`max_message_len`] bytes)
+    /// and return its length, or `None` if nothing is due.
+    ///
+    /// [`max_message_len`]: Connection::max_message_len
     pub fn poll_transmit(&mut self, buf: &mut [u8]) -> Option<usize> {
         loop {
             let msg = self.out.pop_front()?;

@@ -130,14 +130,7 @@ impl Host for SimHost {
         // are blocks until the peer reads TCP, which it does only once it
         // has our SWITCH. So the SWITCH must be out first, whatever the
         // size (a live peer; a dead one's heirs read TCP at once).
-        let bytes: u64 = r
-            .pieces
-            .iter()
-            .map(|p| match p {
-                ResendPiece::Bytes(b) => b.len() as u64,
-                ResendPiece::Memory { len, .. } => *len,
-            })
-            .sum();
+        let bytes = r.len();
         if let Some(f) = &self.fabric {
             let f = f.borrow();
             if bytes > 0 && !f.switch_posted[self.side] && f.is_alive(1 - self.side) {

@@ -104,8 +104,7 @@ impl ShmEndpoint {
     }
 
     /// Tell the peer, with our kernel identity and our process's bell, that
-    /// this process runs our side now (after a fork).
-    /// Tell the peer that this process runs our side now. Until it has
+    /// this process runs our side now (after a fork). Until it has
     /// that claim it holds its GETs (and fails them after [`CLAIM_WAIT`]),
     /// so one that could not go yet goes again at the next poll: the
     /// peer's connection may not have put its bell token in the segment
