@@ -88,22 +88,6 @@ fn in_flight_then(
     Some(c)
 }
 
-fn mmap_anon(len: usize) -> u64 {
-    // SAFETY: a fresh private anonymous mapping.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    p as u64
-}
-
 fn scribble(addr: u64, len: usize, byte: u8) {
     // SAFETY: the caller's live memory of `len` bytes.
     unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len) };
@@ -238,4 +222,44 @@ fn fork_with_a_send_in_flight() {
             MORE as u64
         },
     );
+}
+
+/// Every hook the shim calls as memory goes records the range for caches
+/// that keep registrations of it (`released_memory`, read by the verbs
+/// fabric's registration cache); advice that keeps the pages does not.
+#[test]
+fn memory_hooks_record_what_a_registration_cache_must_forget() {
+    use azsdp::released_memory::{self, Reader, Released};
+    // Addresses no test maps: the hooks only record them.
+    let base = 0x6100_0000_0000u64;
+    let mib = 1u64 << 20;
+    released_memory::watch(base..base + 64 * mib);
+    let mut r = Reader::new();
+    process::before_free(base, 4096);
+    process::before_realloc(base + mib, 8192);
+    process::after_unmap(base + 2 * mib, mib);
+    process::before_madvise(base + 4 * mib, mib, libc::MADV_DONTNEED);
+    process::before_madvise(base + 5 * mib, mib, libc::MADV_WILLNEED);
+    process::after_remap(base + 6 * mib, mib);
+    process::after_mmap_over(base + 8 * mib, mib);
+    // Outside anything watched: not recorded.
+    process::before_free(0x1000, 4096);
+    let Released::Ranges(seen) = r.read() else {
+        panic!("the record overflowed with nothing else writing to it");
+    };
+    for want in [
+        base..base + 4096,
+        base + mib..base + mib + 8192,
+        base + 2 * mib..base + 3 * mib,
+        base + 4 * mib..base + 5 * mib,
+        base + 6 * mib..base + 7 * mib,
+        base + 8 * mib..base + 9 * mib,
+    ] {
+        assert!(seen.contains(&want), "{want:x?} not recorded: {seen:x?}");
+    }
+    assert!(
+        !seen.contains(&(base + 5 * mib..base + 6 * mib)),
+        "MADV_WILLNEED keeps the pages"
+    );
+    assert!(!seen.contains(&(0x1000..0x2000)));
 }

@@ -37,6 +37,7 @@ pub mod pages;
 pub mod pairing;
 pub mod process;
 pub mod protect;
+pub mod released_memory;
 pub mod sandbox;
 pub mod sock_diag;
 pub mod stats;

@@ -315,13 +315,17 @@ pub fn active() -> bool {
 
 /// Before `free(ptr)` of a chunk with `usable` bytes (`malloc_usable_size`).
 pub fn before_free(ptr: u64, usable: u64) {
-    settle(ptr..ptr.saturating_add(usable));
+    let range = ptr..ptr.saturating_add(usable);
+    crate::released_memory::record(range.clone());
+    settle(range);
 }
 
 /// Before `realloc(ptr, _)` of a chunk with `usable` bytes: it may move the
 /// data (and free the old chunk) or shrink in place.
 pub fn before_realloc(ptr: u64, usable: u64) {
-    settle(ptr..ptr.saturating_add(usable));
+    let range = ptr..ptr.saturating_add(usable);
+    crate::released_memory::record(range.clone());
+    settle(range);
 }
 
 /// Before `munmap(addr, len)`.
@@ -332,6 +336,7 @@ pub fn before_unmap(addr: u64, len: u64) {
 /// After a successful `munmap(addr, len)`.
 pub fn after_unmap(addr: u64, len: u64) {
     crate::memory_map::invalidate();
+    crate::released_memory::record(addr..addr.saturating_add(len));
     forget(addr..addr.saturating_add(len));
 }
 
@@ -340,10 +345,17 @@ pub fn after_unmap(addr: u64, len: u64) {
 /// this process alone (until it forks), so it may be protected.
 pub fn after_mmap(addr: u64, flags: i32) {
     crate::memory_map::invalidate();
+    // (A mapping placed over others is recorded by `after_mmap_over`.)
     let shared_anon = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
     if flags & shared_anon == shared_anon {
         crate::sync::in_memory_hook(|| crate::memory_map::note_process_private(addr));
     }
+}
+
+/// After a successful `mmap(addr, len, .., MAP_FIXED, ..)`: whatever was
+/// mapped at `[addr, addr+len)` is gone.
+pub fn after_mmap_over(addr: u64, len: u64) {
+    crate::released_memory::record(addr..addr.saturating_add(len));
 }
 
 /// Before `mremap(old, old_len, ..)`: the old range may move or shrink,
@@ -355,6 +367,7 @@ pub fn before_remap(old: u64, old_len: u64) {
 /// After a successful `mremap`: the old range is no longer what it was.
 pub fn after_remap(old: u64, old_len: u64) {
     crate::memory_map::invalidate();
+    crate::released_memory::record(old..old.saturating_add(old_len));
     forget(old..old.saturating_add(old_len));
 }
 
@@ -374,6 +387,7 @@ pub fn advice_discards(advice: i32) -> bool {
 /// Before `madvise(addr, len, advice)`.
 pub fn before_madvise(addr: u64, len: u64, advice: i32) {
     if advice_discards(advice) {
+        crate::released_memory::record(addr..addr.saturating_add(len));
         settle(addr..addr.saturating_add(len));
     }
 }

@@ -130,6 +130,9 @@ impl Fabric for AnyEndpoint {
     fn deregister(&mut self, key: u32) {
         each!(AnyEndpoint, self, e => e.deregister(key))
     }
+    fn unpin_near(&mut self, range: std::ops::Range<u64>) -> bool {
+        each!(AnyEndpoint, self, e => e.unpin_near(range))
+    }
     fn has_room(&self, len: usize) -> bool {
         each!(AnyEndpoint, self, e => e.has_room(len))
     }

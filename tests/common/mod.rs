@@ -313,3 +313,20 @@ pub fn kernel_write(dst: &mut [u8], data: &[u8]) {
     // SAFETY: closing our end.
     unsafe { libc::close(rd) };
 }
+
+/// A fresh private anonymous mapping of `len` bytes: its address.
+pub fn mmap_anon(len: usize) -> u64 {
+    // SAFETY: a fresh private anonymous mapping.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of {len} bytes");
+    p as u64
+}

@@ -11,11 +11,12 @@
 # preload (librspreload.so, with rsocket-std.so before it so that a Rust
 # std program's sockets are taken), and plain (kernel TCP over the same
 # veth). rsockets' own rstream runs as its best case. Each figure is the
-# median of RUNS runs (default 3); each row's rxe packet counts show which
-# path it took. Emulated RDMA is slow and TCP over the veth is not: only
-# the ratios between the RDMA rows mean something (docs/benchmarks.md).
+# median of RUNS runs (default 5), the stacks taking turns run by run; each
+# row's rxe packet counts (all its runs) show which path it took. Emulated
+# RDMA is slow and TCP over the veth is not: only the ratios between the
+# RDMA rows mean something (docs/benchmarks.md).
 set -u
-dir=$1; runs=${2:-3}
+dir=$1; runs=${2:-5}
 ttcp=$dir/azsdp-ttcp; azsdp=$dir/azsdp
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/topo-wire.sh" > /dev/null
@@ -65,30 +66,45 @@ run() {
 median() { sort -g | awk '{a[NR] = $1} END {if (NR) print a[int((NR + 1) / 2)]; else print "-"}'; }
 field() { grep -o "\"$1\":[0-9.]*" | cut -d: -f2; }
 
-# measure MODE FIELD TTCP-ARGS...: the median over RUNS, with the rxe
-# packets both devices sent in all the runs.
-measure() {
-    local mode=$1 f=$2; shift 2
+# sample MODE KEY FIELD TTCP-ARGS...: one run, its FIELD appended to
+# vals[MODE,KEY] and the rxe packets both devices sent to pk[MODE].
+declare -A vals pka pkb
+sample() {
+    local mode=$1 key=$2 f=$3; shift 3
     local a0 b0; a0=$(sent rxeA); b0=$(sent rxeB)
-    local v
-    v=$(for _ in $(seq $runs); do run $mode "$@" | field $f; done | median)
-    echo "$v $(( $(sent rxeA) - a0 )) $(( $(sent rxeB) - b0 ))"
+    vals[$mode,$key]+=" $(run $mode "$@" | field $f)"
+    pka[$mode]=$(( ${pka[$mode]:-0} + $(sent rxeA) - a0 ))
+    pkb[$mode]=$(( ${pkb[$mode]:-0} + $(sent rxeB) - b0 ))
 }
+med() { echo ${vals[$1,$2]} | tr ' ' '\n' | grep . | median; }
 
+# Round after round, every stack in turn, so that the emulator's drift
+# (the host's load, the guest's caches) falls on all of them alike, not
+# on whichever ran last; medians over the rounds.
 declare -A res pk
+for r in $(seq $runs); do
+    for m in $modes; do
+        # (128 MiB each, ~5 s: shorter runs are mostly the emulator's noise)
+        sample $m t64k gbytes_per_sec -l 65536 -n 2048
+        sample $m t1m gbytes_per_sec -l 1048576 -n 128
+        sample $m lat latency_us --test latency -l 64 -n 2000
+    done
+done
 for m in $modes; do
-    out=$(measure $m gbytes_per_sec -l 65536 -n 512); read -r v a b <<< "$out"; res[$m,t64k]=$v; pk[$m]="$a/$b"
-    out=$(measure $m gbytes_per_sec -l 1048576 -n 48); read -r v a b <<< "$out"; res[$m,t1m]=$v
-    out=$(measure $m latency_us --test latency -l 64 -n 2000); read -r v a b <<< "$out"; res[$m,lat]=$v
-    echo "measured $m: 64K ${res[$m,t64k]} GB/s, 1M ${res[$m,t1m]} GB/s, 64B ${res[$m,lat]} us, rxe packets A/B ${pk[$m]}" >&2
+    for k in t64k t1m lat; do res[$m,$k]=$(med $m $k); done
+    pk[$m]="${pka[$m]}/${pkb[$m]}"
+    echo "measured $m: 64K ${res[$m,t64k]} GB/s (runs:${vals[$m,t64k]}), 1M ${res[$m,t1m]} GB/s (runs:${vals[$m,t1m]}), 64B ${res[$m,lat]} us, rxe packets A/B ${pk[$m]}" >&2
 done
 # The overlap test: compute between 1 MiB sends about as long as ZSDP's
 # transfer of one (the paper's point of most overlap).
 zsdp=${res[zsdp,t1m]}
 compute=$(awk -v g="$zsdp" 'BEGIN { if (g > 0) printf "%d", 1048576 / (g * 1e9) * 1e6; else print 0 }')
-for m in $modes; do
-    out=$(measure $m gbytes_per_sec -l 1048576 -n 32 --compute-us $compute); read -r v a b <<< "$out"; res[$m,ovl]=$v
+for r in $(seq $runs); do
+    for m in $modes; do
+        sample $m ovl gbytes_per_sec -l 1048576 -n 64 --compute-us $compute
+    done
 done
+for m in $modes; do res[$m,ovl]=$(med $m ovl); done
 
 # rstream, rsockets' own benchmark (blocking rsockets, its best case here).
 rs() { # SIZE COUNT

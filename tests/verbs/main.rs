@@ -33,7 +33,7 @@ use azsdp::protect::{self, ProtectionMode};
 // The stream pattern the shm two-process tests use.
 #[path = "../common/mod.rs"]
 mod common;
-use common::{mismatches, pattern, word};
+use common::{mismatches, mmap_anon, pattern, word};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
@@ -45,6 +45,7 @@ enum Mode {
     MemlockTx,
     MemlockRx,
     Armed,
+    Remap,
 }
 
 fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
@@ -98,6 +99,7 @@ fn main() {
         "memlock-tx" => Mode::MemlockTx,
         "memlock-rx" => Mode::MemlockRx,
         "armed" => Mode::Armed,
+        "remap" => Mode::Remap,
         m => fail(format!("unknown mode {m}")),
     };
     let seed: u64 = a[5].parse().unwrap_or(1);
@@ -192,14 +194,13 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
         .unwrap_or_else(|e| fail(format!("establish: {e:?}")));
     tighten_memlock(mode, Role::Server);
     let d = ThreadedDriver::start(d, waiter, p.faults);
-    let mut store = vec![0u64; (4 << 20) / 8];
-    // SAFETY: a byte view of our own Vec, which outlives every use.
-    let buf = unsafe { std::slice::from_raw_parts_mut(store.as_mut_ptr().cast::<u8>(), 4 << 20) };
+    let mut store = Region::new(4 << 20);
     let flags = RecvFlags {
         armable: mode == Mode::Armed,
         ..RecvFlags::default()
     };
     let (mut off, mut bad, mut i) = (0u64, 0u64, seed ^ 0x77);
+    let (mut recvs, mut remapped) = (0u64, 0u64);
     let progress = std::sync::atomic::AtomicU64::new(0);
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -227,6 +228,14 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
             i = word(i);
             let start = (i % 8192) as usize;
             let len = 1 + (word(i) % (2 << 20)) as usize;
+            recvs += 1;
+            if mode == Mode::Remap && recvs % 4 == 0 {
+                // New pages under the same addresses: a registration kept
+                // for the old ones must not take this receive's bytes.
+                store.replace(recvs % 8 == 0);
+                remapped += 1;
+            }
+            let buf = store.bytes();
             let n = match d.recv(&mut buf[start..start + len], flags) {
                 Ok(n) => n as usize,
                 Err(e) => fail(format!("recv at {off}: {e:?}")),
@@ -241,10 +250,12 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
         done.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     let bounced = d.with_fabric(|ep| ep.bounced());
+    let regs = d.with_fabric(|ep| ep.registrations());
     let (_, c) = d.close(Duration::from_secs(30));
     println!(
-        "received {off} bad {bad} gets {} armed {} zero-copy {} bounced {bounced}",
-        c.gets, c.armed_recvs, c.bytes_recv_zcopy
+        "received {off} bad {bad} gets {} armed {} zero-copy {} bounced {bounced} \
+         registrations made {} reused {} invalidated {} (buffer remapped {remapped} times)",
+        c.gets, c.armed_recvs, c.bytes_recv_zcopy, regs.made, regs.reused, regs.invalidated
     );
     drop(store);
     // Every mode but BSDP moves its bulk by RDMA READ.
@@ -252,9 +263,89 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     // Under the locked-memory limit, destinations it refuses take the
     // bounce buffer.
     let bounce_ok = mode != Mode::MemlockRx || bounced > 0;
+    // One buffer received into again and again: its registration is kept
+    // (except where armed receives unpin it, or the limit bounces it), and
+    // a remapped one is let go.
+    let cache_ok = match mode {
+        // (Under the sender's limit, few sends go by GET at all.)
+        Mode::Bsdp | Mode::MemlockTx | Mode::MemlockRx | Mode::Armed => true,
+        Mode::Remap => regs.reused > 0 && regs.invalidated > 0,
+        _ => regs.reused > 0,
+    };
+    if !cache_ok {
+        eprintln!("azsdp-verbs-check: the registration cache did not work as it should: {regs:?}");
+    }
     std::process::exit(i32::from(
-        bad != 0 || off == 0 || !bounce_ok || (zero_copy_expected && c.bytes_recv_zcopy == 0),
+        bad != 0
+            || off == 0
+            || !bounce_ok
+            || !cache_ok
+            || (zero_copy_expected && c.bytes_recv_zcopy == 0),
     ));
+}
+
+/// A receive buffer of its own anonymous mapping, whose pages can be
+/// replaced under the same addresses.
+struct Region {
+    at: *mut u8,
+    len: usize,
+}
+
+impl Region {
+    fn new(len: usize) -> Region {
+        Region {
+            at: mmap_anon(len) as *mut u8,
+            len,
+        }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: our mapping, mapped while `self` lives.
+        unsafe { std::slice::from_raw_parts_mut(self.at, self.len) }
+    }
+
+    /// New (zero) pages at the same addresses, by `munmap` then `mmap`
+    /// there, or (`over`) by a `mmap` over it, with azsdp's memory hooks
+    /// called as the shim calls them around the program's own.
+    fn replace(&mut self, over: bool) {
+        let (a, n) = (self.at as u64, self.len as u64);
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
+        if !over {
+            azsdp::process::before_unmap(a, n);
+            // SAFETY: our mapping; nothing refers to it across the call.
+            if unsafe { libc::munmap(self.at.cast(), self.len) } != 0 {
+                fail("munmap of the receive buffer".into());
+            }
+            azsdp::process::after_unmap(a, n);
+            flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE;
+        }
+        // SAFETY: the same addresses, ours (unmapped just now, or mapped
+        // over).
+        let at = unsafe {
+            libc::mmap(
+                self.at.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if at != self.at.cast() {
+            fail("mmap at the receive buffer's address".into());
+        }
+        azsdp::process::after_mmap(a, flags);
+        if over {
+            azsdp::process::after_mmap_over(a, n);
+        }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: our mapping, used no more.
+        unsafe { libc::munmap(self.at.cast(), self.len) };
+    }
 }
 
 fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, total: u64) {

@@ -107,10 +107,11 @@ enum Step {
         staged: Option<Range<u64>>,
     },
     /// A GET in flight (the engine's op): its destination's key, and the
-    /// armed range to land it in when it went to staging.
+    /// armed range to land it in when it went to staging (and where the
+    /// staging pages are).
     Get {
         key: u32,
-        staged: Option<Range<u64>>,
+        staged: Option<(Range<u64>, u64)>,
     },
 }
 
@@ -318,7 +319,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             Action::ReleaseSource { key, .. } => self.fabric.deregister(key),
             Action::Unprotect { range } => self.protector.unprotect(range),
             Action::Arm { op, range } => {
-                let r = if self.arms_paused {
+                let r = if self.arms_paused || !self.fabric.unpin_near(range.clone()) {
                     Err(OpError::Local)
                 } else {
                     self.protector.arm(range)
@@ -462,11 +463,17 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                     self.complete(op, Completion::Get(Err(OpError::Local)));
                     return;
                 };
+                let was_staged = staged.is_some();
+                let staged = staged.map(|range| (range, dst));
                 self.steps.insert(op, Step::Get { key, staged });
                 let dst = LocalBuf { addr: dst, key };
                 if self.fabric.post_get(op, src, dst, len).is_err() {
                     self.steps.remove(&op);
                     self.fabric.deregister(key);
+                    if was_staged {
+                        // (The staging pages move back when disarmed.)
+                        self.fabric.unpin_near(dst.addr..dst.addr + len);
+                    }
                     self.complete(op, Completion::Get(Err(OpError::Local)));
                 }
             }
@@ -483,7 +490,12 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             Some(Step::Get { key, staged }) => {
                 self.fabric.deregister(key);
                 match staged {
-                    Some(range) => r.and_then(|()| self.protector.land(&range)),
+                    Some((range, at)) => {
+                        // The staging pages move into place: a registration
+                        // the fabric would keep must not pin them.
+                        self.fabric.unpin_near(at..at + (range.end - range.start));
+                        r.and_then(|()| self.protector.land(&range))
+                    }
                     None => r,
                 }
             }

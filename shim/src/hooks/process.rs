@@ -110,6 +110,9 @@ pub unsafe extern "C" fn mmap(
     let r = unsafe { real::mmap(addr, len, prot, flags, fd, off) };
     if r != libc::MAP_FAILED {
         quietly(|| azsdp::process::after_mmap(r as u64, flags));
+        if flags & libc::MAP_FIXED != 0 {
+            quietly(|| azsdp::process::after_mmap_over(r as u64, len as u64));
+        }
     }
     r
 }
@@ -127,6 +130,10 @@ pub unsafe extern "C" fn mremap(
     let r = unsafe { real::mremap(old, old_len, new_len, flags, new_addr) };
     if r != libc::MAP_FAILED {
         quietly(|| azsdp::process::after_remap(old as u64, old_len as u64));
+        if flags & libc::MREMAP_FIXED != 0 {
+            // Whatever was mapped where the range moved to is gone.
+            quietly(|| azsdp::process::after_mmap_over(r as u64, new_len as u64));
+        }
     }
     r
 }

@@ -142,6 +142,15 @@ pub trait Fabric {
     ) -> Result<(), FabricError>;
     /// Withdraw a registration: from now on its key works no more.
     fn deregister(&mut self, key: u32);
+    /// Before pages of `range` move (armed, or staging pages landed:
+    /// `UFFDIO_MOVE`, which the kernel refuses, or on some kernels retries
+    /// for ever, while a page of the same huge page is pinned): let go of
+    /// the pins this fabric keeps near it for its own sake (a registration
+    /// cache). `false` if some it cannot let go of (one in use) remain,
+    /// and arming must not be tried.
+    fn unpin_near(&mut self, _range: std::ops::Range<u64>) -> bool {
+        true
+    }
     /// Transport credit: can a message of up to `len` bytes be posted now
     /// without [`FabricError::NoCredits`]? (A broken fabric says yes: the
     /// post then fails at once.)

@@ -40,6 +40,9 @@ pub struct VerbsParams {
     /// Take the copy-on-write lock with the device's atomics where it has
     /// them (false: by message, as on a device without; for tests).
     pub device_atomics: bool,
+    /// Pinned bytes of receive destinations kept registered after use
+    /// (`reg_cache`).
+    pub reg_cache: u64,
 }
 
 impl Default for VerbsParams {
@@ -52,6 +55,7 @@ impl Default for VerbsParams {
             lock_slots: 64,
             poll: Duration::from_micros(20),
             device_atomics: true,
+            reg_cache: 32 << 20,
         }
     }
 }
@@ -120,8 +124,10 @@ pub struct VerbsEndpoint {
     // Drop order matters: the queue pair (in the id) before the
     // registrations and the CQ, those before the PD and the channels.
     id: CmId,
-    /// Registrations by key, shared as `super::reg_cache` says.
+    /// Registrations by key, shared and kept as `super::reg_cache` says.
     regs: super::reg_cache::RegCache<Mr>,
+    /// Memory released since `regs` last looked.
+    released: crate::released_memory::Reader,
     lock_mr: Option<Mr>,
     /// Our lock words registered for the loopback pair, when the device's
     /// atomics are not the CPU's (see `loopback`).
@@ -279,7 +285,11 @@ impl VerbsEndpoint {
         };
         let ep = VerbsEndpoint {
             id,
-            regs: super::reg_cache::RegCache::default(),
+            regs: super::reg_cache::RegCache::new(
+                params.reg_cache,
+                crate::pages::system_page_size(),
+            ),
+            released: crate::released_memory::Reader::new(),
             lock_mr: Some(lock_mr),
             local_locks,
             no_local_locks,
@@ -400,6 +410,11 @@ impl VerbsEndpoint {
             self.last_heard.elapsed(),
             self.broken
         )
+    }
+
+    /// What the registration cache did.
+    pub fn registrations(&self) -> super::reg_cache::RegCounts {
+        self.regs.counts()
     }
 
     /// Bytes received through the bounce buffer (destinations the
@@ -616,6 +631,28 @@ impl VerbsEndpoint {
 }
 
 impl VerbsEndpoint {
+    /// Let the cache forget registrations of memory the program released
+    /// since it last looked.
+    fn forget_released(&mut self) {
+        if self.released.is_current() {
+            return;
+        }
+        match self.released.read() {
+            crate::released_memory::Released::Ranges(r) => self.regs.forget(Some(&r)),
+            crate::released_memory::Released::Unknown => self.regs.forget(None),
+        }
+    }
+
+    /// A pinned registration of `[addr, addr+len)`.
+    fn register(&self, addr: u64, len: u64, flags: Access) -> Result<Mr, OpError> {
+        // SAFETY: the engine registers memory it holds (a send buffer
+        // under advertisement, a receive destination, pool memory) and
+        // releases it before letting go of it; a registration kept after
+        // that is dropped once the program releases the memory
+        // (`forget_released`), before it could be used again.
+        unsafe { self._pd.register(addr, len, flags) }.map_err(|e| registration_error(&e))
+    }
+
     /// The key for a destination that cannot be pinned: the bounce
     /// buffer's.
     fn bounce_key(&mut self) -> Result<u32, OpError> {
@@ -794,8 +831,9 @@ impl Fabric for VerbsEndpoint {
         }
     }
 
-    /// Pinned registration, completed at once. (ODP would go here on
-    /// devices that have it: none we test on does.)
+    /// Pinned registration through the cache (`super::reg_cache`),
+    /// completed at once. (ODP would go here on devices that have it:
+    /// none we test on does.)
     fn post_register(
         &mut self,
         op: OpId,
@@ -804,6 +842,7 @@ impl Fabric for VerbsEndpoint {
         access: RegAccess,
     ) -> Result<(), FabricError> {
         let peer = access == RegAccess::PeerRead;
+        self.forget_released();
         if let Some(key) = self.regs.reuse(addr, len, peer) {
             self.completions
                 .push_back((op, OpResult::Registered(Ok(key))));
@@ -814,19 +853,32 @@ impl Fabric for VerbsEndpoint {
         } else {
             Access::LOCAL
         };
-        // SAFETY: the engine registers memory it holds (a send buffer
-        // under advertisement, a receive destination, pool memory) and
-        // deregisters it before letting go of it.
-        let r = match unsafe { self._pd.register(addr, len, flags) } {
+        // A local registration covers its whole pages (the device checks
+        // bytes, and a kept one serves any buffer in them); the peer's
+        // covers the advertised bytes alone.
+        let (at, n) = if peer {
+            (addr, len)
+        } else {
+            let page = crate::pages::system_page_size();
+            let at = addr - addr % page;
+            (at, addr.saturating_add(len).next_multiple_of(page) - at)
+        };
+        // Releases of this memory from now on are seen (it may be kept).
+        crate::released_memory::watch(at..at + n);
+        let mut r = self.register(at, n, flags);
+        if matches!(r, Err(OpError::PinLimit)) && self.regs.drop_all_idle() {
+            // Kept pins made room for the limit to refuse: pins in use
+            // come first.
+            r = self.register(at, n, flags);
+        }
+        let r = match r {
             Ok(mr) => {
                 let key = if peer { mr.rkey() } else { mr.lkey() };
                 self.regs.insert(key, mr, addr, len, peer);
                 Ok(key)
             }
-            Err(e) => match registration_error(&e) {
-                OpError::PinLimit if !peer => self.bounce_key(),
-                why => Err(why),
-            },
+            Err(OpError::PinLimit) if !peer => self.bounce_key(),
+            Err(why) => Err(why),
         };
         self.completions.push_back((op, OpResult::Registered(r)));
         Ok(())
@@ -837,6 +889,15 @@ impl Fabric for VerbsEndpoint {
             return;
         }
         self.regs.release(key);
+    }
+
+    /// Drop kept registrations in the huge pages (2 MiB) around `range`:
+    /// arming moves its pages, which a pinned page of the same huge page
+    /// forbids (6.18: EBUSY; 6.12 retries inside the kernel for ever).
+    fn unpin_near(&mut self, range: std::ops::Range<u64>) -> bool {
+        const HUGE: u64 = 2 << 20;
+        let window = range.start - range.start % HUGE..range.end.next_multiple_of(HUGE);
+        !self.regs.unpin(window)
     }
 
     fn has_room(&self, len: usize) -> bool {
@@ -1380,11 +1441,10 @@ impl crate::transport::Endpoint for VerbsEndpoint {
     /// Not yet: arming moves the middle pages out of a receive's buffer
     /// (`UFFDIO_MOVE`), which 6.12 cannot do, and retries inside the kernel
     /// for ever, while another page of the same transparent huge page is
-    /// pinned, as a registration of this endpoint (or of the program's)
-    /// pins it. The engine arms before it registers the head and tail
-    /// beside, which `azsdp-verbs-check armed` passes on 6.12; other
-    /// registrations in the same huge page are not checked yet
-    /// (docs/protocol.md §1.1).
+    /// pinned. This endpoint lets go of what it keeps there first
+    /// (`unpin_near`), and `azsdp-verbs-check armed` passes on 6.12; but
+    /// another connection's registrations, or the program's own pins, in
+    /// the same huge page are not known here (docs/protocol.md §1.1).
     fn arms_receives(&self) -> bool {
         false
     }
