@@ -2,7 +2,8 @@
 # Inside the guest: azsdp over verbs next to rsockets and kernel TCP, in one
 # run, between the two rxe devices of the wire topology (topo-wire.sh).
 #
-#   bench-verbs.sh DIR [RUNS]    DIR: azsdp, libazsdp.so and azsdp-ttcp built
+#   bench-verbs.sh DIR [RUNS] [MTU]
+#                                DIR: azsdp, libazsdp.so and azsdp-ttcp built
 #                                with the verbs feature (tests/softroce/bench
 #                                builds them and boots the guest)
 #
@@ -16,7 +17,7 @@
 # RDMA is slow and TCP over the veth is not: only the ratios between the
 # RDMA rows mean something (docs/benchmarks.md).
 set -u
-dir=$1; runs=${2:-5}
+dir=$1; runs=${2:-5}; MTU=${3:-1500}
 ttcp=$dir/azsdp-ttcp; azsdp=$dir/azsdp
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/topo-wire.sh" > /dev/null
@@ -124,7 +125,7 @@ regcost=$(gcc -O2 -o "$work/regcost" "$here/probes/regcost.c" -libverbs 2>&1 && 
 gb() { awk -v g="$1" 'BEGIN { if (g == "-" || g == "") print "-"; else printf "%.1f MB/s", g * 1000 }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "-" }'; }
 echo
-echo "guest kernel $(uname -r), $(nproc) vCPUs, load average $(cut -d' ' -f1-3 /proc/loadavg), medians of $runs runs"
+echo "guest kernel $(uname -r), $(nproc) vCPUs, veth MTU $MTU (rxe path MTU $(ibv_devinfo -d rxeA 2>/dev/null | awk '/active_mtu/ {print $2; exit}')), load average $(cut -d' ' -f1-3 /proc/loadavg), medians of $runs runs"
 echo
 echo "| stack | 64 KiB | 1 MiB | 64 B latency | overlap 1 MiB, ${compute} us compute | rxe packets A/B |"
 echo "|---|---|---|---|---|---|"

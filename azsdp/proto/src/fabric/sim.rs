@@ -27,6 +27,7 @@
 use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::ops::Range;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -109,6 +110,9 @@ struct Side {
     lock: LockRegion,
     lock_words: Vec<u64>,
     regions: HashMap<u32, Region>,
+    /// Local registrations deregistered but kept pinned, as a cache keeps
+    /// them (until `unpin_near`).
+    kept: Vec<Range<u64>>,
     next_key: u32,
     /// Pool memory handed out: start -> length.
     pool: HashMap<u64, u64>,
@@ -225,6 +229,7 @@ impl SimFabric {
             },
             lock_words: vec![0; usize::from(params.lock_slots)],
             regions: HashMap::new(),
+            kept: Vec::new(),
             next_key: 0x100 + i as u32 * 0x1000_0000,
             pool: HashMap::new(),
             pool_next: POOL_BASE[i],
@@ -607,6 +612,9 @@ impl Fabric for SimEndpoint {
             s.next_key = s.next_key.wrapping_add(1);
             let key = s.next_key;
             s.regions.insert(key, Region { addr, len, access });
+            if access == RegAccess::LocalWrite {
+                fab.mems.borrow_mut()[side].pin(&(addr..addr + len));
+            }
             Ok(key)
         };
         let at = fab.completion_time(side, 0);
@@ -617,10 +625,40 @@ impl Fabric for SimEndpoint {
     fn deregister(&mut self, key: u32) {
         let side = self.side;
         let mut fab = self.fab.borrow_mut();
-        if fab.sides[side].regions.remove(&key).is_none() {
-            fab.violations
-                .push(format!("side {side}: deregistration of unknown key {key}"));
+        match fab.sides[side].regions.remove(&key) {
+            None => fab
+                .violations
+                .push(format!("side {side}: deregistration of unknown key {key}")),
+            // Local registrations stay pinned half the time, as a cache
+            // keeps them.
+            Some(r) if r.access == RegAccess::LocalWrite => {
+                let range = r.addr..r.addr + r.len;
+                if fab.rng.chance(0.5) {
+                    fab.sides[side].kept.push(range);
+                } else {
+                    fab.mems.borrow_mut()[side].unpin(&range);
+                }
+            }
+            Some(_) => {}
         }
+    }
+
+    fn unpin_near(&mut self, range: Range<u64>) -> bool {
+        const HUGE: u64 = 2 << 20;
+        let window = range.start - range.start % HUGE..range.end.next_multiple_of(HUGE);
+        let meets = |r: &Range<u64>| r.start < window.end && window.start < r.end;
+        let side = self.side;
+        let mut fab = self.fab.borrow_mut();
+        let kept = std::mem::take(&mut fab.sides[side].kept);
+        let (gone, stay): (Vec<_>, Vec<_>) = kept.into_iter().partition(|r| meets(r));
+        fab.sides[side].kept = stay;
+        for r in &gone {
+            fab.mems.borrow_mut()[side].unpin(r);
+        }
+        !fab.sides[side]
+            .regions
+            .values()
+            .any(|r| r.access == RegAccess::LocalWrite && meets(&(r.addr..r.addr + r.len)))
     }
 
     fn has_room(&self, _len: usize) -> bool {

@@ -211,6 +211,17 @@ impl SimProtector {
         }
     }
 
+    /// Pages that move (armed, landed) must not be pinned: the kernel
+    /// refuses to move them, or on some kernels retries for ever.
+    fn check_movable(&mut self, r: &Range<u64>, what: &str) {
+        if self.mems.borrow()[self.side].pinned(r) {
+            self.log.borrow_mut().violations.push(format!(
+                "side {}: {what} moves pages of {r:x?} a registration pins",
+                self.side
+            ));
+        }
+    }
+
     fn set(&mut self, r: Range<u64>, from: Prot, to: Prot, what: &str) {
         let wrong = self.mems.borrow_mut()[self.side].set_prot(r.clone(), from, to);
         if !wrong.is_empty() {
@@ -242,6 +253,7 @@ impl Protector for SimProtector {
         if self.rng.chance(self.p_arm_fail) {
             return Err(OpError::Local);
         }
+        self.check_movable(&range, "arm");
         self.set(range.clone(), Prot::None, Prot::Armed, "arm");
         let len = range.end - range.start;
         let page = self.mems.borrow()[self.side].page_size();
@@ -260,6 +272,7 @@ impl Protector for SimProtector {
         let Some(at) = self.staging(range) else {
             return Err(OpError::Local);
         };
+        self.check_movable(&(at..at + (range.end - range.start)), "land");
         let mut m = self.mems.borrow_mut();
         let mut tmp = vec![0u8; (range.end - range.start) as usize];
         m[self.side].read_raw(at, &mut tmp);

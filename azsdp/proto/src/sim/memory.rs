@@ -34,6 +34,9 @@ pub type SharedMems = Rc<RefCell<[SimMemory; 2]>>;
 pub struct SimMemory {
     page: u64,
     pages: HashMap<u64, (Box<[u8]>, Prot)>,
+    /// Pages a registration pins (whole pages, one entry per registration,
+    /// kept ones too), which must never move.
+    pins: Vec<Range<u64>>,
     /// Engine accesses to protected pages (engine bugs).
     pub violations: Vec<Violation>,
 }
@@ -44,8 +47,35 @@ impl SimMemory {
         SimMemory {
             page,
             pages: HashMap::new(),
+            pins: Vec::new(),
             violations: Vec::new(),
         }
+    }
+
+    fn pages_of(&self, r: &Range<u64>) -> Range<u64> {
+        r.start - r.start % self.page..r.end.next_multiple_of(self.page)
+    }
+
+    /// A registration pins the pages of `r`.
+    pub fn pin(&mut self, r: &Range<u64>) {
+        let pages = self.pages_of(r);
+        self.pins.push(pages);
+    }
+
+    /// A registration of `r` ends.
+    pub fn unpin(&mut self, r: &Range<u64>) {
+        let pages = self.pages_of(r);
+        if let Some(i) = self.pins.iter().position(|p| *p == pages) {
+            self.pins.swap_remove(i);
+        }
+    }
+
+    /// Does a registration pin a page of `r`?
+    pub fn pinned(&self, r: &Range<u64>) -> bool {
+        let pages = self.pages_of(r);
+        self.pins
+            .iter()
+            .any(|p| p.start < pages.end && pages.start < p.end)
     }
 
     pub fn page_size(&self) -> u64 {
