@@ -238,7 +238,11 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
             let buf = store.bytes();
             let n = match d.recv(&mut buf[start..start + len], flags) {
                 Ok(n) => n as usize,
-                Err(e) => fail(format!("recv at {off}: {e:?}")),
+                Err(e) => fail(format!(
+                    "recv at {off}: {e:?} (fabric: {:?}; engine: {})",
+                    d.with_fabric(|ep| ep.broken_reason().map(str::to_owned)),
+                    d.describe()
+                )),
             };
             if n == 0 {
                 break;
@@ -390,7 +394,11 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
         }
         let n = match d.send(&bytes[start..start + len], flags) {
             Ok(n) => n,
-            Err(e) => fail(format!("send at {off}: {e:?}")),
+            Err(e) => fail(format!(
+                "send at {off}: {e:?} (fabric: {:?}; engine: {})",
+                d.with_fabric(|ep| ep.broken_reason().map(str::to_owned)),
+                d.describe()
+            )),
         };
         if n != len as u64 {
             fail(format!("short send at {off}: {n} of {len}"));
