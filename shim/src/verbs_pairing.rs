@@ -13,6 +13,7 @@ use azsdp::config::Settings;
 use azsdp::conn::Role;
 use azsdp::fabric::verbs::hello::{Request, Ring};
 use azsdp::fabric::verbs::pairing::{PairMsg, WaitingTable};
+use azsdp::fabric::verbs::reads::ReadSplit;
 use azsdp::fabric::verbs::{
     self, ConnectError, SharedFlag, VerbsEndpoint, VerbsListener, VerbsParams,
 };
@@ -38,6 +39,10 @@ const ESTABLISH_WAIT: Duration = Duration::from_secs(5);
 fn params(s: &Settings) -> VerbsParams {
     VerbsParams {
         poll: s.poll,
+        read_split: ReadSplit {
+            piece: s.rdma_read_piece.min(u64::from(u32::MAX)) as u32,
+            ..ReadSplit::default()
+        },
         ..VerbsParams::default()
     }
 }

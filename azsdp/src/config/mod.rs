@@ -117,6 +117,7 @@ pub struct Tunables {
     pub bsdp_slot: Option<u32>,
     pub bsdp_credits: Option<u16>,
     pub poll: Option<Duration>,
+    pub rdma_read_piece: Option<u64>,
     pub peer_timeout: Option<Duration>,
     pub keepalive: Option<Duration>,
     pub linger: Option<Duration>,
@@ -149,6 +150,9 @@ pub struct Settings {
     pub bsdp_credits: u16,
     /// How long a waiting thread polls before it sleeps (a driver setting).
     pub poll: Duration,
+    /// Bytes of each RDMA READ a long GET is cut into over verbs, 0 for
+    /// one READ per GET (a fabric setting: `fabric::verbs::reads`).
+    pub rdma_read_piece: u64,
     pub peer_timeout: Duration,
     pub keepalive: Duration,
     pub linger: Duration,
@@ -180,6 +184,7 @@ impl Default for Settings {
             bsdp_slot: e.slot_size,
             bsdp_credits: e.rx_credits,
             poll: Duration::from_micros(20),
+            rdma_read_piece: 128 << 10,
             peer_timeout: e.peer_timeout,
             keepalive: e.keepalive,
             linger: e.linger,
@@ -215,6 +220,7 @@ impl Settings {
             bsdp_slot,
             bsdp_credits,
             poll,
+            rdma_read_piece,
             peer_timeout,
             keepalive,
             linger,
@@ -287,6 +293,7 @@ impl Settings {
             ("bsdp_slot", size(u64::from(self.bsdp_slot))),
             ("bsdp_credits", self.bsdp_credits.to_string()),
             ("poll", dur(self.poll)),
+            ("rdma_read_piece", size(self.rdma_read_piece)),
             ("peer_timeout", dur(self.peer_timeout)),
             ("keepalive", dur(self.keepalive)),
             ("linger", dur(self.linger)),
@@ -423,6 +430,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "bsdp_slot",
     "bsdp_credits",
     "poll",
+    "rdma_read_piece",
     "peer_timeout",
     "keepalive",
     "linger",
@@ -629,6 +637,13 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
         // Busy-polling longer than a few sleeps and wake-ups cost only
         // burns the CPU.
         "poll" => t.poll = Some(duration_in(raw, Duration::from_micros(1), 10 * MS, true)?),
+        "rdma_read_piece" => {
+            let n = size_in(raw, 0, GIB)?;
+            if n != 0 && n < 4096 {
+                return Err("must be 0 (one READ per GET) or at least 4KiB".into());
+            }
+            t.rdma_read_piece = Some(n)
+        }
         "peer_timeout" => t.peer_timeout = Some(duration_in(raw, 100 * MS, DAY, true)?),
         "keepalive" => t.keepalive = Some(duration_in(raw, 10 * MS, HOUR, false)?),
         "linger" => t.linger = Some(duration_in(raw, MS, DAY, true)?),

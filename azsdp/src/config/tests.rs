@@ -245,6 +245,23 @@ fn only_bounded_regular_files_are_read() {
 }
 
 #[test]
+fn the_rdma_read_piece_is_zero_or_at_least_a_page() {
+    assert_eq!(
+        Settings::default().rdma_read_piece,
+        128 << 10,
+        "the documented default"
+    );
+    for (ok, n) in [("0", 0), ("\"4KiB\"", 4096), ("\"1MiB\"", 1 << 20)] {
+        let c = Config::parse(&format!("rdma_read_piece = {ok}\n"), "t.toml").unwrap();
+        assert_eq!(c.global.rdma_read_piece, n, "{ok}");
+    }
+    for bad in ["100", "\"2GiB\"", "-1", "\"much\""] {
+        let e = parse_err(&format!("rdma_read_piece = {bad}\n"));
+        assert_eq!(e.key.as_deref(), Some("rdma_read_piece"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn durations_have_sane_ranges_and_zero_means_never_where_documented() {
     for (key, bad) in [
         ("poll", "10m"),

@@ -19,6 +19,7 @@ use memmap2::MmapMut;
 
 use super::credits::Credits;
 use super::ffi::{self, Access, CmId, CompChannel, Cq, DeviceCaps, EventChannel, Mr, Pd, SendOp};
+use super::reads::{ReadBook, ReadSplit};
 use super::waiter::VerbsWaiter;
 use super::wire::{CasAnswer, CasRequest, HEADER_LEN, Header, Kind};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
@@ -43,6 +44,8 @@ pub struct VerbsParams {
     /// Pinned bytes of receive destinations kept registered after use
     /// (`reg_cache`).
     pub reg_cache: u64,
+    /// How a long GET is cut into READs in flight together (`reads`).
+    pub read_split: ReadSplit,
 }
 
 impl Default for VerbsParams {
@@ -56,6 +59,7 @@ impl Default for VerbsParams {
             poll: Duration::from_micros(20),
             device_atomics: true,
             reg_cache: 32 << 20,
+            read_split: ReadSplit::default(),
         }
     }
 }
@@ -77,16 +81,19 @@ const WR_PROBE: u64 = 4 << 56;
 const WR_BOUNCE: u64 = 5 << 56;
 const WR_KIND: u64 = 0xff << 56;
 
-/// A GET or compare-and-swap on the send queue.
+/// A READ (a GET's piece) or compare-and-swap on the send queue.
 #[derive(Debug)]
 struct Pending {
     op: OpId,
-    /// The result word of a compare-and-swap.
+    /// The result word of a compare-and-swap (none: a READ).
     cas_slot: Option<usize>,
 }
 
 /// Compare-and-swaps that may be outstanding at once.
 const CAS_SLOTS: usize = 64;
+
+/// READs that may be on the send queue at once (`reads::ReadBook`).
+const READ_SLOTS: u32 = 256;
 
 /// Bytes of the bounce buffer (see [`Bounce`]).
 const BOUNCE_LEN: usize = 64 << 10;
@@ -164,6 +171,8 @@ pub struct VerbsEndpoint {
     credits: Credits,
     free_send: Vec<u16>,
     pending: HashMap<u64, Pending>,
+    /// GETs by piece, and the pieces waiting for room on the send queue.
+    reads: ReadBook,
     next_op: u64,
     completions: VecDeque<(OpId, OpResult)>,
     /// Completions [`Fabric::arm`] took off the CQ, for the next poll.
@@ -219,7 +228,9 @@ impl VerbsEndpoint {
         } = parts;
         let ring = usize::from(params.ring);
         let slot = params.slot as usize;
-        let send_depth = params.ring as u32 + 2 * CAS_SLOTS as u32 + 256;
+        // SENDs, compare-and-swaps (and their answers by message), READs,
+        // the probe and a bounced piece.
+        let send_depth = params.ring as u32 + 2 * CAS_SLOTS as u32 + READ_SLOTS + 2;
         id.create_qp(&pd, &cq, send_depth, params.ring as u32)?;
         let slots = anon(2 * ring * slot)?;
         let locks = anon(usize::from(params.lock_slots) * 8)?;
@@ -319,6 +330,7 @@ impl VerbsEndpoint {
             credits: Credits::new(params.ring, 0),
             free_send: (0..params.ring).rev().collect(),
             pending: HashMap::new(),
+            reads: ReadBook::new(params.read_split, READ_SLOTS),
             next_op: 0,
             completions: VecDeque::new(),
             stash: Vec::new(),
@@ -399,9 +411,11 @@ impl VerbsEndpoint {
     /// the connection stuck).
     pub fn describe(&self) -> String {
         format!(
-            "{} operation(s) posted, {} lock request(s) by message, {} bounced GET(s), {} SEND(s) out, \
+            "{} operation(s) posted ({} GET(s), {} READ(s) waiting for room), {} lock request(s) by message, {} bounced GET(s), {} SEND(s) out, \
              {} completion(s) unread, probe out for {:?}, last heard {:?} ago, broken {:?}",
             self.pending.len(),
+            self.reads.in_flight(),
+            self.reads.waiting(),
             self.cas_by_tag.len(),
             self.bounce.as_ref().map_or(0, |b| b.jobs.len()),
             usize::from(self.params.ring) - self.free_send.len(),
@@ -485,23 +499,63 @@ impl VerbsEndpoint {
         Ok(())
     }
 
-    fn post_op(
-        &mut self,
-        op: OpId,
-        send: SendOp,
-        cas_slot: Option<usize>,
-    ) -> Result<(), FabricError> {
+    /// Post a compare-and-swap whose old value lands in `cas_slot`.
+    fn post_cas_op(&mut self, op: OpId, send: SendOp, cas_slot: usize) -> Result<(), FabricError> {
         self.next_op += 1;
         let wr = WR_OP | (self.next_op & !WR_KIND);
         if let Err(e) = ffi::post_send(self.id.qp(), wr, send) {
-            if let Some(s) = cas_slot {
-                self.free_cas.push(s);
-            }
+            self.free_cas.push(cas_slot);
             self.break_with(format!("post: {e}"));
             return Err(FabricError::Broken);
         }
-        self.pending.insert(wr, Pending { op, cas_slot });
+        self.pending.insert(
+            wr,
+            Pending {
+                op,
+                cas_slot: Some(cas_slot),
+            },
+        );
         Ok(())
+    }
+
+    /// Post the GETs' pieces the send queue has room for. A failed post
+    /// breaks the connection: that piece and those not posted fail (their
+    /// GETs end at the next poll, once their posted pieces are flushed).
+    fn post_reads(&mut self) {
+        while self.broken.is_none()
+            && let Some(p) = self.reads.next_to_post()
+        {
+            self.next_op += 1;
+            let wr = WR_OP | (self.next_op & !WR_KIND);
+            let read = SendOp::Read {
+                addr: p.dst,
+                len: p.len,
+                lkey: p.lkey,
+                remote: p.src,
+                rkey: p.rkey,
+            };
+            match ffi::post_send(self.id.qp(), wr, read) {
+                Ok(()) => {
+                    self.reads.posted();
+                    self.pending.insert(
+                        wr,
+                        Pending {
+                            op: p.op,
+                            cas_slot: None,
+                        },
+                    );
+                }
+                Err(e) => {
+                    self.break_with(format!("post READ: {e}"));
+                    if let Some(r) = self
+                        .reads
+                        .piece_done(p.op, false, Err(OpError::Unreachable))
+                    {
+                        self.completions.push_back((p.op, OpResult::Get(r)));
+                    }
+                }
+            }
+        }
     }
 
     /// rdma_cm's events for this connection: the peer left, or the device
@@ -573,7 +627,21 @@ impl VerbsEndpoint {
                         let old = self.cas_words[s].load(Ordering::Acquire);
                         OpResult::Cas(if ok { Ok(old) } else { Err(op_error(wc)) })
                     }
-                    None => OpResult::Get(if ok { Ok(()) } else { Err(op_error(wc)) }),
+                    None => {
+                        let piece = if ok { Ok(()) } else { Err(op_error(wc)) };
+                        let get = self.reads.piece_done(p.op, true, piece);
+                        // Room on the send queue for a waiting piece.
+                        self.post_reads();
+                        match get {
+                            Some(r) => OpResult::Get(r),
+                            None => {
+                                if !ok && !wc.remote_refusal() {
+                                    self.break_with(format!("operation: {}", wc.describe()));
+                                }
+                                return 0;
+                            }
+                        }
+                    }
                 };
                 if !ok && !wc.remote_refusal() {
                     self.break_with(format!("operation: {}", wc.describe()));
@@ -948,14 +1016,10 @@ impl Fabric for VerbsEndpoint {
             self.next_bounce_piece();
             return Ok(());
         }
-        let read = SendOp::Read {
-            addr: dst.addr,
-            len,
-            lkey: dst.key,
-            remote: src.addr,
-            rkey: src.key,
-        };
-        self.post_op(op, read, None)
+        self.reads
+            .start(op, dst.addr, dst.key, src.addr, src.key, u64::from(len));
+        self.post_reads();
+        Ok(())
     }
 
     fn post_cas(
@@ -990,7 +1054,7 @@ impl Fabric for VerbsEndpoint {
                     expect,
                     new,
                 };
-                self.post_op(op, cas, Some(s))
+                self.post_cas_op(op, cas, s)
             }
         }
     }
@@ -1040,6 +1104,14 @@ impl Fabric for VerbsEndpoint {
                 self.free_cas.push(usize::from(tag));
                 let result = OpResult::Cas(Err(OpError::Unreachable));
                 on_event(FabricEvent::Done { op, result });
+                n += 1;
+            }
+            // READs not posted yet fail (those posted come back flushed).
+            for (op, r) in self.reads.fail_waiting(OpError::Unreachable) {
+                on_event(FabricEvent::Done {
+                    op,
+                    result: OpResult::Get(r),
+                });
                 n += 1;
             }
             // (The piece on the send queue, if any, comes back flushed.)

@@ -9,6 +9,8 @@
 //! - [`hello`]: rdma_cm's private data when a connection is made.
 //! - [`reg_cache`]: an endpoint's registrations, exact ranges shared while
 //!   live.
+//! - [`reads`]: GETs as RDMA READs, a long one cut into pieces in flight
+//!   together, within the send queue's room.
 //! - [`pairing`]: binding a verbs connection to the TCP connection it
 //!   upgrades (the commit messages and the listener's waiting table).
 //! - `cm` (feature `verbs`): making connections with rdma_cm.
@@ -23,6 +25,7 @@
 pub mod credits;
 pub mod hello;
 pub mod pairing;
+pub mod reads;
 pub mod reg_cache;
 pub mod wire;
 
