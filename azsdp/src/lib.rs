@@ -35,6 +35,7 @@ pub mod memory_map;
 pub mod notes;
 pub mod pages;
 pub mod pairing;
+pub mod pinned;
 pub mod process;
 pub mod protect;
 pub mod released_memory;

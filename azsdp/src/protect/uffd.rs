@@ -642,6 +642,12 @@ impl UffdProtect {
         if p == libc::MAP_FAILED {
             return Err(format!("staging mmap: {}", nix::errno::Errno::last()));
         }
+        // No huge pages in staging: landing moves pages out of it, which a
+        // huge page allows only while none of its pages is pinned, and a
+        // NIC pins the staging pages of every GET in flight (6.12 retries
+        // such a move inside the kernel for ever).
+        // SAFETY: advice on our own fresh mapping.
+        unsafe { libc::madvise(p, len as usize, libc::MADV_NOHUGEPAGE) };
         let s = Staging {
             addr: p as u64,
             len,

@@ -300,6 +300,12 @@ impl Fabric for ShmEndpoint {
         }
     }
 
+    /// Nothing of ours pins here, but a NIC's registrations of this
+    /// process (another connection's, over verbs) may.
+    fn unpin_near(&mut self, range: std::ops::Range<u64>) -> bool {
+        !crate::pinned::near(&range)
+    }
+
     fn has_room(&self, len: usize) -> bool {
         // Broken, or a full ring whose reader is gone: the post fails at once.
         self.cannot_post() || self.gone_reported || self.tx.has_room(len)

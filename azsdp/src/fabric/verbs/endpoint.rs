@@ -962,10 +962,11 @@ impl Fabric for VerbsEndpoint {
     /// Drop kept registrations in the huge pages (2 MiB) around `range`:
     /// arming moves its pages, which a pinned page of the same huge page
     /// forbids (6.18: EBUSY; 6.12 retries inside the kernel for ever).
+    /// Our kept registrations near go; then no registration of this
+    /// process (any connection's, in use or kept) may pin a page there.
     fn unpin_near(&mut self, range: std::ops::Range<u64>) -> bool {
-        const HUGE: u64 = 2 << 20;
-        let window = range.start - range.start % HUGE..range.end.next_multiple_of(HUGE);
-        !self.regs.unpin(window)
+        let window = crate::pinned::huge_windows(&range);
+        !self.regs.unpin(window) && !crate::pinned::near(&range)
     }
 
     fn has_room(&self, len: usize) -> bool {

@@ -573,7 +573,7 @@ impl Pd {
             )
         };
         NonNull::new(mr)
-            .map(Mr)
+            .map(|mr| Mr(mr, crate::pinned::pin(addr, len)))
             .ok_or_else(|| last_error("ibv_reg_mr"))
     }
 }
@@ -602,9 +602,10 @@ impl Access {
     );
 }
 
-/// A memory registration: its keys work until it is dropped.
+/// A memory registration: its keys work until it is dropped, and its pages
+/// count as pinned by this process while it lives ([`crate::pinned`]).
 #[derive(Debug)]
-pub struct Mr(NonNull<sys::ibv_mr>);
+pub struct Mr(NonNull<sys::ibv_mr>, #[allow(dead_code)] crate::pinned::Pin);
 
 // SAFETY: libibverbs' calls are thread-safe.
 unsafe impl Send for Mr {}
