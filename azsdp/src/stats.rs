@@ -670,6 +670,22 @@ pub(crate) fn alive(pid: u32) -> bool {
             .map_or(true, |st| !matches!(process_state(&st), Some('Z' | 'X')))
 }
 
+/// Is live process `pid` held up rather than idle: is some thread of it
+/// stopped (SIGSTOP, a debugger: `T`, `t`), runnable but waiting for a
+/// CPU (`R`), or in uninterruptible sleep (`D`)? A peer so held up cannot
+/// answer, but will: it is waited for, as TCP waits for it. One whose
+/// threads all sleep (`S`) yet stays silent is not held up: its engine is
+/// stuck, and the connection times out. False if `/proc` cannot tell.
+pub(crate) fn held_up(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .is_ok_and(|st| matches!(process_state(&st), Some('R' | 'D' | 'T' | 't')))
+    })
+}
+
 /// The state letter of a `/proc/PID/stat` line (after the command name,
 /// which may itself hold spaces and parentheses).
 fn process_state(stat: &str) -> Option<char> {
@@ -913,5 +929,42 @@ mod tests {
         );
         drop(f);
         let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn stopped_and_busy_processes_are_held_up_sleeping_ones_are_not() {
+        use std::time::{Duration, Instant};
+        let until = |what: &str, pid: u32, want: bool| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while held_up(pid) != want {
+                assert!(
+                    Instant::now() < deadline,
+                    "{what}: held_up({pid}) never {want}"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        let mut sleeper = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = sleeper.id();
+        until("sleeping", pid, false);
+        // SAFETY: signals to our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        until("stopped", pid, true);
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        until("continued", pid, false);
+        sleeper.kill().unwrap();
+        sleeper.wait().unwrap();
+        let mut spinner = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        until("spinning", spinner.id(), true);
+        spinner.kill().unwrap();
+        spinner.wait().unwrap();
+        assert!(!held_up(u32::MAX), "no such process");
     }
 }

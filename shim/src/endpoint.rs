@@ -130,6 +130,10 @@ impl Fabric for AnyEndpoint {
     fn deregister(&mut self, key: u32) {
         each!(AnyEndpoint, self, e => e.deregister(key))
     }
+    fn peer_vouched(&mut self) -> bool {
+        each!(AnyEndpoint, self, e => e.peer_vouched())
+    }
+
     fn unpin_near(&mut self, range: std::ops::Range<u64>) -> bool {
         each!(AnyEndpoint, self, e => e.unpin_near(range))
     }

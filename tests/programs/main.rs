@@ -31,7 +31,7 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// stray-bytes (each plain, then azsdp); 134-135 runner-killed; 136
 /// redis (it shared 2 with execl before); 137-140 exit-after-send and
 /// _exit-after-send (plain, azsdp); 141-142 fork-idle-holder; 143-144
-/// close-range; 145-255 free.
+/// close-range; 145 stopped peers; 146-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -542,6 +542,71 @@ fn sender_killed_mid_stream_ends_the_receiver_within_a_second() {
         return;
     }
     killed_mid_stream(false, 7);
+}
+
+/// A peer stopped (SIGSTOP, as a debugger stops it) for longer than
+/// `peer_timeout` is waited for, as TCP waits (its kernel still answers):
+/// the stream arrives whole once it goes on. Before, the connection was
+/// reset after `peer_timeout` and the receiver read a bare end of stream.
+/// Run with the receiver stopped (the sender's `close()` waits on it),
+/// then with the sender stopped (the receiver waits in `read()`).
+#[test]
+fn a_peer_stopped_longer_than_peer_timeout_is_waited_for() {
+    if !have(&["socat"]) {
+        return;
+    }
+    for stop_receiver in [true, false] {
+        let s = Scratch::new(if stop_receiver { "stop-r" } else { "stop-s" });
+        let p = port(145);
+        let (input, output) = (s.path("in.bin"), s.path("out.bin"));
+        random_file(&input, 48 << 20, 0x570);
+        let short = |name: &str, args: &[&str]| {
+            let mut c = s.under_azsdp(name, "socat", args);
+            c.env("AZSDP_PEER_TIMEOUT", "1s")
+                .env("AZSDP_KEEPALIVE", "200ms");
+            c
+        };
+        let listen = format!("TCP-LISTEN:{p},reuseaddr");
+        let write = format!("OPEN:{},creat,trunc", output.display());
+        let mut srv = Proc::start(short("server", &["-u", &listen, &write]), "socat server");
+        wait_listening(p, LISTEN);
+        let read = format!("OPEN:{}", input.display());
+        let connect = format!("TCP:127.0.0.1:{p}");
+        let mut cli = Proc::start(
+            short("client", &["-u", "-b", "1048576", &read, &connect]),
+            "socat client",
+        );
+        let flowing = s.stat_until(Duration::from_secs(10), |c| {
+            text(c, "path") != "tcp"
+                && num(c, &["bytes", "received", "zcopy"]) + num(c, &["bytes", "received", "bsdp"])
+                    > 0
+        });
+        assert!(flowing.is_some(), "never upgraded: {:?}", s.stat());
+        let victim = if stop_receiver { srv.pid() } else { cli.pid() };
+        // SAFETY: signals to our own child.
+        unsafe { libc::kill(victim, libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_secs(4));
+        // SAFETY: as above.
+        unsafe { libc::kill(victim, libc::SIGCONT) };
+        let both = || {
+            format!(
+                "{}\nthe server's log:\n{}",
+                s.log("client"),
+                s.log("server")
+            )
+        };
+        cli.expect_success(Duration::from_secs(60), both);
+        srv.expect_success(Duration::from_secs(60), || s.log("server"));
+        assert_eq!(
+            sha256(&input),
+            sha256(&output),
+            "stop_receiver {stop_receiver}: the file arrived changed"
+        );
+        for name in ["client", "server"] {
+            let log = s.log(name);
+            assert!(!log.contains("reset"), "{name}: {log}");
+        }
+    }
 }
 
 // ----- socket semantics, checked by an ordinary libc program -------------------

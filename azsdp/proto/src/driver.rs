@@ -542,6 +542,14 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     /// Run the engine's timers that are due, and what they produce.
     pub fn run_timers(&mut self) {
         let now = self.now();
+        // Asked only when the silence would end the connection.
+        let silent_too_long = self
+            .conn
+            .deadline(crate::conn::Timer::PeerTimeout)
+            .is_some_and(|t| t <= now);
+        if silent_too_long && self.fabric.peer_vouched() {
+            self.conn.peer_vouched(now);
+        }
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now, &mut self.host);
         }

@@ -254,6 +254,10 @@ pub struct Connection {
 
     // liveness and teardown
     last_rx: Timestamp,
+    /// When the fabric last vouched that the peer's side is alive (see
+    /// [`Connection::peer_vouched`]).
+    #[serde(skip)]
+    last_vouched: Option<Timestamp>,
     ping_outstanding: bool,
     app_closed: bool,
     linger_deadline: Option<Timestamp>,
@@ -345,6 +349,7 @@ impl Connection {
             emitted_unacked: 0,
             waiters: Vec::new(),
             last_rx: now,
+            last_vouched: None,
             ping_outstanding: false,
             app_closed: false,
             linger_deadline: None,
@@ -1291,7 +1296,10 @@ impl Connection {
         ) {
             self.stalled = Some(self.describe_waits());
         }
-        self.aborted_after_eof = self.rx_eof;
+        // The end of the stream only if the program had read up to it:
+        // bytes before it that the abort drops were lost, which an EOF
+        // would hide.
+        self.aborted_after_eof = self.rx_eof && self.rxq.is_empty();
         self.state = State::Aborted(reason);
         let err = self.abort_error().expect("aborted");
         self.out.clear();

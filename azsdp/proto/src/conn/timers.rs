@@ -42,6 +42,15 @@ impl Timer {
 }
 
 impl Connection {
+    /// The fabric vouches that the peer's side is alive now (its process
+    /// lives, or its NIC answered) although its engine says nothing: it
+    /// may be stopped (a debugger, SIGSTOP) or starved of CPU. Such a peer
+    /// is not timed out (`peer_timeout`), as a TCP peer whose kernel still
+    /// answers is not; pings go on, and a peer that dies is seen as gone.
+    pub fn peer_vouched(&mut self, now: Timestamp) {
+        self.last_vouched = Some(now);
+    }
+
     /// When `timer` expires, if it is armed.
     pub fn deadline(&self, timer: Timer) -> Option<Timestamp> {
         let liveness = || self.owes_liveness() && self.cfg.peer_timeout > Duration::ZERO;
@@ -51,7 +60,12 @@ impl Connection {
             // left the fabric.
             _ if self.is_aborted() || self.state == State::Switched => None,
             Timer::Linger => self.linger_deadline.filter(|_| !self.is_finished()),
-            Timer::PeerTimeout => liveness().then(|| self.last_rx + self.cfg.peer_timeout),
+            Timer::PeerTimeout => liveness().then(|| {
+                let heard = self
+                    .last_vouched
+                    .map_or(self.last_rx, |v| v.max(self.last_rx));
+                heard + self.cfg.peer_timeout
+            }),
             Timer::Keepalive => (!self.ping_outstanding
                 && self.state == State::Established
                 && !self.switch_sent()

@@ -256,6 +256,15 @@ pub trait Fabric {
     /// Record how far our `send()` and `recv()` calls have got (the peer
     /// learns it with [`FabricEvent::PeerGone`] if we die).
     fn publish_progress(&mut self, _progress: Departure) {}
+    /// Can the fabric vouch, now, that the peer's side is alive, whatever
+    /// its program and engine do (its process exists; its NIC or kernel
+    /// answered lately)? Asked when the peer has been silent for
+    /// `peer_timeout`: a vouched-for peer is waited for, as TCP waits for
+    /// a peer whose kernel answers. `false`: nothing known (the engine's
+    /// pings decide).
+    fn peer_vouched(&mut self) -> bool {
+        false
+    }
 }
 
 /// What [`Fabric::arm`] found.

@@ -583,6 +583,12 @@ impl SimEndpoint {
 }
 
 impl Fabric for SimEndpoint {
+    /// The peer's process lives (whether its driver runs or not: a test
+    /// may hold a side still, as SIGSTOP does).
+    fn peer_vouched(&mut self) -> bool {
+        self.fab.borrow().sides[1 - self.side].alive
+    }
+
     fn mark_peer_left(&self) {
         self.fab.borrow_mut().sides[1 - self.side].left_for_heirs = true;
     }

@@ -300,6 +300,14 @@ impl Fabric for ShmEndpoint {
         }
     }
 
+    /// The peer's process (the claimer's, after a fork) lives, did not
+    /// close its side, and is held up (stopped, or starved of CPU: see
+    /// [`crate::stats::held_up`]): it is waited for. A live peer whose
+    /// threads all sleep and yet do not answer is not vouched for.
+    fn peer_vouched(&mut self) -> bool {
+        self.peer_alive() && crate::stats::held_up(self.peer.pid())
+    }
+
     /// Nothing of ours pins here, but a NIC's registrations of this
     /// process (another connection's, over verbs) may.
     fn unpin_near(&mut self, range: std::ops::Range<u64>) -> bool {

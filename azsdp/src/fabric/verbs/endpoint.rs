@@ -1170,6 +1170,13 @@ impl Fabric for VerbsEndpoint {
         true
     }
 
+    /// The peer's queue pair answered lately: a quiet connection's probe
+    /// (every [`PROBE_QUIET`]) is acknowledged by the peer's NIC or kernel
+    /// even while its process is stopped, and fails once it is gone.
+    fn peer_vouched(&mut self) -> bool {
+        self.broken.is_none() && self.last_heard.elapsed() < PROBE_QUIET + VOUCH_SLACK
+    }
+
     fn finish(&self) {
         self.depart();
     }
@@ -1471,6 +1478,10 @@ impl VerbsEndpoint {
 
 /// How long a connection may be quiet before its peer is probed.
 const PROBE_QUIET: Duration = Duration::from_secs(2);
+
+/// How long past [`PROBE_QUIET`] the last word of the peer's queue pair
+/// still vouches for it (the probe's round trip, a busy host).
+const VOUCH_SLACK: Duration = Duration::from_secs(3);
 
 /// How long a probe may go without a completion. A dead peer's queue pair
 /// fails it once the retries run out (seconds); a live one acknowledges it

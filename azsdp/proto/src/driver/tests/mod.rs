@@ -64,6 +64,9 @@ struct Pair {
     unprotectable: [Unprotectables; 2],
     /// The TCP connection beneath.
     tcp: SharedTcp,
+    /// Sides whose driver does not run (a process stopped by SIGSTOP or a
+    /// debugger: alive, silent).
+    stopped: [bool; 2],
 }
 
 /// Messages take 1 µs, operations 2 µs (plus 4 µs per 16 KiB a GET
@@ -113,6 +116,7 @@ impl Pair {
             logs,
             unprotectable,
             tcp,
+            stopped: [false; 2],
         };
         p.run_for(Duration::from_millis(1));
         assert_eq!(*p.d[0].connection().state(), State::Established);
@@ -129,8 +133,10 @@ impl Pair {
         self.fabric.borrow_mut().advance(self.now());
         loop {
             let mut n = 0;
-            for d in &mut self.d {
-                n += d.turn();
+            for (d, stopped) in self.d.iter_mut().zip(self.stopped) {
+                if !stopped {
+                    n += d.turn();
+                }
             }
             self.fabric.borrow_mut().advance(self.now());
             if n == 0 {
@@ -143,10 +149,17 @@ impl Pair {
     /// scheduled before `limit`.
     fn step(&mut self, limit: Timestamp) -> bool {
         self.settle();
+        let deadline = |s: usize| {
+            if self.stopped[s] {
+                None
+            } else {
+                self.d[s].next_deadline()
+            }
+        };
         let next = [
             self.fabric.borrow().next_event_time(),
-            self.d[0].next_deadline(),
-            self.d[1].next_deadline(),
+            deadline(0),
+            deadline(1),
         ]
         .into_iter()
         .flatten()

@@ -87,6 +87,86 @@ fn a_silent_dead_peer_times_out_at_peer_timeout() {
 }
 
 #[test]
+fn a_stopped_peer_is_waited_for_not_timed_out() {
+    // A peer process stopped (SIGSTOP, a debugger) answers no ping, but
+    // lives: TCP waits for it (its kernel still answers), and so do we.
+    let mut c1 = cfg(Role::Server);
+    c1.keepalive = Duration::from_secs(1);
+    c1.peer_timeout = Duration::from_secs(3);
+    let mut p = Pair::new(cfg(Role::Client), c1);
+    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    p.settle();
+    p.stopped[0] = true;
+    p.run_for(Duration::from_secs(60));
+    assert_eq!(*p.d[1].connection().state(), State::Established);
+    assert_eq!(p.d[1].take_result(recv), None, "still waiting for data");
+    // It goes on, and the data comes.
+    p.stopped[0] = false;
+    let data = pattern(100, 5);
+    p.write(0, BUF, &data);
+    let send = p.d[0].submit_send(BUF, 100, PROTECTABLE);
+    let mut got = None;
+    p.run_until(Duration::from_secs(1), |p| {
+        got = got.or(p.d[1].take_result(recv));
+        got.is_some()
+    });
+    assert_eq!(got, Some(Ok(100)));
+    assert_eq!(p.read(1, BUF, 100), data);
+    assert_eq!(p.wait(0, send), Ok(100));
+    // Stopped, then killed: no longer vouched for, it times out.
+    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    p.stopped[0] = true;
+    p.run_for(Duration::from_secs(10));
+    assert_eq!(*p.d[1].connection().state(), State::Established);
+    p.fabric.borrow_mut().kill(0);
+    let mut got = None;
+    p.run_until(Duration::from_secs(10), |p| {
+        got = got.or(p.d[1].take_result(recv));
+        got.is_some()
+    });
+    assert_eq!(got, Some(Err(CallError::TimedOut)));
+}
+
+#[test]
+fn an_abort_after_the_peers_shutdown_is_a_reset_while_its_data_is_unread() {
+    // The peer sent, shut down, then reset before our program read: the
+    // bytes went with the abort, and an end of stream would hide their
+    // loss (TCP would have delivered them from its buffer).
+    let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    let data = pattern(64 << 10, 2);
+    p.write(0, BUF, &data);
+    let send = p.d[0].submit_send(BUF, data.len() as u64, PROTECTABLE);
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(p.d[0].take_result(send), Some(Ok(data.len() as u64)));
+    p.d[0].shutdown(crate::conn::Shutdown::Write);
+    p.run_for(Duration::from_millis(1));
+    p.d[0].abort();
+    p.run_for(Duration::from_millis(1));
+    assert!(matches!(p.d[1].connection().state(), State::Aborted(_)));
+    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    assert_eq!(p.wait(1, recv), Err(CallError::ConnReset));
+    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    assert_eq!(p.wait(1, recv), Ok(0), "then the end, once");
+}
+
+#[test]
+fn an_abort_after_everything_was_read_is_the_end_of_the_stream() {
+    let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    let data = pattern(1000, 2);
+    p.write(0, BUF, &data);
+    let send = p.d[0].submit_send(BUF, data.len() as u64, PROTECTABLE);
+    let recv = p.d[1].submit_recv(BUF, 1000, RecvFlags::default());
+    assert_eq!(p.wait(1, recv), Ok(1000));
+    assert_eq!(p.wait(0, send), Ok(1000));
+    p.d[0].shutdown(crate::conn::Shutdown::Write);
+    p.run_for(Duration::from_millis(1));
+    p.d[0].abort();
+    p.run_for(Duration::from_millis(1));
+    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    assert_eq!(p.wait(1, recv), Ok(0));
+}
+
+#[test]
 fn close_with_data_the_peer_never_reads_aborts_at_linger() {
     let mut c0 = cfg(Role::Client);
     c0.linger = Duration::from_secs(10);
