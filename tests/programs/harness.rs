@@ -196,6 +196,15 @@ impl Scratch {
         std::fs::read_to_string(self.path(&format!("{name}.log"))).unwrap_or_default()
     }
 
+    /// The client's log, then the server's (for a client's failure).
+    pub fn client_and_server_logs(&self) -> String {
+        format!(
+            "{}\nthe server's log:\n{}",
+            self.log("client"),
+            self.log("server")
+        )
+    }
+
     /// `azsdp stat --json` for this test's processes.
     pub fn stat(&self) -> Vec<serde_json::Value> {
         let out = Command::new(azsdp())

@@ -369,14 +369,7 @@ fn python_waits_through_a_signal_storm() {
             s.under_azsdp("client", "python3", &[&script, "client", &p, style]),
             "python3 client",
         );
-        let both = || {
-            format!(
-                "{}\nthe server's log:\n{}",
-                s.log("client"),
-                s.log("server")
-            )
-        };
-        cli.expect_success(Duration::from_secs(120), both);
+        cli.expect_success(Duration::from_secs(120), || s.client_and_server_logs());
         srv.expect_success(Duration::from_secs(30), || s.log("server"));
         let log = s.log("server");
         assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
@@ -588,14 +581,7 @@ fn a_peer_stopped_longer_than_peer_timeout_is_waited_for() {
         std::thread::sleep(Duration::from_secs(4));
         // SAFETY: as above.
         unsafe { libc::kill(victim, libc::SIGCONT) };
-        let both = || {
-            format!(
-                "{}\nthe server's log:\n{}",
-                s.log("client"),
-                s.log("server")
-            )
-        };
-        cli.expect_success(Duration::from_secs(60), both);
+        cli.expect_success(Duration::from_secs(60), || s.client_and_server_logs());
         srv.expect_success(Duration::from_secs(60), || s.log("server"));
         assert_eq!(
             sha256(&input),

@@ -212,6 +212,14 @@ impl Pair {
         self.d[s].submit_send(addr, len, PROTECTABLE)
     }
 
+    /// `len` bytes of pattern `seed` written at [`BUF`] of side `s` and
+    /// sent (blocking, protectable); the call and the bytes.
+    fn send_pattern(&mut self, s: usize, len: usize, seed: u8) -> (CallId, Vec<u8>) {
+        let data = pattern(len, seed);
+        self.write(s, BUF, &data);
+        (self.send(s, BUF, len as u64), data)
+    }
+
     /// A blocking receive.
     fn recv(&mut self, s: usize, addr: u64, len: u64) -> CallId {
         self.d[s].submit_recv(addr, len, RecvFlags::default())

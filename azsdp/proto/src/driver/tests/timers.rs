@@ -98,14 +98,13 @@ fn silence_counts_from_when_the_peer_began_to_owe_us() {
     // (A peer that is alive and idle, not held up: nothing vouches for it.)
     p.fabric.borrow_mut().vouches = false;
     p.run_for(Duration::from_secs(60));
-    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    let recv = p.recv(1, BUF, 100);
     p.run_for(Duration::from_millis(1));
     assert_eq!(*p.d[1].connection().state(), State::Established);
     assert_eq!(p.d[1].take_result(recv), None);
-    let data = pattern(100, 8);
-    p.write(0, BUF, &data);
-    let send = p.d[0].submit_send(BUF, 100, PROTECTABLE);
+    let (send, data) = p.send_pattern(0, 100, 8);
     assert_eq!(p.wait(1, recv), Ok(100));
+    assert_eq!(p.read(1, BUF, 100), data);
     assert_eq!(p.wait(0, send), Ok(100));
 }
 
@@ -117,7 +116,7 @@ fn a_stopped_peer_is_waited_for_not_timed_out() {
     c1.keepalive = Duration::from_secs(1);
     c1.peer_timeout = Duration::from_secs(3);
     let mut p = Pair::new(cfg(Role::Client), c1);
-    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    let recv = p.recv(1, BUF, 100);
     p.settle();
     p.stopped[0] = true;
     p.run_for(Duration::from_secs(60));
@@ -125,9 +124,7 @@ fn a_stopped_peer_is_waited_for_not_timed_out() {
     assert_eq!(p.d[1].take_result(recv), None, "still waiting for data");
     // It goes on, and the data comes.
     p.stopped[0] = false;
-    let data = pattern(100, 5);
-    p.write(0, BUF, &data);
-    let send = p.d[0].submit_send(BUF, 100, PROTECTABLE);
+    let (send, data) = p.send_pattern(0, 100, 5);
     let mut got = None;
     p.run_until(Duration::from_secs(1), |p| {
         got = got.or(p.d[1].take_result(recv));
@@ -137,7 +134,7 @@ fn a_stopped_peer_is_waited_for_not_timed_out() {
     assert_eq!(p.read(1, BUF, 100), data);
     assert_eq!(p.wait(0, send), Ok(100));
     // Stopped, then killed: no longer vouched for, it times out.
-    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    let recv = p.recv(1, BUF, 100);
     p.stopped[0] = true;
     p.run_for(Duration::from_secs(10));
     assert_eq!(*p.d[1].connection().state(), State::Established);
@@ -156,9 +153,7 @@ fn an_abort_after_the_peers_shutdown_is_a_reset_while_its_data_is_unread() {
     // bytes went with the abort, and an end of stream would hide their
     // loss (TCP would have delivered them from its buffer).
     let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
-    let data = pattern(64 << 10, 2);
-    p.write(0, BUF, &data);
-    let send = p.d[0].submit_send(BUF, data.len() as u64, PROTECTABLE);
+    let (send, data) = p.send_pattern(0, 64 << 10, 2);
     p.run_for(Duration::from_millis(1));
     assert_eq!(p.d[0].take_result(send), Some(Ok(data.len() as u64)));
     p.d[0].shutdown(crate::conn::Shutdown::Write);
@@ -166,26 +161,25 @@ fn an_abort_after_the_peers_shutdown_is_a_reset_while_its_data_is_unread() {
     p.d[0].abort();
     p.run_for(Duration::from_millis(1));
     assert!(matches!(p.d[1].connection().state(), State::Aborted(_)));
-    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    let recv = p.recv(1, BUF, 100);
     assert_eq!(p.wait(1, recv), Err(CallError::ConnReset));
-    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    let recv = p.recv(1, BUF, 100);
     assert_eq!(p.wait(1, recv), Ok(0), "then the end, once");
 }
 
 #[test]
 fn an_abort_after_everything_was_read_is_the_end_of_the_stream() {
     let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
-    let data = pattern(1000, 2);
-    p.write(0, BUF, &data);
-    let send = p.d[0].submit_send(BUF, data.len() as u64, PROTECTABLE);
-    let recv = p.d[1].submit_recv(BUF, 1000, RecvFlags::default());
+    let (send, data) = p.send_pattern(0, 1000, 2);
+    let recv = p.recv(1, BUF, 1000);
     assert_eq!(p.wait(1, recv), Ok(1000));
+    assert_eq!(p.read(1, BUF, 1000), data);
     assert_eq!(p.wait(0, send), Ok(1000));
     p.d[0].shutdown(crate::conn::Shutdown::Write);
     p.run_for(Duration::from_millis(1));
     p.d[0].abort();
     p.run_for(Duration::from_millis(1));
-    let recv = p.d[1].submit_recv(BUF, 100, RecvFlags::default());
+    let recv = p.recv(1, BUF, 100);
     assert_eq!(p.wait(1, recv), Ok(0));
 }
 
