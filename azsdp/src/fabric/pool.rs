@@ -49,6 +49,10 @@ impl Pool {
         let spare: usize = self.spare.iter().map(|b| b.len()).sum();
         if spare + buf.len() <= SPARE_BYTES {
             self.spare.push(buf);
+        } else {
+            // Unmapped now: a registration kept of it (a NIC's, for a GET
+            // that landed here) must not serve the memory mapped there next.
+            crate::released_memory::record(addr..addr + buf.len() as u64);
         }
     }
 
