@@ -62,6 +62,7 @@ fn seeds_exercise_every_mechanism() {
         ("ZSDP bytes", t.bytes_sent_sync),
         ("partial or whole GETs", t.gets),
         ("armed receives", t.armed_recvs),
+        ("bytes read ahead", t.bytes_recv_ahead),
         ("send-side write faults", t.send_faults),
         ("receive-side faults", t.recv_faults),
         ("copy-on-write copies", t.cow_copies),

@@ -71,6 +71,13 @@ impl UserMemory for ProcessHost {
         // mutably by the blocked call.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
     }
+
+    fn copy(&mut self, from: u64, to: u64, len: usize) {
+        // SAFETY: `from` is staging memory of the fabric's pool that a
+        // landed GET filled and the engine keeps until this copy is done;
+        // `to` as for `write`. The two never overlap (the pool is ours).
+        unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, len) };
+    }
 }
 
 impl Host for ProcessHost {

@@ -87,6 +87,13 @@ pub trait Endpoint: Watched + Send + 'static {
     fn arms_receives(&self) -> bool {
         true
     }
+    /// Is reading ahead of the program (`read_ahead`, a copy at the
+    /// receiver) worth it on this fabric? Not where a GET is a CPU copy
+    /// already (shm); where it is a NIC's READ whose round trip idles the
+    /// link between zero-copy receives (verbs).
+    fn reads_ahead(&self) -> bool {
+        false
+    }
     /// See [`Offer::agreement`].
     fn agreement(&self) -> &AtomicU32;
 }

@@ -89,7 +89,10 @@ impl Conn {
         // pages and wait for GETs that never come).
         caps.zcopy_source &= Endpoint::same_user(&ep);
         caps.arm_recv &= ep.arms_receives();
-        let cfg = settings.engine_config(role, caps, LockRegion::UNSET);
+        let mut cfg = settings.engine_config(role, caps, LockRegion::UNSET);
+        if !ep.reads_ahead() {
+            cfg.read_ahead = 0;
+        }
         let beneath = Arc::new(TcpBeneath::new(fd));
         let host = Self::host(settings, &beneath);
         let d = Driver::with_host(cfg, ep, p.protector, host);
@@ -336,8 +339,12 @@ impl Conn {
                 served.requests, served.bytes_sent, served.bytes_received
             )
         };
+        let ahead = match c.bytes_recv_ahead {
+            0 => String::new(),
+            n => format!(" (read ahead, then copied: {n})"),
+        };
         info!(
-            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes{copied}, received zero-copy {} bsdp {} bytes; \
+            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes{copied}, received zero-copy {} bsdp {} bytes{ahead}; \
              gets {}, faults {}, copy-on-writes {}, fallbacks {}",
             self.local,
             self.peer,

@@ -259,6 +259,9 @@ impl Endpoint for AnyEndpoint {
     fn arms_receives(&self) -> bool {
         each!(AnyEndpoint, self, e => Endpoint::arms_receives(e))
     }
+    fn reads_ahead(&self) -> bool {
+        each!(AnyEndpoint, self, e => Endpoint::reads_ahead(e))
+    }
     fn agreement(&self) -> &AtomicU32 {
         each!(AnyEndpoint, self, e => Endpoint::agreement(e))
     }

@@ -19,7 +19,9 @@ bin=$1; mib=${2:-8}; shift 2 2>/dev/null || shift $#
 # addresses every few receives (munmap and mmap there, or mmap over it),
 # with azsdp's memory hooks called as the shim calls them: registrations
 # kept for the old pages must not take the new receives' bytes.)
-modes=${*:-bsdp zsdp block copy copy-msg memlock-tx memlock-rx armed remap}
+# (`ahead`: copy-on-write with the receiver reading up to 1 MiB ahead of
+# its receives.)
+modes=${*:-bsdp zsdp block copy copy-msg memlock-tx memlock-rx armed remap ahead}
 . "$(dirname "$0")/topo-wire.sh" > /dev/null
 sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
 fails=0; port=7600

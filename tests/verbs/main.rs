@@ -12,7 +12,9 @@
 //! KiB (run them without CAP_IPC_LOCK: sends that cannot be pinned go by
 //! copy, receives into such destinations through a bounce buffer),
 //! `armed`: AZ-SDP
-//! with the receiver's receives returning before the data lands); with a
+//! with the receiver's receives returning before the data lands, `ahead`:
+//! AZ-SDP copy-on-write with the receiver reading up to 1 MiB ahead of its
+//! receives); with a
 //! touching mode one send in four
 //! is rewritten right after it returns. The server checks every byte and
 //! prints `received N bad B gets G armed A`; the client prints its
@@ -46,6 +48,7 @@ enum Mode {
     MemlockRx,
     Armed,
     Remap,
+    Ahead,
 }
 
 fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
@@ -58,7 +61,7 @@ fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
     };
     e.write_fault = if matches!(
         mode,
-        Mode::Copy | Mode::CopyMsg | Mode::MemlockTx | Mode::MemlockRx
+        Mode::Copy | Mode::CopyMsg | Mode::MemlockTx | Mode::MemlockRx | Mode::Ahead
     ) {
         FaultPolicy::Copy
     } else {
@@ -66,6 +69,9 @@ fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
     };
     // Rewrites must not send the stream to ZSDP: it is AZ-SDP we test.
     e.fallback_faults = 0;
+    if mode == Mode::Ahead {
+        e.read_ahead = 1 << 20;
+    }
     e.recv_protect = if mode == Mode::Armed {
         RecvProtect::On
     } else {
@@ -100,6 +106,7 @@ fn main() {
         "memlock-rx" => Mode::MemlockRx,
         "armed" => Mode::Armed,
         "remap" => Mode::Remap,
+        "ahead" => Mode::Ahead,
         m => fail(format!("unknown mode {m}")),
     };
     let seed: u64 = a[5].parse().unwrap_or(1);
@@ -257,9 +264,15 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     let regs = d.with_fabric(|ep| ep.registrations());
     let (_, c) = d.close(Duration::from_secs(30));
     println!(
-        "received {off} bad {bad} gets {} armed {} zero-copy {} bounced {bounced} \
+        "received {off} bad {bad} gets {} armed {} zero-copy {} (read ahead {}) bounced {bounced} \
          registrations made {} reused {} invalidated {} (buffer remapped {remapped} times)",
-        c.gets, c.armed_recvs, c.bytes_recv_zcopy, regs.made, regs.reused, regs.invalidated
+        c.gets,
+        c.armed_recvs,
+        c.bytes_recv_zcopy,
+        c.bytes_recv_ahead,
+        regs.made,
+        regs.reused,
+        regs.invalidated
     );
     drop(store);
     // Every mode but BSDP moves its bulk by RDMA READ.
@@ -279,11 +292,17 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     if !cache_ok {
         eprintln!("azsdp-verbs-check: the registration cache did not work as it should: {regs:?}");
     }
+    // `ahead`: most of the stream was read ahead of the receives.
+    let ahead_ok = mode != Mode::Ahead || c.bytes_recv_ahead * 2 > c.bytes_recv_zcopy;
+    if !ahead_ok {
+        eprintln!("azsdp-verbs-check: little was read ahead");
+    }
     std::process::exit(i32::from(
         bad != 0
             || off == 0
             || !bounce_ok
             || !cache_ok
+            || !ahead_ok
             || (zero_copy_expected && c.bytes_recv_zcopy == 0),
     ));
 }
@@ -434,7 +453,8 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
     } else {
         !touching || c.bytes_sent_async > total / 2
     };
-    let cow_ok = !matches!(mode, Mode::Copy | Mode::CopyMsg) || !caps.cas || c.cow_copies > 0;
+    let cow_ok =
+        !matches!(mode, Mode::Copy | Mode::CopyMsg | Mode::Ahead) || !caps.cas || c.cow_copies > 0;
     if !azsdp_ok || !cow_ok {
         eprintln!("azsdp-verbs-check: {mode:?} did not run as it should: {c:?}");
     }

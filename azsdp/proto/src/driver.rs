@@ -392,6 +392,11 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 self.fabric.deregister(buf.key);
                 self.fabric.pool_free(buf.addr, len);
             }
+            Action::PoolAlloc { op, len } => {
+                let r = self.fabric.pool_alloc(len);
+                self.complete(op, Completion::Pooled(r));
+            }
+            Action::PoolFree { addr, len } => self.fabric.pool_free(addr, len),
             Action::RevokeAccess => self.fabric.revoke_access(),
             Action::CallDone { call, result } => {
                 self.done.insert(call, result);

@@ -106,6 +106,7 @@ pub struct Tunables {
     pub block_escalate: Option<Duration>,
     pub recv_protect: Option<RecvProtect>,
     pub recv_protect_min: Option<u64>,
+    pub read_ahead: Option<u64>,
     pub protection: Option<ProtectionMode>,
     pub convert_private_files: Option<bool>,
     pub max_outstanding: Option<u16>,
@@ -135,6 +136,9 @@ pub struct Settings {
     pub block_escalate: Duration,
     pub recv_protect: RecvProtect,
     pub recv_protect_min: u64,
+    /// Bytes a receiver may read ahead of its program (over verbs only:
+    /// the shim turns it off where a GET is a CPU copy).
+    pub read_ahead: u64,
     /// Which mechanism guards in-flight pages (a driver setting).
     pub protection: ProtectionMode,
     /// Turn the sent pages of private file mappings into anonymous memory,
@@ -173,6 +177,7 @@ impl Default for Settings {
             block_escalate: e.block_escalate,
             recv_protect: e.recv_protect,
             recv_protect_min: e.recv_protect_min,
+            read_ahead: 0,
             protection: ProtectionMode::Auto,
             convert_private_files: true,
             max_outstanding: e.max_outstanding,
@@ -209,6 +214,7 @@ impl Settings {
             block_escalate,
             recv_protect,
             recv_protect_min,
+            read_ahead,
             protection,
             convert_private_files,
             max_outstanding,
@@ -271,6 +277,7 @@ impl Settings {
                 }),
             ),
             ("recv_protect_min", size(self.recv_protect_min)),
+            ("read_ahead", size(self.read_ahead)),
             (
                 "protection",
                 q(match self.protection {
@@ -325,6 +332,7 @@ impl Settings {
         e.block_escalate = self.block_escalate;
         e.recv_protect = self.recv_protect;
         e.recv_protect_min = self.recv_protect_min;
+        e.read_ahead = self.read_ahead;
         e.max_outstanding = self.max_outstanding;
         e.max_avail_len = self.max_avail;
         e.fallback_faults = self.fallback_faults;
@@ -419,6 +427,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "block_escalate",
     "recv_protect",
     "recv_protect_min",
+    "read_ahead",
     "protection",
     "convert_private_files",
     "max_outstanding",
@@ -609,6 +618,7 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
             )?)
         }
         "recv_protect_min" => t.recv_protect_min = Some(size_in(raw, 0, u64::MAX)?),
+        "read_ahead" => t.read_ahead = Some(size_in(raw, 0, GIB)?),
         "protection" => {
             t.protection = Some(choice(
                 raw,

@@ -111,6 +111,13 @@ pub enum Access {
 pub trait UserMemory {
     fn read(&mut self, addr: u64, out: &mut [u8]);
     fn write(&mut self, addr: u64, data: &[u8]);
+    /// Copy `len` bytes from `from` to `to` (staging memory of the
+    /// fabric's pool into a receive buffer).
+    fn copy(&mut self, from: u64, to: u64, len: usize) {
+        let mut b = vec![0u8; len];
+        self.read(from, &mut b);
+        self.write(to, &b);
+    }
 }
 
 /// Memory of the peer, as advertised: an address and the key that guards it.
@@ -190,6 +197,13 @@ pub enum Action {
     CopyAside { op: OpId, addr: u64, len: u64 },
     /// A private copy made by `CopyAside` is no longer needed.
     ReleaseCopy { buf: RemoteBuf, len: u64 },
+    /// Take `len` bytes of the fabric's pool, for data read ahead of the
+    /// program (GET into it with [`Action::Get`]). Answer with
+    /// [`Completion::Pooled`].
+    PoolAlloc { op: OpId, len: u64 },
+    /// Memory of [`Action::PoolAlloc`] is no longer needed (no GET writes
+    /// into it any more).
+    PoolFree { addr: u64, len: u64 },
     /// After this, no peer operation on this side's memory may succeed: the
     /// fabric invalidates every key this side handed out (in-flight
     /// operations included). Executed before an abort unprotects pages.
@@ -271,6 +285,8 @@ pub enum Completion {
     Get(Result<(), OpError>),
     Cas(Result<u64, OpError>),
     Copied(Result<RemoteBuf, OpError>),
+    /// The address of the pool memory taken.
+    Pooled(Result<u64, OpError>),
 }
 
 /// Why an operation failed.

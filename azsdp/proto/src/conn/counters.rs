@@ -98,6 +98,10 @@ pub struct Counters {
     // receive side
     pub bytes_recv_bsdp: u64,
     pub bytes_recv_zcopy: u64,
+    /// Of `bytes_recv_zcopy`, those read ahead of the program's calls and
+    /// copied out of staging (`conn::ahead`).
+    #[serde(default)]
+    pub bytes_recv_ahead: u64,
     pub recvs: u64,
     pub gets: u64,
     pub get_bytes: u64,

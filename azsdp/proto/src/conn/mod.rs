@@ -13,6 +13,7 @@
 //! what both share: handshake, message dispatch, credits, faults, timers and
 //! teardown. The state machines are specified in `docs/protocol.md`.
 
+mod ahead;
 mod api;
 mod counters;
 mod fallback;
@@ -134,6 +135,17 @@ enum OpKind {
         call: Option<CallId>,
         armed: Option<Range<u64>>,
     },
+    /// Staging memory for a read-ahead of `avail` (`ahead`).
+    PoolAlloc {
+        avail: u32,
+        len: u64,
+    },
+    /// A GET ahead of the program into staging memory `at`.
+    GetAhead {
+        avail: u32,
+        at: u64,
+        len: u64,
+    },
 }
 
 /// A blocked access waiting for a range to become ordinary memory.
@@ -220,6 +232,11 @@ pub struct Connection {
     armed: RangeCounter,
     rx_eof: bool,
     rx_shut: bool,
+    /// Advertisements finished here while the source's SRC_AVAIL_UPDATE
+    /// for them was on its way (their bytes were read ahead): it is
+    /// expected, once each.
+    #[serde(default)]
+    updates_due: std::collections::BTreeSet<u32>,
     /// The peer left after closing cleanly (see `handle_peer_gone`).
     peer_left: bool,
     /// Stream offset up to which our `send()` calls have returned.
@@ -341,6 +358,7 @@ impl Connection {
             armed: RangeCounter::new(),
             rx_eof: false,
             rx_shut: false,
+            updates_due: Default::default(),
             stalled: None,
             peer_left: false,
             tx_returned: 0,
@@ -687,6 +705,8 @@ impl Connection {
                 OpKind::LockRelease { .. } => "lock-release",
                 OpKind::Arm { .. } => "arm",
                 OpKind::Get { .. } => "get",
+                OpKind::PoolAlloc { .. } => "staging",
+                OpKind::GetAhead { .. } => "get-ahead",
             };
             *kinds.entry(name).or_default() += 1;
         }
@@ -1095,6 +1115,14 @@ impl Connection {
                 self.on_get_done(avail, call, armed, r);
                 Ok(())
             }
+            (OpKind::PoolAlloc { avail, len }, Completion::Pooled(r)) => {
+                self.on_pooled(avail, len, r);
+                Ok(())
+            }
+            (OpKind::GetAhead { avail, at, len }, Completion::Get(r)) => {
+                self.on_got_ahead(avail, at, len, r);
+                Ok(())
+            }
             (kind, result) => {
                 debug_assert!(false, "completion {result:?} does not match {kind:?}");
                 Ok(())
@@ -1220,6 +1248,7 @@ impl Connection {
             self.maybe_return_credits();
             self.wake_waiters();
             self.progress_switch();
+            self.read_ahead();
             let after = (
                 self.actions.len(),
                 self.out.len(),
@@ -1297,6 +1326,7 @@ impl Connection {
     }
 
     fn drop_rx_stream(&mut self) {
+        self.free_all_ahead();
         self.rxq.clear();
         self.rxbuf.clear();
         self.rx_msgs.clear();

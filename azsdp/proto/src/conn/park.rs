@@ -62,6 +62,11 @@ impl Connection {
         if !self.out_avails.is_empty() {
             return Some(Unparkable::Advertised);
         }
+        // (Staging memory does not survive an exec. Read-ahead runs over
+        // verbs only, whose connections do not park.)
+        if self.in_avails.values().any(|a| a.ahead.is_some()) {
+            return Some(Unparkable::InFlight);
+        }
         if !self.armed.is_empty() || !self.send_prot.is_empty() {
             return Some(Unparkable::Protected);
         }

@@ -56,6 +56,10 @@ pub(super) struct InAvail {
     /// Last `consumed` sent in GET_COMPLETE.
     pub reported: u32,
     pub cancel_req: bool,
+    /// Its rest read ahead of the program (`ahead`); none in a parked
+    /// connection.
+    #[serde(skip)]
+    pub ahead: Option<super::ahead::Ahead>,
 }
 
 impl InAvail {
@@ -74,7 +78,7 @@ impl InAvail {
         }
     }
 
-    fn src_at(&self, off: u32) -> RemoteBuf {
+    pub(super) fn src_at(&self, off: u32) -> RemoteBuf {
         RemoteBuf {
             addr: self.src.addr + u64::from(off - self.src_base),
             key: self.src.key,
@@ -98,9 +102,11 @@ pub(super) struct RecvCall {
     pub failed: bool,
     /// MSG_PEEK: the stream has been walked and the copies issued.
     pub peek_done: bool,
-    /// Bytes taken from DATA and from advertisements (counted on success).
+    /// Bytes taken from DATA and from advertisements (counted on success);
+    /// of the latter, those read ahead.
     pub via_bsdp: u64,
     pub via_zcopy: u64,
+    pub via_ahead: u64,
 }
 
 /// Why filling a receive stopped.
@@ -157,6 +163,7 @@ impl Connection {
             peek_done: false,
             via_bsdp: 0,
             via_zcopy: 0,
+            via_ahead: 0,
         });
         self.progress(mem);
     }
@@ -235,6 +242,7 @@ impl Connection {
             if result.is_ok() && aborted.is_none() && !call.flags.peek {
                 self.counters.bytes_recv_bsdp += call.via_bsdp;
                 self.counters.bytes_recv_zcopy += call.via_zcopy;
+                self.counters.bytes_recv_ahead += call.via_ahead;
             }
             self.push(Action::CallDone {
                 call: call.call,
@@ -310,6 +318,36 @@ impl Connection {
                             self.rxq.pop_front();
                         } else {
                             self.rxq[0] = RxItem::Data(n - k);
+                        }
+                    }
+                }
+                RxItem::Avail(id) if self.in_avails[&id].ahead.is_some() => {
+                    // Read ahead: copied out of staging once it has landed.
+                    let a = &self.in_avails[&id];
+                    let h = a.ahead.expect("reading ahead");
+                    if a.cancel_req || h.state != super::ahead::AheadState::Landed {
+                        return Stop::Wait;
+                    }
+                    let pos = a.taken + skip as u32;
+                    let k = want.min(u64::from(a.len - pos));
+                    if self.must_clear(dst..dst + k) {
+                        return Stop::Wait;
+                    }
+                    mem.copy(h.staged(pos), dst, k as usize);
+                    let call = &mut self.recv_calls[0];
+                    call.filled += k;
+                    if peek {
+                        idx += 1;
+                        skip = 0;
+                    } else {
+                        call.via_zcopy += k;
+                        call.via_ahead += k;
+                        let a = self.in_avails.get_mut(&id).expect("live");
+                        a.taken += k as u32;
+                        if a.taken == a.len {
+                            self.rxq.pop_front();
+                            self.free_ahead(id);
+                            self.after_gets(id);
                         }
                     }
                 }
@@ -528,12 +566,15 @@ impl Connection {
     }
 
     /// No GET is in flight on advertisement `id`: report progress to the source.
-    fn after_gets(&mut self, id: u32) {
+    pub(super) fn after_gets(&mut self, id: u32) {
         let a = self.in_avails.get_mut(&id).expect("live");
         if a.gets > 0 {
             return;
         }
         if a.cancel_req && a.taken < a.len {
+            // (What was read ahead past the truncation is dropped.)
+            self.free_ahead(id);
+            let a = self.in_avails.get_mut(&id).expect("live");
             a.len = a.taken;
             // Withdrawals may resolve in any order; the stream ends at the
             // earliest truncation.
@@ -562,7 +603,7 @@ impl Connection {
         }
     }
 
-    fn take_lock(&mut self, id: u32) {
+    pub(super) fn take_lock(&mut self, id: u32) {
         let a = self.in_avails.get_mut(&id).expect("live");
         a.lock = Lock::Taking;
         let (slot, g) = (a.slot, a.gen_);
@@ -579,6 +620,13 @@ impl Connection {
     fn release_lock(&mut self, id: u32, finished: bool) {
         let a = self.in_avails.get_mut(&id).expect("live");
         let g = a.gen_;
+        if finished && a.lock == Lock::Copied {
+            // The source copied the data away and its UPDATE is on its
+            // way; this side needs it no more (its bytes were read ahead):
+            // it will be taken for what it is.
+            self.updates_due.insert(id);
+        }
+        let a = self.in_avails.get_mut(&id).expect("live");
         let expect = match a.lock {
             Lock::Held => lockword::taken(g),
             Lock::Free if finished => lockword::open(g),
@@ -678,9 +726,14 @@ impl Connection {
             Lock::Free
         };
         let settle = !finished && a.needs_settling();
-        self.report_taken(id, finished);
         if settle {
+            // Everything was taken (or a cancel waits) meanwhile, as a read
+            // ahead's bytes can be while its lock goes back: the finishing
+            // release reports it, once (a report of the whole length that
+            // is not the last would end the advertisement twice).
             self.after_gets(id);
+        } else {
+            self.report_taken(id, finished);
         }
         Ok(())
     }
@@ -823,6 +876,7 @@ impl Connection {
                 },
                 reported: 0,
                 cancel_req: false,
+                ahead: None,
             },
         );
         if self.app_closed {
@@ -839,6 +893,10 @@ impl Connection {
     pub(super) fn on_update(&mut self, u: wire::SrcAvailUpdate) -> Result<(), ProtocolError> {
         let ty = MsgType::SrcAvailUpdate;
         let Some(a) = self.in_avails.get_mut(&u.id) else {
+            if self.updates_due.remove(&u.id) {
+                // Finished here, from what was read ahead, while it came.
+                return Ok(());
+            }
             return Err(ProtocolError::UnknownAvail { ty, id: u.id });
         };
         if a.update_seen {

@@ -94,6 +94,11 @@ pub struct EngineConfig {
     pub recv_protect: RecvProtect,
     /// Under [`RecvProtect::Auto`], the least whole-page bytes worth arming.
     pub recv_protect_min: u64,
+    /// Bytes of the peer's advertisements a receiver may GET ahead of its
+    /// program's `recv()` calls, into staging memory of the fabric's pool,
+    /// and copy out when a call comes (0: never; see `conn::ahead`).
+    #[serde(default)]
+    pub read_ahead: u64,
     /// Most SRC_AVAILs in flight (also bounded by the peer's lock slots).
     pub max_outstanding: u16,
     /// Largest single SRC_AVAIL; bigger sends are advertised in pieces.
@@ -132,6 +137,7 @@ impl EngineConfig {
             block_escalate: Duration::from_millis(10),
             recv_protect: RecvProtect::Auto,
             recv_protect_min: 256 << 10,
+            read_ahead: 0,
             max_outstanding: 16,
             max_avail_len: 8 << 20,
             fallback_faults: 8,

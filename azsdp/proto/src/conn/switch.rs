@@ -294,6 +294,7 @@ impl Connection {
             if !c.flags.peek {
                 self.counters.bytes_recv_bsdp += c.via_bsdp;
                 self.counters.bytes_recv_zcopy += c.via_zcopy;
+                self.counters.bytes_recv_ahead += c.via_ahead;
             }
             self.push(Action::CallDone {
                 call: c.call,

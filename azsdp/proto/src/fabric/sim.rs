@@ -426,10 +426,20 @@ impl SimFabric {
                     }
                     return;
                 }
+                let at = dst.addr + off;
+                let s = &self.sides[side];
+                let in_pool = (POOL_BASE[side]..s.pool_next).contains(&at);
+                if in_pool && !s.pool.iter().any(|(&a, &l)| a <= at && at + len <= a + l) {
+                    // (A NIC would write into memory reused for something
+                    // else.)
+                    self.violations.push(format!(
+                        "side {side}: GET lands in {at:#x}+{len}, pool memory given back"
+                    ));
+                }
                 let mut tmp = vec![0u8; len as usize];
                 let mut mems = self.mems.borrow_mut();
                 mems[peer].read_raw(src.addr + off, &mut tmp);
-                mems[side].write_raw(dst.addr + off, &tmp);
+                mems[side].write_raw(at, &tmp);
             }
             Event::GetDone { get } => {
                 let Some(g) = self.gets.remove(&get) else {

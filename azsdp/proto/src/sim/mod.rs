@@ -89,6 +89,7 @@ fn add(total: &mut Counters, c: &Counters) {
         bytes_unread_by_peer,
         bytes_recv_bsdp,
         bytes_recv_zcopy,
+        bytes_recv_ahead,
         recvs,
         gets,
         get_bytes,
@@ -128,6 +129,7 @@ fn add(total: &mut Counters, c: &Counters) {
     total.bytes_unread_by_peer += bytes_unread_by_peer;
     total.bytes_recv_bsdp += bytes_recv_bsdp;
     total.bytes_recv_zcopy += bytes_recv_zcopy;
+    total.bytes_recv_ahead += bytes_recv_ahead;
     total.recvs += recvs;
     total.gets += gets;
     total.get_bytes += get_bytes;

@@ -365,8 +365,12 @@ impl World {
                 }
             };
             if next > limit || self.events_run > EVENT_LIMIT {
-                self.violations
-                    .push(format!("hang: still running at {:?}", self.now));
+                self.violations.push(format!(
+                    "hang: still running at {:?}; side 0: {}; side 1: {}",
+                    self.now,
+                    self.drivers[0].connection().describe_waits(),
+                    self.drivers[1].connection().describe_waits()
+                ));
                 break;
             }
             self.now = self.now.max(next);

@@ -1522,15 +1522,20 @@ impl crate::transport::Endpoint for VerbsEndpoint {
         true
     }
 
-    /// Not yet: arming moves the middle pages out of a receive's buffer
-    /// (`UFFDIO_MOVE`), which 6.12 cannot do, and retries inside the kernel
-    /// for ever, while another page of the same transparent huge page is
-    /// pinned. This endpoint lets go of what it keeps there first
-    /// (`unpin_near`), and `azsdp-verbs-check armed` passes on 6.12; but
-    /// another connection's registrations, or the program's own pins, in
-    /// the same huge page are not known here (docs/protocol.md §1.1).
+    /// Not in the shim: a program that sends from a buffer it has just
+    /// received into would register pages still armed (`ibv_reg_mr` on
+    /// 6.12 waits in their fault for a landing the same connection must
+    /// make), and measured, arming gains nothing for a receiver that reads
+    /// into one buffer (docs/protocol.md §1.1). The engine arms over verbs
+    /// (`azsdp-verbs-check armed`).
     fn arms_receives(&self) -> bool {
         false
+    }
+
+    /// A READ's round trip idles the link between zero-copy receives
+    /// (`conn::ahead`).
+    fn reads_ahead(&self) -> bool {
+        true
     }
 
     /// Pairing over verbs agrees by its own messages (`super::pairing`):

@@ -147,6 +147,71 @@ fn copy_on_write_lets_the_writer_go_and_the_peer_gets_the_old_bytes() {
 }
 
 #[test]
+fn read_ahead_fetches_advertisements_before_the_calls_and_copies_them_out() {
+    let mut c1 = cfg(Role::Server);
+    c1.read_ahead = 64 << 10;
+    let mut p = Pair::new(cfg(Role::Client), c1);
+    // Eight sends of four pages, advertised at once; no receive yet.
+    let data = pattern(32 * PAGE as usize, 6);
+    p.write(0, BUF, &data);
+    for i in 0..8 {
+        let call = p.send(0, BUF + i * 4 * PAGE, 4 * PAGE);
+        assert_eq!(p.poll(0, call), Some(Ok(4 * PAGE)));
+    }
+    // The receiver reads ahead up to its 64 KiB: four advertisements,
+    // several GETs in flight, before any call; the source's pages stay
+    // protected (nothing is consumed until the program reads it).
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(p.counters(1).gets, 4);
+    assert_eq!(p.fabric.borrow().pool_in_use(1), 4);
+    assert_eq!(p.pages(0, Prot::WriteProtected).len(), 1);
+    // The program reads it all, in pieces: copies from staging first.
+    let mut got = Vec::new();
+    for i in 0..16u64 {
+        let r = p.recv(1, DST + i * 0x10000, 2 * PAGE);
+        assert_eq!(p.wait(1, r), Ok(2 * PAGE));
+        got.extend_from_slice(&p.read(1, DST + i * 0x10000, 2 * PAGE as usize));
+    }
+    assert_eq!(got, data);
+    p.run_for(Duration::from_millis(1));
+    let c = p.counters(1);
+    assert_eq!(c.bytes_recv_zcopy, 32 * PAGE);
+    assert!(c.bytes_recv_ahead >= 16 * PAGE, "{c:?}");
+    // Everything was given back: staging, and the source's pages.
+    assert_eq!(p.fabric.borrow().pool_in_use(1), 0);
+    assert!(p.pages(0, Prot::WriteProtected).is_empty());
+    let f = p.fabric.borrow();
+    assert_eq!((f.registrations(0), f.registrations(1)), (0, 0));
+}
+
+#[test]
+fn a_write_after_a_read_ahead_landed_copies_and_the_receiver_keeps_the_old_bytes() {
+    let mut c1 = cfg(Role::Server);
+    c1.read_ahead = 1 << 20;
+    let mut p = Pair::new(cfg(Role::Client), c1);
+    let data = pattern(4 * PAGE as usize, 7);
+    p.write(0, BUF, &data);
+    let call = p.send(0, BUF, 4 * PAGE);
+    assert_eq!(p.poll(0, call), Some(Ok(4 * PAGE)));
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(p.fabric.borrow().pool_in_use(1), 1, "read ahead");
+    // The program rewrites its buffer: the lock is free again (the bytes
+    // landed), so the source copies aside and tells the receiver, which
+    // needs the copy no more.
+    p.d[0].submit_fault(BUF + 5, Access::Write);
+    p.run_until(Duration::from_millis(10), |p| p.woken(0, BUF));
+    p.write(0, BUF, &[0xee; 64]);
+    assert_eq!(p.counters(0).cow_copies, 1);
+    let r = p.recv_all(1, DST, 4 * PAGE);
+    assert_eq!(p.wait(1, r), Ok(4 * PAGE));
+    assert_eq!(p.read(1, DST, 4 * PAGE as usize), data);
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(*p.d[1].connection().state(), State::Established);
+    assert_eq!(p.fabric.borrow().pool_in_use(0), 0);
+    assert_eq!(p.fabric.borrow().pool_in_use(1), 0);
+}
+
+#[test]
 fn block_on_write_waits_for_the_transfer() {
     let mut c0 = cfg(Role::Client);
     c0.write_fault = FaultPolicy::Block;
