@@ -1423,10 +1423,11 @@ impl VerbsEndpoint {
         {
             // Neither acknowledged nor failed: something ahead of it on the
             // send queue never ends (a READ from a peer that is gone).
+            let waits = self.describe();
             self.flushed = true;
             self.id.disconnect();
             self.break_with(format!(
-                "liveness probe neither acknowledged nor failed in {PROBE_GIVE_UP:?}: flushed"
+                "liveness probe neither acknowledged nor failed in {PROBE_GIVE_UP:?}: flushed ({waits})"
             ));
         }
         if self.broken.is_some() || self.probing.is_some() || now - self.last_heard < PROBE_QUIET {
