@@ -1081,7 +1081,11 @@ fn fork_both_use(server: bool, port: u16) -> R {
     };
     // SAFETY: fork(2); the child takes the odd turns, then _exits.
     let pid = unsafe { libc::fork() };
+    // Each side closes the pipe ends it does not use: a side that fails
+    // then ends the other's wait for its turn (EOF) instead of hanging it.
     if pid == 0 {
+        close(to_child[1]);
+        close(to_parent[0]);
         let r = turn(1, to_child[0], to_parent[1]);
         if let Err(e) = &r {
             eprintln!("child: {e}");
@@ -1090,6 +1094,8 @@ fn fork_both_use(server: bool, port: u16) -> R {
         // SAFETY: leave the child without unwinding.
         unsafe { libc::_exit(i32::from(r.is_err())) };
     }
+    close(to_child[0]);
+    close(to_parent[1]);
     turn(0, to_parent[0], to_child[1])?;
     reap_ok(pid, "the child")?;
     close(c);

@@ -977,7 +977,7 @@ impl Fabric for VerbsEndpoint {
     }
 
     fn post_message(&mut self, msg: &[u8]) -> Result<(), FabricError> {
-        if self.broken.is_some() {
+        if self.foreign() || self.broken.is_some() {
             return Err(FabricError::Broken);
         }
         if HEADER_LEN + msg.len() > self.peer.slot as usize {
@@ -996,7 +996,7 @@ impl Fabric for VerbsEndpoint {
         dst: LocalBuf,
         len: u64,
     ) -> Result<(), FabricError> {
-        if self.broken.is_some() {
+        if self.foreign() || self.broken.is_some() {
             return Err(FabricError::Broken);
         }
         let Ok(len) = u32::try_from(len) else {
@@ -1030,6 +1030,9 @@ impl Fabric for VerbsEndpoint {
         expect: u64,
         new: u64,
     ) -> Result<(), FabricError> {
+        if self.foreign() {
+            return Err(FabricError::Broken);
+        }
         match target {
             CasTarget::Local { slot } => {
                 let r = self.cas_own(slot, expect, new);
@@ -1077,12 +1080,18 @@ impl Fabric for VerbsEndpoint {
     /// Every key the peer could use goes: the NIC refuses them from now,
     /// READs in flight included.
     fn revoke_access(&mut self) {
+        if self.foreign() {
+            return;
+        }
         self.regs.revoke_peer_keys();
         self.lock_mr = None;
         self.revoked_at.get_or_insert_with(Instant::now);
     }
 
     fn poll(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        if self.foreign() {
+            return 0;
+        }
         let mut n = 0;
         while let Some((op, result)) = self.completions.pop_front() {
             on_event(FabricEvent::Done { op, result });
@@ -1135,6 +1144,10 @@ impl Fabric for VerbsEndpoint {
     }
 
     fn wait(&self, timeout: Duration) {
+        if self.foreign() {
+            std::thread::sleep(timeout.min(Duration::from_millis(10)));
+            return;
+        }
         if !self.completions.is_empty() {
             return;
         }
@@ -1146,6 +1159,9 @@ impl Fabric for VerbsEndpoint {
     /// raises no event, so it is taken off now (for the next poll) and the
     /// reactor polls before sleeping.
     fn arm(&mut self, _fired: bool) -> Armed {
+        if self.foreign() {
+            return Armed::Sleep;
+        }
         self.waiter.rearm();
         let mut wcs = [ffi::Completion::default(); 8];
         let got = self.cq.poll(&mut wcs);
@@ -1213,10 +1229,23 @@ impl Fabric for VerbsEndpoint {
 }
 
 impl VerbsEndpoint {
+    /// Is this a forked child's copy of the connection? Its queue pair,
+    /// completion queue and channels are the parent's (the same device
+    /// queues, mapped into both): a poll here would take the parent's
+    /// completions, an arm its events, a post would write into its send
+    /// queue. The driver sends such a process's calls to the runner; this
+    /// keeps any path that slips past that off the device.
+    fn foreign(&self) -> bool {
+        !ffi::stack_is_ours()
+    }
+
     /// A compare-and-swap on our own lock word `slot`, in the coherence
     /// domain the peer's take it in: the CPU's, or the device's (through
     /// the loopback pair) when the peer's NIC takes them.
     fn cas_own(&self, slot: u16, expect: u64, new: u64) -> Result<u64, OpError> {
+        if self.foreign() {
+            return Err(OpError::Unreachable);
+        }
         if slot >= self.params.lock_slots {
             return Err(OpError::Local);
         }
@@ -1423,7 +1452,7 @@ impl VerbsEndpoint {
         {
             // Neither acknowledged nor failed: something ahead of it on the
             // send queue never ends (a READ from a peer that is gone).
-            let waits = self.describe();
+            let waits = format!("{}; {}", self.describe(), ffi::describe_qp(self.id.qp()));
             self.flushed = true;
             self.id.disconnect();
             self.break_with(format!(

@@ -869,3 +869,37 @@ pub fn post_send(qp: *mut sys::ibv_qp, wr_id: u64, op: SendOp) -> io::Result<()>
         Err(io::Error::from_raw_os_error(r))
     }
 }
+
+/// The queue pair's state and retry parameters as the device reports them,
+/// in a line (for a connection found stuck).
+pub fn describe_qp(qp: *mut sys::ibv_qp) -> String {
+    use sys::ibv_qp_attr_mask as m;
+    // SAFETY: plain data.
+    let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: plain data.
+    let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    let mask = m::IBV_QP_STATE.0
+        | m::IBV_QP_TIMEOUT.0
+        | m::IBV_QP_RETRY_CNT.0
+        | m::IBV_QP_MAX_QP_RD_ATOMIC.0
+        | m::IBV_QP_MAX_DEST_RD_ATOMIC.0
+        | m::IBV_QP_SQ_PSN.0;
+    // SAFETY: a live queue pair; both outputs are ours.
+    let r = unsafe { sys::ibv_query_qp(qp, &mut a, mask as i32, &mut init) };
+    if r != 0 {
+        return format!(
+            "queue pair: query failed ({})",
+            io::Error::from_raw_os_error(r)
+        );
+    }
+    format!(
+        "queue pair: state {}, sq_draining {}, timeout {}, retry_cnt {}, rd_atomic {}/{}, sq_psn {}",
+        a.qp_state,
+        a.sq_draining,
+        a.timeout,
+        a.retry_cnt,
+        a.max_rd_atomic,
+        a.max_dest_rd_atomic,
+        a.sq_psn
+    )
+}
