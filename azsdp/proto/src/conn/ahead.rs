@@ -90,17 +90,8 @@ impl Connection {
                 Some(AheadState::Locking) => {
                     if a.cancel_req {
                         self.drop_ahead(id);
-                        continue;
-                    }
-                    match a.lock {
-                        Lock::Held | Lock::Updated | Lock::Unused => self.fetch_ahead(id),
-                        // (It was being given back when we wanted it.)
-                        Lock::Free => {
-                            self.take_lock(id);
-                            return;
-                        }
-                        // Still taking it, or the source is copying.
-                        Lock::Taking | Lock::Releasing | Lock::Copied => return,
+                    } else if !self.by_lock(id, a.lock) {
+                        return;
                     }
                     continue;
                 }
@@ -129,15 +120,28 @@ impl Connection {
             });
             // The reservation keeps the lock from being given back idle.
             a.gets += 1;
-            match lock {
-                Lock::Held | Lock::Updated | Lock::Unused => self.fetch_ahead(id),
-                Lock::Free => {
-                    self.take_lock(id);
-                    // (One lock at a time, in stream order.)
-                    return;
-                }
-                Lock::Taking | Lock::Releasing | Lock::Copied => return,
+            if !self.by_lock(id, lock) {
+                return;
             }
+        }
+    }
+
+    /// Move reservation `id` on as its advertisement's lock allows: fetch
+    /// when the lock is ours (or none is needed), ask for it when free (it
+    /// may have been given back as we wanted it). Whether later
+    /// advertisements may go on too: not while a lock is being taken,
+    /// given back or copied under (one lock at a time, in stream order).
+    fn by_lock(&mut self, id: u32, lock: Lock) -> bool {
+        match lock {
+            Lock::Held | Lock::Updated | Lock::Unused => {
+                self.fetch_ahead(id);
+                true
+            }
+            Lock::Free => {
+                self.take_lock(id);
+                false
+            }
+            Lock::Taking | Lock::Releasing | Lock::Copied => false,
         }
     }
 

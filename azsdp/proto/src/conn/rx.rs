@@ -626,7 +626,6 @@ impl Connection {
             // it will be taken for what it is.
             self.updates_due.insert(id);
         }
-        let a = self.in_avails.get_mut(&id).expect("live");
         let expect = match a.lock {
             Lock::Held => lockword::taken(g),
             Lock::Free if finished => lockword::open(g),

@@ -1243,9 +1243,6 @@ impl VerbsEndpoint {
     /// domain the peer's take it in: the CPU's, or the device's (through
     /// the loopback pair) when the peer's NIC takes them.
     fn cas_own(&self, slot: u16, expect: u64, new: u64) -> Result<u64, OpError> {
-        if self.foreign() {
-            return Err(OpError::Unreachable);
-        }
         if slot >= self.params.lock_slots {
             return Err(OpError::Local);
         }
@@ -1344,7 +1341,7 @@ impl VerbsEndpoint {
     /// once. Bounded: a peer that takes no more leaves us after
     /// [`DEPART_WAIT`].
     fn depart(&self) {
-        if !ffi::stack_is_ours() || self.departed.swap(true, Ordering::AcqRel) {
+        if self.foreign() || self.departed.swap(true, Ordering::AcqRel) {
             return;
         }
         // (Completions `arm` took off the CQ and no poll has seen yet are

@@ -192,8 +192,14 @@ impl Pair {
 
     /// Step until `call` of side `s` is done; its result.
     fn wait(&mut self, s: usize, call: CallId) -> Result<u64, CallError> {
+        self.wait_within(s, call, Duration::from_secs(1))
+    }
+
+    /// Step until `call` of side `s` is done; its result. Panics after `d`
+    /// of simulated time.
+    fn wait_within(&mut self, s: usize, call: CallId, d: Duration) -> Result<u64, CallError> {
         let mut got = None;
-        self.run_until(Duration::from_secs(1), |p| {
+        self.run_until(d, |p| {
             got = got.or_else(|| p.d[s].take_result(call));
             got.is_some()
         });

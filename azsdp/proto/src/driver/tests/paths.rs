@@ -515,12 +515,7 @@ fn a_timeout_says_what_the_connection_was_waiting_for() {
     p.settle();
     p.fabric.borrow_mut().kill(1);
     let timeout = p.d[0].connection().config().peer_timeout;
-    let mut got = None;
-    p.run_until(timeout * 2, |p| {
-        got = got.or_else(|| p.d[0].take_result(r));
-        got.is_some()
-    });
-    assert_eq!(got, Some(Err(CallError::TimedOut)));
+    assert_eq!(p.wait_within(0, r, timeout * 2), Err(CallError::TimedOut));
     let w = p.d[0]
         .connection()
         .stalled()

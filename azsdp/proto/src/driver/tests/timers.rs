@@ -16,12 +16,7 @@ fn bytes_cross_through_the_real_driver_with_posted_registrations() {
         ..RecvFlags::default()
     };
     let recv = p.d[1].submit_recv(BUF, data.len() as u64, flags);
-    let mut got = None;
-    p.run_until(Duration::from_secs(1), |p| {
-        got = got.or(p.d[1].take_result(recv));
-        got.is_some()
-    });
-    assert_eq!(got, Some(Ok(data.len() as u64)));
+    assert_eq!(p.wait(1, recv), Ok(data.len() as u64));
     assert_eq!(p.read(1, BUF, data.len()), data);
     p.run_for(Duration::from_millis(1));
     assert_eq!(p.d[0].take_result(send), Some(Ok(data.len() as u64)));
@@ -68,12 +63,10 @@ fn a_silent_dead_peer_times_out_at_peer_timeout() {
     let since = p.now();
     // Side 0 dies; the fabric would tell in an hour: the timer goes first.
     p.fabric.borrow_mut().kill(0);
-    let mut got = None;
-    p.run_until(Duration::from_secs(60), |p| {
-        got = got.or(p.d[1].take_result(recv));
-        got.is_some()
-    });
-    assert_eq!(got, Some(Err(CallError::TimedOut)));
+    assert_eq!(
+        p.wait_within(1, recv, Duration::from_secs(60)),
+        Err(CallError::TimedOut)
+    );
     let waited = p.now().saturating_since(since);
     assert!(
         // Counted from the peer's last word, a moment before it died.
@@ -125,12 +118,7 @@ fn a_stopped_peer_is_waited_for_not_timed_out() {
     // It goes on, and the data comes.
     p.stopped[0] = false;
     let (send, data) = p.send_pattern(0, 100, 5);
-    let mut got = None;
-    p.run_until(Duration::from_secs(1), |p| {
-        got = got.or(p.d[1].take_result(recv));
-        got.is_some()
-    });
-    assert_eq!(got, Some(Ok(100)));
+    assert_eq!(p.wait(1, recv), Ok(100));
     assert_eq!(p.read(1, BUF, 100), data);
     assert_eq!(p.wait(0, send), Ok(100));
     // Stopped, then killed: no longer vouched for, it times out.
@@ -139,12 +127,10 @@ fn a_stopped_peer_is_waited_for_not_timed_out() {
     p.run_for(Duration::from_secs(10));
     assert_eq!(*p.d[1].connection().state(), State::Established);
     p.fabric.borrow_mut().kill(0);
-    let mut got = None;
-    p.run_until(Duration::from_secs(10), |p| {
-        got = got.or(p.d[1].take_result(recv));
-        got.is_some()
-    });
-    assert_eq!(got, Some(Err(CallError::TimedOut)));
+    assert_eq!(
+        p.wait_within(1, recv, Duration::from_secs(10)),
+        Err(CallError::TimedOut)
+    );
 }
 
 #[test]
@@ -261,12 +247,7 @@ fn block_on_write_escalates_a_stuck_writer_after_block_escalate() {
         },
     );
     p.write(0, page + 8, b"scribble");
-    let mut got = None;
-    p.run_until(Duration::from_secs(1), |p| {
-        got = got.or(p.d[1].take_result(recv));
-        got.is_some()
-    });
-    assert_eq!(got, Some(Ok(data.len() as u64)));
+    assert_eq!(p.wait(1, recv), Ok(data.len() as u64));
     assert_eq!(p.read(1, BUF, data.len()), data);
     p.d[0].shutdown(Shutdown::Both);
 }
