@@ -24,11 +24,14 @@ bin=$1; mib=${2:-8}; shift 2 2>/dev/null || shift $#
 modes=${*:-bsdp zsdp block copy copy-msg memlock-tx memlock-rx armed remap ahead}
 . "$(dirname "$0")/topo-wire.sh" > /dev/null
 sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
+# rxe's retransmissions (a requester's) and duplicates (a responder's),
+# both devices: 0 on an in-order wire (README: a veth without RPS reorders).
+retries() { cat /sys/class/infiniband/rxe[AB]/ports/1/hw_counters/{completer_retry_err,duplicate_request} 2>/dev/null | awk '{n += $1} END {print n + 0}'; }
 fails=0; port=7600
 for mode in $modes; do
     port=$((port + 1))
     t0=$(date +%s.%N)
-    a0=$(sent rxeA); b0=$(sent rxeB)
+    a0=$(sent rxeA); b0=$(sent rxeB); r0=$(retries)
     pre=()
     case $mode in memlock-*) pre=(setpriv --bounding-set -ipc_lock) ;; esac
     timeout 300 "${pre[@]}" "$bin" server "$IPA" $port $mode 7 $mib > /tmp/v.srv 2>&1 &
@@ -41,7 +44,7 @@ for mode in $modes; do
     t=$(echo "$(date +%s.%N) - $t0" | bc)
     ok=no
     [ $c = 0 ] && [ $s = 0 ] && [ "${a1:-0}" -gt "${a0:-0}" ] && [ "${b1:-0}" -gt "${b0:-0}" ] && ok=yes
-    echo "--- verbs $mode ${mib} MiB: $ok (client rc=$c server rc=$s, ${t%???????} s, sent_pkts rxeA +$(( ${a1:-0} - ${a0:-0} )) rxeB +$(( ${b1:-0} - ${b0:-0} )))"
+    echo "--- verbs $mode ${mib} MiB: $ok (client rc=$c server rc=$s, ${t%???????} s, sent_pkts rxeA +$(( ${a1:-0} - ${a0:-0} )) rxeB +$(( ${b1:-0} - ${b0:-0} )), rxe retransmissions and duplicates +$(( $(retries) - r0 )))"
     grep -h "received\|sent \|copy-on-write lock\|locked-memory" /tmp/v.srv /tmp/v.cli | sed "s/^/    /"
     if [ $ok != yes ]; then fails=$((fails + 1)); sed 's/^/    server: /' /tmp/v.srv | tail -5; sed 's/^/    client: /' /tmp/v.cli | tail -5; fi
 done

@@ -189,7 +189,7 @@ impl Default for Settings {
             bsdp_slot: e.slot_size,
             bsdp_credits: e.rx_credits,
             poll: Duration::from_micros(20),
-            rdma_read_piece: 0,
+            rdma_read_piece: 128 << 10,
             peer_timeout: e.peer_timeout,
             keepalive: e.keepalive,
             linger: e.linger,

@@ -248,7 +248,7 @@ fn only_bounded_regular_files_are_read() {
 fn the_rdma_read_piece_is_zero_or_at_least_a_page() {
     assert_eq!(
         Settings::default().rdma_read_piece,
-        0,
+        128 << 10,
         "the documented default"
     );
     for (ok, n) in [("0", 0), ("\"4KiB\"", 4096), ("\"1MiB\"", 1 << 20)] {
