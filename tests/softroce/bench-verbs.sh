@@ -26,22 +26,21 @@ gcc -shared -fPIC -O2 -o "$work/rsocket-std.so" "$here/rsocket-std.c" -ldl || ex
 rspreload=$(ls /usr/lib/*/rsocket/librspreload.so 2>/dev/null | head -1)
 sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
 
-modes="tcp rsockets bsdp zsdp azsdp-bow azsdp-cow azsdp-cow-one azsdp-cow-ahead"
+modes="tcp rsockets bsdp zsdp azsdp-bow azsdp-cow azsdp-cow-whole azsdp-cow-ahead"
 config() {
     case $1 in
         bsdp) echo 'zcopy_threshold = "1024GiB"' ;;
         zsdp) printf 'async = false\nzcopy_threshold = 4096\n' ;;
         azsdp-bow) printf 'write_fault = "block"\nzcopy_threshold = 4096\n' ;;
         azsdp-cow) printf 'write_fault = "copy"\nzcopy_threshold = 4096\n' ;;
-        # (each GET one READ, not READs of 128 KiB in flight together:
-        # what rdma_read_piece gains, docs/protocol.md §1.1)
-        azsdp-cow-one) printf 'write_fault = "copy"\nzcopy_threshold = 4096\nrdma_read_piece = 0\n' ;;
+        # (each GET one READ, however long: what rdma_read_piece gains)
+        azsdp-cow-whole) printf 'write_fault = "copy"\nzcopy_threshold = 4096\nrdma_read_piece = 0\n' ;;
         # (reading up to 1 MiB ahead of the receives: what read_ahead gains)
         azsdp-cow-ahead) printf 'write_fault = "copy"\nzcopy_threshold = 4096\nread_ahead = "1MiB"\n' ;;
     esac
     printf 'fabric = "verbs"\npair_timeout = "5s"\n'
 }
-for m in bsdp zsdp azsdp-bow azsdp-cow azsdp-cow-one azsdp-cow-ahead; do config $m > "$work/$m.toml"; done
+for m in bsdp zsdp azsdp-bow azsdp-cow azsdp-cow-whole azsdp-cow-ahead; do config $m > "$work/$m.toml"; done
 
 # run MODE TTCP-ARGS...: one ttcp pair; prints the transmitter's JSON.
 port=7900
@@ -139,7 +138,7 @@ for m in $modes; do
     case $m in
         tcp) name="kernel TCP (veth)" ;;
         rsockets) name="rsockets preload" ;;
-        azsdp-cow-one) name="azsdp azsdp-cow, one READ per GET" ;;
+        azsdp-cow-whole) name="azsdp azsdp-cow, one READ per GET" ;;
         azsdp-cow-ahead) name="azsdp azsdp-cow, read ahead 1 MiB" ;;
         *) name="azsdp $m" ;;
     esac
@@ -158,6 +157,6 @@ best() { # the better of azsdp-bow and azsdp-cow for KEY
 echo "AZ-SDP / rsockets, 64 KiB: $(ratio $(best t64k) ${res[rsockets,t64k]}) (goal >= 1)"
 echo "AZ-SDP / rsockets, 1 MiB: $(ratio $(best t1m) ${res[rsockets,t1m]}) (goal >= 1)"
 echo "AZ-SDP / ZSDP, overlap 1 MiB: $(ratio $(best ovl) ${res[zsdp,ovl]}) (goal >= 1.5)"
-echo "AZ-SDP copy-on-write, READs of 128 KiB / one READ per GET, 1 MiB: $(ratio ${res[azsdp-cow,t1m]} ${res[azsdp-cow-one,t1m]})"
+echo "AZ-SDP copy-on-write, READs of rdma_read_piece / one READ per GET, 1 MiB: $(ratio ${res[azsdp-cow,t1m]} ${res[azsdp-cow-whole,t1m]})"
 echo "AZ-SDP copy-on-write, read ahead 1 MiB / none, 64 KiB: $(ratio ${res[azsdp-cow-ahead,t64k]} ${res[azsdp-cow,t64k]}), 1 MiB: $(ratio ${res[azsdp-cow-ahead,t1m]} ${res[azsdp-cow,t1m]})"
 rm -rf "$work"

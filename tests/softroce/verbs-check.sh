@@ -25,7 +25,7 @@ modes=${*:-bsdp zsdp block copy copy-msg memlock-tx memlock-rx armed remap ahead
 . "$(dirname "$0")/topo-wire.sh" > /dev/null
 sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
 # rxe's retransmissions (a requester's) and duplicates (a responder's),
-# both devices: 0 on an in-order wire (README: a veth without RPS reorders).
+# both devices: 0 on an in-order wire (topo-wire.sh keeps it in order).
 retries() { cat /sys/class/infiniband/rxe[AB]/ports/1/hw_counters/{completer_retry_err,duplicate_request} 2>/dev/null | awk '{n += $1} END {print n + 0}'; }
 fails=0; port=7600
 for mode in $modes; do
