@@ -31,7 +31,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// stray-bytes (each plain, then azsdp); 134-135 runner-killed; 136
 /// redis (it shared 2 with execl before); 137-140 exit-after-send and
 /// _exit-after-send (plain, azsdp); 141-142 fork-idle-holder; 143-144
-/// close-range; 145 stopped peers; 146-255 free.
+/// close-range; 145 stopped peers; 160-161 exec-late-close; 146-159
+/// and 162-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -830,6 +831,21 @@ fn an_image_that_execs_again_and_an_exec_that_fails_keep_the_connection() {
     assert!(log.contains("exec failed"), "{log}");
     assert!(!log.contains("moved to its TCP socket"), "{log}");
     assert!(!log.contains("taken up"), "{log}");
+}
+
+/// The parent that forked the process about to exec closes its copy of
+/// the connection only after the exec began (a busy inetd-style server;
+/// the usual order under load): the new image still takes the
+/// connection up, rather than the parent's stale copy moving it to TCP.
+#[test]
+fn an_exec_whose_parent_closes_its_copy_late_still_takes_the_connection_up() {
+    sockcheck_run("exec-late-close", false, 160);
+    let log = sockcheck_run("exec-late-close", true, 161);
+    assert!(
+        log.contains("taken up from the program before the exec"),
+        "{log}"
+    );
+    assert!(!log.contains("moved to its TCP socket"), "{log}");
 }
 
 /// The process that runs a shared connection is killed (SIGKILL): the one

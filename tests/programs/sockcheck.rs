@@ -1595,6 +1595,10 @@ enum Exec {
     /// fork, execve, and the new image reads some of the stream, then
     /// execs itself again with the socket.
     Twice,
+    /// fork, then execve with the shim, and this process closes its copy
+    /// only a moment later (as a busy inetd may): the exec'd image still
+    /// takes the connection up.
+    LateClose,
     /// execve that fails (E2BIG: an argument longer than the kernel
     /// takes, after the shim parked the connection): this process reads
     /// the rest of the stream and answers.
@@ -1667,7 +1671,7 @@ fn exec(server: bool, port: u16, how: Exec) -> R {
             exec_probe(c, 0, 0)?;
             0
         }
-        Exec::Execve { .. } | Exec::Execl | Exec::Twice => {
+        Exec::Execve { .. } | Exec::Execl | Exec::Twice | Exec::LateClose => {
             // SAFETY: fork; the child only execs (or exits).
             let pid = unsafe { libc::fork() };
             if pid == 0 {
@@ -1690,6 +1694,9 @@ fn exec(server: bool, port: u16, how: Exec) -> R {
                 }
             }
             check!(pid > 0, "fork: {}", err_name(errno()));
+            if how == Exec::LateClose {
+                sleep_ms(150);
+            }
             // The child runs the connection now: this copy is only closed.
             close(c);
             let mut status = 0;
@@ -2520,6 +2527,7 @@ fn main() {
         "system" => exec(server, port, Exec::System),
         "exec-twice" => exec(server, port, Exec::Twice),
         "exec-failing" => exec(server, port, Exec::Failing),
+        "exec-late-close" => exec(server, port, Exec::LateClose),
         "stray-bytes" => stray_bytes(server, port),
         "runner-killed" => runner_killed(server, port),
         "fork-both-use" => fork_both_use(server, port),

@@ -108,6 +108,12 @@ struct Shared<F: Fabric, P: Protector> {
 /// running it to move it onto TCP.
 const SHARE_WAIT: Duration = Duration::from_secs(10);
 
+/// How long a park waits for the other processes holding the connection's
+/// descriptor to close it (a parent that forked the process about to exec
+/// closes its copy a moment later); one that keeps it costs the exec this
+/// much, then the connection moves to TCP.
+const OTHERS_LEAVE: Duration = Duration::from_millis(500);
+
 /// How often an idle connection's TCP socket is looked at for bytes
 /// written behind azsdp's back.
 const STREAM_LOOK_NS: u64 = 1_000_000_000;
@@ -1081,12 +1087,23 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         if !self.is_mine() || self.is_switched() {
             return Err("not run by this process".into());
         }
-        if self.serves_others() {
-            return Err("other processes share it (their calls come through this one)".into());
+        let deadline = Instant::now() + wait;
+        // A forked parent closes its copy just after the fork, and its
+        // child may well exec first (inetd, sshd's re-exec): give the
+        // others a moment to leave before the connection moves to TCP.
+        let leave_by = Instant::now() + wait.min(OTHERS_LEAVE);
+        while self.serves_others() {
+            if Instant::now() >= leave_by {
+                return Err(format!(
+                    "other processes share it (their calls come through this one), \
+                     still after {:?}",
+                    wait.min(OTHERS_LEAVE)
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
         self.shared.lock().pause_arms(true);
         self.shared.end_standby();
-        let deadline = Instant::now() + wait;
         let quiet = self
             .shared
             .wait_until(Some(deadline), |d| d.park_blocker().is_none().then_some(()));
