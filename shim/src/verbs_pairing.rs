@@ -39,6 +39,7 @@ const ESTABLISH_WAIT: Duration = Duration::from_secs(5);
 fn params(s: &Settings) -> VerbsParams {
     VerbsParams {
         poll: s.poll,
+        lock: s.rdma_lock,
         read_split: ReadSplit {
             piece: s.rdma_read_piece.min(u64::from(u32::MAX)) as u32,
             ..ReadSplit::default()

@@ -23,6 +23,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use azsdp::config::RdmaLock;
 use azsdp::conn::{
     Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvFlags, RecvProtect, Role, SendFlags,
 };
@@ -129,7 +130,11 @@ fn main() {
 /// The fabric's parameters: `copy-msg` leaves the device's atomics unused.
 fn params(mode: Mode) -> VerbsParams {
     VerbsParams {
-        device_atomics: mode != Mode::CopyMsg,
+        lock: if mode == Mode::CopyMsg {
+            RdmaLock::Message
+        } else {
+            RdmaLock::Device
+        },
         ..VerbsParams::default()
     }
 }

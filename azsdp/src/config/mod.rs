@@ -84,6 +84,21 @@ pub enum FabricChoice {
     Verbs,
 }
 
+/// Over verbs, how a connection's copy-on-write lock words are changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RdmaLock {
+    /// The NIC's atomics where the CPU's are coherent with them; else by
+    /// message (a side's own lock operations would each be an atomic
+    /// through its own device, a round trip per operation).
+    Auto,
+    /// The NIC's atomics: the peer's words by RDMA compare-and-swap, and
+    /// our own through the device too when its atomics are not the CPU's.
+    Device,
+    /// By message: each side changes only its own words, with the CPU,
+    /// and asks the peer to change the peer's (one SEND each way).
+    Message,
+}
+
 /// What a matching connection uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Use {
@@ -119,6 +134,7 @@ pub struct Tunables {
     pub bsdp_credits: Option<u16>,
     pub poll: Option<Duration>,
     pub rdma_read_piece: Option<u64>,
+    pub rdma_lock: Option<RdmaLock>,
     pub peer_timeout: Option<Duration>,
     pub keepalive: Option<Duration>,
     pub linger: Option<Duration>,
@@ -157,6 +173,8 @@ pub struct Settings {
     /// Bytes of each RDMA READ a long GET is cut into over verbs, 0 for
     /// one READ per GET (a fabric setting: `fabric::verbs::reads`).
     pub rdma_read_piece: u64,
+    /// How the copy-on-write lock goes over verbs (a fabric setting).
+    pub rdma_lock: RdmaLock,
     pub peer_timeout: Duration,
     pub keepalive: Duration,
     pub linger: Duration,
@@ -190,6 +208,7 @@ impl Default for Settings {
             bsdp_credits: e.rx_credits,
             poll: Duration::from_micros(20),
             rdma_read_piece: 128 << 10,
+            rdma_lock: RdmaLock::Auto,
             peer_timeout: e.peer_timeout,
             keepalive: e.keepalive,
             linger: e.linger,
@@ -227,6 +246,7 @@ impl Settings {
             bsdp_credits,
             poll,
             rdma_read_piece,
+            rdma_lock,
             peer_timeout,
             keepalive,
             linger,
@@ -301,6 +321,14 @@ impl Settings {
             ("bsdp_credits", self.bsdp_credits.to_string()),
             ("poll", dur(self.poll)),
             ("rdma_read_piece", size(self.rdma_read_piece)),
+            (
+                "rdma_lock",
+                q(match self.rdma_lock {
+                    RdmaLock::Auto => "auto",
+                    RdmaLock::Device => "device",
+                    RdmaLock::Message => "message",
+                }),
+            ),
             ("peer_timeout", dur(self.peer_timeout)),
             ("keepalive", dur(self.keepalive)),
             ("linger", dur(self.linger)),
@@ -440,6 +468,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "bsdp_credits",
     "poll",
     "rdma_read_piece",
+    "rdma_lock",
     "peer_timeout",
     "keepalive",
     "linger",
@@ -653,6 +682,16 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
                 return Err("must be 0 (one READ per GET) or at least 4KiB".into());
             }
             t.rdma_read_piece = Some(n)
+        }
+        "rdma_lock" => {
+            t.rdma_lock = Some(choice(
+                raw,
+                &[
+                    ("auto", RdmaLock::Auto),
+                    ("device", RdmaLock::Device),
+                    ("message", RdmaLock::Message),
+                ],
+            )?)
         }
         "peer_timeout" => t.peer_timeout = Some(duration_in(raw, 100 * MS, DAY, true)?),
         "keepalive" => t.keepalive = Some(duration_in(raw, 10 * MS, HOUR, false)?),

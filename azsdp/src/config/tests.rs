@@ -262,6 +262,23 @@ fn the_rdma_read_piece_is_zero_or_at_least_a_page() {
 }
 
 #[test]
+fn the_rdma_lock_is_auto_device_or_message() {
+    assert_eq!(Settings::default().rdma_lock, RdmaLock::Auto);
+    for (ok, v) in [
+        ("auto", RdmaLock::Auto),
+        ("device", RdmaLock::Device),
+        ("Message", RdmaLock::Message),
+    ] {
+        let c = Config::parse(&format!("rdma_lock = \"{ok}\"\n"), "t.toml").unwrap();
+        assert_eq!(c.global.rdma_lock, v, "{ok}");
+    }
+    for bad in ["\"nic\"", "1", "true"] {
+        let e = parse_err(&format!("rdma_lock = {bad}\n"));
+        assert_eq!(e.key.as_deref(), Some("rdma_lock"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn durations_have_sane_ranges_and_zero_means_never_where_documented() {
     for (key, bad) in [
         ("poll", "10m"),

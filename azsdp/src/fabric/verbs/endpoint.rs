@@ -22,6 +22,7 @@ use super::ffi::{self, Access, CmId, CompChannel, Cq, DeviceCaps, EventChannel, 
 use super::reads::{ReadBook, ReadSplit};
 use super::waiter::VerbsWaiter;
 use super::wire::{CasAnswer, CasRequest, HEADER_LEN, Header, Kind};
+use crate::config::RdmaLock;
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use crate::fabric::pool::Pool;
 use crate::fabric::{Armed, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
@@ -38,9 +39,8 @@ pub struct VerbsParams {
     pub lock_slots: u16,
     /// Busy-poll before sleeping.
     pub poll: Duration,
-    /// Take the copy-on-write lock with the device's atomics where it has
-    /// them (false: by message, as on a device without; for tests).
-    pub device_atomics: bool,
+    /// How the copy-on-write lock words are changed (`rdma_lock`).
+    pub lock: RdmaLock,
     /// Pinned bytes of receive destinations kept registered after use
     /// (`reg_cache`).
     pub reg_cache: u64,
@@ -57,7 +57,7 @@ impl Default for VerbsParams {
             slot: (16 << 10) + 512,
             lock_slots: 64,
             poll: Duration::from_micros(20),
-            device_atomics: true,
+            lock: RdmaLock::Auto,
             reg_cache: 32 << 20,
             read_split: ReadSplit::default(),
         }
@@ -267,10 +267,16 @@ impl VerbsEndpoint {
         )?;
         let local_locks = if !caps.atomics {
             Err("the device has no atomics".to_string())
-        } else if !params.device_atomics {
-            Err("the device's atomics are not used".to_string())
+        } else if params.lock == RdmaLock::Message {
+            Err("rdma_lock = \"message\"".to_string())
         } else if caps.atomics_with_cpu {
             Err("not needed".to_string())
+        } else if params.lock == RdmaLock::Auto {
+            Err(
+                "the device's atomics are not the CPU's, and each of our own lock operations \
+                 through it would be a round trip (rdma_lock = \"auto\")"
+                    .to_string(),
+            )
         } else {
             id.addresses()
                 .0
@@ -288,7 +294,8 @@ impl VerbsEndpoint {
             Ok(l) => (Some(l), None),
             Err(e) => (None, Some(e)),
         };
-        let nic_meets_cpu = params.device_atomics && caps.atomics_with_cpu;
+        let nic_meets_cpu =
+            params.lock != RdmaLock::Message && caps.atomics && caps.atomics_with_cpu;
         let words_by_message = if nic_meets_cpu || local_locks.is_some() {
             None
         } else {
@@ -304,7 +311,7 @@ impl VerbsEndpoint {
             lock_mr: Some(lock_mr),
             local_locks,
             no_local_locks,
-            cas_by_message: !caps.atomics || !params.device_atomics,
+            cas_by_message: !caps.atomics || params.lock == RdmaLock::Message,
             words_by_message,
             cas_by_tag: HashMap::new(),
             cas_answers: VecDeque::new(),
