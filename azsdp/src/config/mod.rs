@@ -122,6 +122,7 @@ pub struct Tunables {
     pub recv_protect: Option<RecvProtect>,
     pub recv_protect_min: Option<u64>,
     pub read_ahead: Option<u64>,
+    pub read_ahead_auto: Option<bool>,
     pub protection: Option<ProtectionMode>,
     pub convert_private_files: Option<bool>,
     pub max_outstanding: Option<u16>,
@@ -155,6 +156,8 @@ pub struct Settings {
     /// Bytes a receiver may read ahead of its program (over verbs only:
     /// the shim turns it off where a GET is a CPU copy).
     pub read_ahead: u64,
+    /// Read ahead only while it proves faster (`read_ahead = "auto"`).
+    pub read_ahead_auto: bool,
     /// Which mechanism guards in-flight pages (a driver setting).
     pub protection: ProtectionMode,
     /// Turn the sent pages of private file mappings into anonymous memory,
@@ -195,7 +198,8 @@ impl Default for Settings {
             block_escalate: e.block_escalate,
             recv_protect: e.recv_protect,
             recv_protect_min: e.recv_protect_min,
-            read_ahead: 0,
+            read_ahead: AUTO_READ_AHEAD,
+            read_ahead_auto: true,
             protection: ProtectionMode::Auto,
             convert_private_files: true,
             max_outstanding: e.max_outstanding,
@@ -234,6 +238,7 @@ impl Settings {
             recv_protect,
             recv_protect_min,
             read_ahead,
+            read_ahead_auto,
             protection,
             convert_private_files,
             max_outstanding,
@@ -297,7 +302,14 @@ impl Settings {
                 }),
             ),
             ("recv_protect_min", size(self.recv_protect_min)),
-            ("read_ahead", size(self.read_ahead)),
+            (
+                "read_ahead",
+                if self.read_ahead_auto {
+                    q("auto")
+                } else {
+                    size(self.read_ahead)
+                },
+            ),
             (
                 "protection",
                 q(match self.protection {
@@ -361,6 +373,7 @@ impl Settings {
         e.recv_protect = self.recv_protect;
         e.recv_protect_min = self.recv_protect_min;
         e.read_ahead = self.read_ahead;
+        e.read_ahead_auto = self.read_ahead_auto;
         e.max_outstanding = self.max_outstanding;
         e.max_avail_len = self.max_avail;
         e.fallback_faults = self.fallback_faults;
@@ -444,6 +457,9 @@ const RESERVED_ENV: &[&str] = &[
     "SHIM",
     "DISABLE",
 ];
+
+/// What `read_ahead = "auto"` reads ahead at most, when it does.
+pub const AUTO_READ_AHEAD: u64 = 1 << 20;
 
 /// Every key a tunables table accepts, with its parser.
 const TUNABLE_KEYS: &[&str] = &[
@@ -647,7 +663,15 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
             )?)
         }
         "recv_protect_min" => t.recv_protect_min = Some(size_in(raw, 0, u64::MAX)?),
-        "read_ahead" => t.read_ahead = Some(size_in(raw, 0, GIB)?),
+        "read_ahead" => {
+            if matches!(raw, Raw::Str(s) if s.trim().eq_ignore_ascii_case("auto")) {
+                t.read_ahead = Some(AUTO_READ_AHEAD);
+                t.read_ahead_auto = Some(true);
+            } else {
+                t.read_ahead = Some(size_in(raw, 0, GIB).map_err(|e| format!("{e}, or \"auto\""))?);
+                t.read_ahead_auto = Some(false);
+            }
+        }
         "protection" => {
             t.protection = Some(choice(
                 raw,

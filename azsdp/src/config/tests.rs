@@ -262,6 +262,37 @@ fn the_rdma_read_piece_is_zero_or_at_least_a_page() {
 }
 
 #[test]
+fn read_ahead_is_a_size_or_auto() {
+    let c = Config::parse("read_ahead = \"auto\"\n", "t.toml").unwrap();
+    assert!(c.global.read_ahead_auto);
+    assert_eq!(c.global.read_ahead, AUTO_READ_AHEAD);
+    let e = c
+        .global
+        .engine_config(Role::Server, Capabilities::ALL, LockRegion::UNSET);
+    assert!(e.read_ahead_auto && e.read_ahead == AUTO_READ_AHEAD);
+    // A rule's size undoes the global "auto", and prints back as it reads.
+    let c = Config::parse(
+        "read_ahead = \"auto\"\n[[rule]]\nport = 9\nread_ahead = \"2MiB\"\n",
+        "t.toml",
+    )
+    .unwrap();
+    let r = c.global.overlay(&c.rules[0].tunables);
+    assert!(!r.read_ahead_auto);
+    assert_eq!(r.read_ahead, 2 << 20);
+    let printed = c.global.entries();
+    assert!(
+        printed.contains(&("read_ahead", "\"auto\"".to_string())),
+        "{printed:?}"
+    );
+    let back = Config::parse(&r.to_toml(), "printed").unwrap();
+    assert_eq!(back.global, r);
+    for bad in ["\"soon\"", "true", "-1"] {
+        let e = parse_err(&format!("read_ahead = {bad}\n"));
+        assert_eq!(e.key.as_deref(), Some("read_ahead"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn the_rdma_lock_is_auto_device_or_message() {
     assert_eq!(Settings::default().rdma_lock, RdmaLock::Auto);
     for (ok, v) in [

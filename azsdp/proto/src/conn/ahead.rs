@@ -11,8 +11,10 @@
 //! several GETs in flight, at the price of a copy at the receiver (the
 //! sender still sends zero-copy) and a lock round trip more per
 //! advertisement (it is given back once the bytes landed, so that the
-//! source may copy-on-write). Off (0) unless configured; the shim allows
-//! it over verbs only (a GET on shm is a CPU copy already).
+//! source may copy-on-write). Whether that pays depends on the fabric:
+//! with `read_ahead_auto` (the shim's default) the connection's gauge
+//! (`conn::ahead_gauge`) decides by trying; the shim allows it over verbs
+//! only (a GET on shm is a CPU copy already).
 //!
 //! Nothing else changes: read-ahead bytes count as taken (GET_COMPLETE, the
 //! switch's `consumed`) only when the program reads them, so the source
@@ -75,7 +77,13 @@ impl Connection {
         {
             return;
         }
-        let mut budget = self.cfg.read_ahead.saturating_sub(self.ahead_bytes());
+        // (With the gauge saying no, none starts; those under way go on.)
+        let wanted = self.ahead_gauge.as_ref().is_none_or(|g| g.reading_ahead());
+        let mut budget = if wanted {
+            self.cfg.read_ahead.saturating_sub(self.ahead_bytes())
+        } else {
+            0
+        };
         let ids: Vec<u32> = self
             .rxq
             .iter()
@@ -123,6 +131,15 @@ impl Connection {
             if !self.by_lock(id, lock) {
                 return;
             }
+        }
+    }
+
+    /// The program took `n` bytes of the peer's advertisements (zero-copy
+    /// or out of staging): what the gauge times.
+    pub(super) fn took_advertised(&mut self, n: u64) {
+        let now = self.now;
+        if let Some(g) = self.ahead_gauge.as_mut() {
+            g.took(now, n);
         }
     }
 

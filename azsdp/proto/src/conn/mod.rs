@@ -14,6 +14,7 @@
 //! teardown. The state machines are specified in `docs/protocol.md`.
 
 mod ahead;
+mod ahead_gauge;
 mod api;
 mod counters;
 mod fallback;
@@ -216,6 +217,9 @@ pub struct Connection {
     monitor: FaultMonitor,
 
     // receive side
+    /// Whether reading ahead pays here (`read_ahead_auto` only).
+    #[serde(default)]
+    ahead_gauge: Option<ahead_gauge::AheadGauge>,
     rxbuf: VecDeque<u8>,
     /// Unconsumed bytes of each DATA message, in order (credit accounting).
     rx_msgs: VecDeque<u64>,
@@ -346,6 +350,8 @@ impl Connection {
             tx_shutdown: TxShutdown::Open,
             mode: TxMode::Buffered,
             monitor,
+            ahead_gauge: (cfg.read_ahead > 0 && cfg.read_ahead_auto)
+                .then(|| ahead_gauge::AheadGauge::new(cfg.read_ahead)),
             rxbuf: VecDeque::new(),
             rx_msgs: VecDeque::new(),
             rxq: VecDeque::new(),

@@ -342,6 +342,7 @@ impl Connection {
                     } else {
                         call.via_zcopy += k;
                         call.via_ahead += k;
+                        self.took_advertised(k);
                         let a = self.in_avails.get_mut(&id).expect("live");
                         a.taken += k as u32;
                         if a.taken == a.len {
@@ -379,6 +380,7 @@ impl Connection {
                         idx += 1;
                         skip = 0;
                     } else {
+                        self.took_advertised(k);
                         let a = self.in_avails.get_mut(&id).expect("live");
                         a.taken += k as u32;
                         self.recv_calls[0].via_zcopy += k;

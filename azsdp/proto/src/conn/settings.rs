@@ -99,6 +99,10 @@ pub struct EngineConfig {
     /// and copy out when a call comes (0: never; see `conn::ahead`).
     #[serde(default)]
     pub read_ahead: u64,
+    /// Read ahead only while it proves faster than zero-copy receives on
+    /// this connection (`conn::ahead_gauge`); else whenever it can.
+    #[serde(default)]
+    pub read_ahead_auto: bool,
     /// Most SRC_AVAILs in flight (also bounded by the peer's lock slots).
     pub max_outstanding: u16,
     /// Largest single SRC_AVAIL; bigger sends are advertised in pieces.
@@ -138,6 +142,7 @@ impl EngineConfig {
             recv_protect: RecvProtect::Auto,
             recv_protect_min: 256 << 10,
             read_ahead: 0,
+            read_ahead_auto: false,
             max_outstanding: 16,
             max_avail_len: 8 << 20,
             fallback_faults: 8,
