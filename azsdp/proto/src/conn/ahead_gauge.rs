@@ -208,33 +208,20 @@ mod tests {
         matches!(g.phase, Phase::Holding { .. }).then_some(g.on)
     }
 
+    /// SoftRoCE's figures (MB/s, 64 KiB): 6.12 reads ahead faster; 6.1
+    /// does not, nor does a gain within the margin.
     #[test]
-    fn reading_ahead_is_kept_where_it_is_faster() {
-        let mut g = AheadGauge::new(1 << 20);
-        let d = decide(
-            &mut g,
-            40 << 20,
-            64 << 10,
-            |on| {
-                if on { 49e6 } else { 39e6 }
-            },
-        );
-        assert_eq!(d, Some(true));
-    }
-
-    #[test]
-    fn zero_copy_is_kept_where_reading_ahead_is_slower_or_no_better() {
-        for ahead in [33e6, 36e6, 36.5e6] {
+    fn reading_ahead_is_kept_only_where_it_is_faster() {
+        for (ahead, zero_copy, kept) in [
+            (49e6, 39e6, true),
+            (33e6, 36e6, false),
+            (36e6, 36e6, false),
+            (36.5e6, 36e6, false),
+        ] {
             let mut g = AheadGauge::new(1 << 20);
-            let d = decide(
-                &mut g,
-                40 << 20,
-                64 << 10,
-                |on| {
-                    if on { ahead } else { 36e6 }
-                },
-            );
-            assert_eq!(d, Some(false), "{ahead}");
+            let rate = |on| if on { ahead } else { zero_copy };
+            let d = decide(&mut g, 40 << 20, 64 << 10, rate);
+            assert_eq!(d, Some(kept), "{ahead} vs {zero_copy}");
         }
     }
 
