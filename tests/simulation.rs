@@ -63,6 +63,7 @@ fn seeds_exercise_every_mechanism() {
         ("partial or whole GETs", t.gets),
         ("armed receives", t.armed_recvs),
         ("bytes read ahead", t.bytes_recv_ahead),
+        ("read-ahead gauge switches", t.ahead_switches),
         ("send-side write faults", t.send_faults),
         ("receive-side faults", t.recv_faults),
         ("copy-on-write copies", t.cow_copies),

@@ -138,8 +138,10 @@ impl Connection {
     /// or out of staging): what the gauge times.
     pub(super) fn took_advertised(&mut self, n: u64) {
         let now = self.now;
-        if let Some(g) = self.ahead_gauge.as_mut() {
-            g.took(now, n);
+        if let Some(g) = self.ahead_gauge.as_mut()
+            && g.took(now, n)
+        {
+            self.counters.ahead_switches += 1;
         }
     }
 

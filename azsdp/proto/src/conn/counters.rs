@@ -102,6 +102,10 @@ pub struct Counters {
     /// copied out of staging (`conn::ahead`).
     #[serde(default)]
     pub bytes_recv_ahead: u64,
+    /// Times the read-ahead gauge turned reading ahead on or off
+    /// (`conn::ahead_gauge`).
+    #[serde(default)]
+    pub ahead_switches: u64,
     pub recvs: u64,
     pub gets: u64,
     pub get_bytes: u64,

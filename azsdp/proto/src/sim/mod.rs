@@ -90,6 +90,7 @@ fn add(total: &mut Counters, c: &Counters) {
         bytes_recv_bsdp,
         bytes_recv_zcopy,
         bytes_recv_ahead,
+        ahead_switches,
         recvs,
         gets,
         get_bytes,
@@ -130,6 +131,7 @@ fn add(total: &mut Counters, c: &Counters) {
     total.bytes_recv_bsdp += bytes_recv_bsdp;
     total.bytes_recv_zcopy += bytes_recv_zcopy;
     total.bytes_recv_ahead += bytes_recv_ahead;
+    total.ahead_switches += ahead_switches;
     total.recvs += recvs;
     total.gets += gets;
     total.get_bytes += get_bytes;
