@@ -1091,13 +1091,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         // A forked parent closes its copy just after the fork, and its
         // child may well exec first (inetd, sshd's re-exec): give the
         // others a moment to leave before the connection moves to TCP.
-        let leave_by = Instant::now() + wait.min(OTHERS_LEAVE);
+        let leave = wait.min(OTHERS_LEAVE);
+        let leave_by = Instant::now() + leave;
         while self.serves_others() {
             if Instant::now() >= leave_by {
                 return Err(format!(
                     "other processes share it (their calls come through this one), \
-                     still after {:?}",
-                    wait.min(OTHERS_LEAVE)
+                     still after {leave:?}"
                 ));
             }
             std::thread::sleep(Duration::from_millis(1));
