@@ -72,7 +72,15 @@ mod w {
 }
 
 /// Fabric names, by the code the stat word holds (0: none, TCP).
-pub const FABRICS: [&str; 3] = ["shm", "verbs", "verbs-msglock"];
+/// (`-msglock`: the copy-on-write lock by message; `-odp`: receive
+/// destinations registered on demand.)
+pub const FABRICS: [&str; 5] = [
+    "shm",
+    "verbs",
+    "verbs-msglock",
+    "verbs-odp",
+    "verbs-msglock-odp",
+];
 
 /// Header word indices.
 mod h {

@@ -51,11 +51,17 @@ impl AnyEndpoint {
         match self {
             AnyEndpoint::Shm(_) => "shm",
             // The copy-on-write lock by message, not by the NICs' atomics
-            // (`VerbsEndpoint::lock_by_message`).
+            // (`VerbsEndpoint::lock_by_message`); receive destinations
+            // registered on demand, not pinned.
             #[cfg(feature = "verbs")]
-            AnyEndpoint::Verbs(e) if e.lock_by_message().is_some() => "verbs-msglock",
-            #[cfg(feature = "verbs")]
-            AnyEndpoint::Verbs(_) => "verbs",
+            AnyEndpoint::Verbs(e) => {
+                match (e.lock_by_message().is_some(), e.receives_on_demand()) {
+                    (false, false) => "verbs",
+                    (true, false) => "verbs-msglock",
+                    (false, true) => "verbs-odp",
+                    (true, true) => "verbs-msglock-odp",
+                }
+            }
         }
     }
 

@@ -40,6 +40,7 @@ fn params(s: &Settings) -> VerbsParams {
     VerbsParams {
         poll: s.poll,
         lock: s.rdma_lock,
+        odp: s.rdma_odp,
         read_split: ReadSplit {
             piece: s.rdma_read_piece.min(u64::from(u32::MAX)) as u32,
             ..ReadSplit::default()

@@ -184,8 +184,14 @@ impl Scratch {
 
     fn setup(&self, c: &mut Command, name: &str) {
         let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
+        // (A connect waits `pair_timeout`, 500 ms by default, for the
+        // server's accept() and then stays on TCP, which is right; but
+        // these tests check what pairs, and on a loaded host, the suite
+        // beside a guest or a build, an accept() can take longer. A test
+        // that wants the default sets its own.)
         c.env("AZSDP_STAT_DIR", self.stat_dir())
             .env("AZSDP_LOG_LEVEL", "debug")
+            .env("AZSDP_PAIR_TIMEOUT", "5s")
             .env_remove("AZSDP_CONFIG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -161,13 +161,13 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
     assert_eq!(many["connections"], N);
     let log = s.log("many");
     // On a loaded host a few may stay on TCP: a connect waits at most
-    // `pair_timeout` (500 ms) for the server's accept(), which a
+    // `pair_timeout` (5 s in these tests) for the server's accept(), which a
     // single-threaded server behind ten thousand others and other load
     // can take longer to make (kernel TCP would not wait for it at all).
     let upgraded = log.matches(": azsdp (fabric shm, peer pid").count();
     let slowest_connect_us = many["connect_us"][2].as_f64().expect("connect_us");
     assert!(
-        upgraded == N || (upgraded >= N - N / 100 && slowest_connect_us >= 450_000.0),
+        upgraded == N || (upgraded >= N - N / 100 && slowest_connect_us >= 4_500_000.0),
         "{upgraded} of {N} upgraded, the slowest connect took {slowest_connect_us} us"
     );
     assert!(!log.contains(": tcp ("), "a connection stayed on TCP");

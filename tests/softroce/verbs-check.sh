@@ -21,19 +21,40 @@ bin=$1; mib=${2:-8}; shift 2 2>/dev/null || shift $#
 # kept for the old pages must not take the new receives' bytes.)
 # (`ahead`: copy-on-write with the receiver reading up to 1 MiB ahead of
 # its receives.)
-modes=${*:-bsdp zsdp block copy copy-msg memlock-tx memlock-rx armed remap ahead}
+# (Where the device offers registration on demand for READs (rxe on
+# 6.17), every mode but `copy-pinned` registers receive destinations on
+# demand, and the receiver checks that it did: `memlock-rx` then bounces
+# nothing, and `remap`'s kept registrations follow the new pages.
+# `copy-pinned` is `copy` with them pinned. rxe offers it but places a
+# READ's bytes wrong unless they land whole pages at offset 0, which the
+# endpoint's check finds (it then pins): `odp-aligned` sends and receives
+# whole pages only, at a path MTU of 4096 (veth MTU 9000), and registers
+# on demand without the check, to run the rest of that path, under the
+# receiver's lowered locked-memory limit and with its buffer remapped, as
+# in `memlock-rx` and `remap`; `odp-armed` the same sizes with armed
+# receives.)
+modes=${*:-bsdp zsdp block copy copy-pinned odp-aligned odp-armed copy-msg memlock-tx memlock-rx armed remap ahead}
 . "$(dirname "$0")/topo-wire.sh" > /dev/null
 sent() { rdma statistic show link "$1/1" 2>/dev/null | grep -o 'sent_pkts [0-9]*' | awk '{print $2}'; }
 # rxe's retransmissions (a requester's) and duplicates (a responder's),
 # both devices: 0 on an in-order wire (topo-wire.sh keeps it in order).
 retries() { cat /sys/class/infiniband/rxe[AB]/ports/1/hw_counters/{completer_retry_err,duplicate_request} 2>/dev/null | awk '{n += $1} END {print n + 0}'; }
 fails=0; port=7600
+mtu() { # MTU: both veth ends, and wait for rxe's path MTU to follow
+    ip link set vethA mtu $1; ip link set vethB mtu $1
+    local want=1024; [ $1 -ge 4200 ] && want=4096
+    for _ in $(seq 50); do
+        ibv_devinfo -d rxeA 2>/dev/null | grep -q "active_mtu:.*$want" && return
+        sleep 0.1
+    done
+}
 for mode in $modes; do
     port=$((port + 1))
+    case $mode in odp-*) mtu 9000 ;; *) mtu ${MTU:-1500} ;; esac
     t0=$(date +%s.%N)
     a0=$(sent rxeA); b0=$(sent rxeB); r0=$(retries)
     pre=()
-    case $mode in memlock-*) pre=(setpriv --bounding-set -ipc_lock) ;; esac
+    case $mode in memlock-*|odp-aligned) pre=(setpriv --bounding-set -ipc_lock) ;; esac
     timeout 300 "${pre[@]}" "$bin" server "$IPA" $port $mode 7 $mib > /tmp/v.srv 2>&1 &
     srv=$!
     for _ in $(seq 100); do grep -q listening /tmp/v.srv 2>/dev/null && break; sleep 0.1; done
@@ -45,9 +66,10 @@ for mode in $modes; do
     ok=no
     [ $c = 0 ] && [ $s = 0 ] && [ "${a1:-0}" -gt "${a0:-0}" ] && [ "${b1:-0}" -gt "${b0:-0}" ] && ok=yes
     echo "--- verbs $mode ${mib} MiB: $ok (client rc=$c server rc=$s, ${t%???????} s, sent_pkts rxeA +$(( ${a1:-0} - ${a0:-0} )) rxeB +$(( ${b1:-0} - ${b0:-0} )), rxe retransmissions and duplicates +$(( $(retries) - r0 )))"
-    grep -h "received\|sent \|copy-on-write lock\|locked-memory" /tmp/v.srv /tmp/v.cli | sed "s/^/    /"
+    grep -h "received\|sent \|copy-on-write lock\|locked-memory\|destinations\|on demand" /tmp/v.srv /tmp/v.cli | sed "s/^/    /"
     if [ $ok != yes ]; then fails=$((fails + 1)); sed 's/^/    server: /' /tmp/v.srv | tail -5; sed 's/^/    client: /' /tmp/v.cli | tail -5; fi
 done
+mtu ${MTU:-1500}
 # A peer killed mid-stream, on either side: the survivor's call fails
 # (ECONNRESET: the dead side's bytes died with it) within a bound, from
 # rdma_cm's DISCONNECTED or a failed completion, and never hangs.

@@ -12,7 +12,19 @@
 //! KiB (run them without CAP_IPC_LOCK: sends that cannot be pinned go by
 //! copy, receives into such destinations through a bounce buffer),
 //! `armed`: AZ-SDP
-//! with the receiver's receives returning before the data lands, `ahead`:
+//! with the receiver's receives returning before the data lands,
+//! `copy-pinned`: `copy` with every registration pinned (`rdma_odp =
+//! "off"`; the other modes register receive destinations on demand where
+//! the device offers it and passes the endpoint's check of it, and the
+//! server checks that they did), `odp-aligned`: `copy` with every send and
+//! receive whole pages at page offset 0 and receive destinations on demand
+//! without the check (rxe, which fails the check, places such READs right
+//! at a path MTU of 4096: it runs the rest of the path), under the
+//! receiver's lowered locked-memory limit and with its buffer remapped as
+//! in `memlock-rx` and `remap` (on demand, nothing bounces, and kept
+//! registrations follow the new pages), `odp-armed`: the same sizes with
+//! armed receives (staging registered on demand, its pages moved into
+//! place), `ahead`:
 //! AZ-SDP copy-on-write with the receiver reading up to 1 MiB ahead of its
 //! receives); with a
 //! touching mode one send in four
@@ -23,7 +35,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use azsdp::config::RdmaLock;
+use azsdp::config::{RdmaLock, RdmaOdp};
 use azsdp::conn::{
     Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvFlags, RecvProtect, Role, SendFlags,
 };
@@ -38,12 +50,25 @@ use azsdp::protect::{self, ProtectionMode};
 mod common;
 use common::{mismatches, mmap_anon, pattern, word};
 
+/// The page size `odp-aligned` and `odp-armed` keep every send and
+/// receive to.
+const PAGE: usize = 4096;
+
+/// Whole-page sends and receives at page offset 0, registered on demand
+/// without the check (which rxe fails: it places only such READs right).
+fn whole_pages(mode: Mode) -> bool {
+    matches!(mode, Mode::OdpAligned | Mode::OdpArmed)
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
     Bsdp,
     Zsdp,
     Block,
     Copy,
+    CopyPinned,
+    OdpAligned,
+    OdpArmed,
     CopyMsg,
     MemlockTx,
     MemlockRx,
@@ -62,7 +87,13 @@ fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
     };
     e.write_fault = if matches!(
         mode,
-        Mode::Copy | Mode::CopyMsg | Mode::MemlockTx | Mode::MemlockRx | Mode::Ahead
+        Mode::Copy
+            | Mode::CopyPinned
+            | Mode::OdpAligned
+            | Mode::CopyMsg
+            | Mode::MemlockTx
+            | Mode::MemlockRx
+            | Mode::Ahead
     ) {
         FaultPolicy::Copy
     } else {
@@ -73,7 +104,7 @@ fn engine(role: Role, caps: Capabilities, mode: Mode) -> EngineConfig {
     if mode == Mode::Ahead {
         e.read_ahead = 1 << 20;
     }
-    e.recv_protect = if mode == Mode::Armed {
+    e.recv_protect = if matches!(mode, Mode::Armed | Mode::OdpArmed) {
         RecvProtect::On
     } else {
         RecvProtect::Off
@@ -102,6 +133,9 @@ fn main() {
         "zsdp" => Mode::Zsdp,
         "block" => Mode::Block,
         "copy" => Mode::Copy,
+        "copy-pinned" => Mode::CopyPinned,
+        "odp-aligned" => Mode::OdpAligned,
+        "odp-armed" => Mode::OdpArmed,
         "copy-msg" => Mode::CopyMsg,
         "memlock-tx" => Mode::MemlockTx,
         "memlock-rx" => Mode::MemlockRx,
@@ -127,7 +161,8 @@ fn main() {
     }
 }
 
-/// The fabric's parameters: `copy-msg` leaves the device's atomics unused.
+/// The fabric's parameters: `copy-msg` leaves the device's atomics unused,
+/// `copy-pinned` its registration on demand.
 fn params(mode: Mode) -> VerbsParams {
     VerbsParams {
         lock: if mode == Mode::CopyMsg {
@@ -135,6 +170,12 @@ fn params(mode: Mode) -> VerbsParams {
         } else {
             RdmaLock::Device
         },
+        odp: if mode == Mode::CopyPinned {
+            RdmaOdp::Off
+        } else {
+            RdmaOdp::Auto
+        },
+        check_odp: !whole_pages(mode),
         ..VerbsParams::default()
     }
 }
@@ -154,10 +195,10 @@ fn lock_path(ep: &verbs::VerbsEndpoint, mode: Mode) {
 /// KiB.
 fn tighten_memlock(mode: Mode, role: Role) {
     let limited = match role {
-        Role::Client => Mode::MemlockTx,
-        Role::Server => Mode::MemlockRx,
+        Role::Client => mode == Mode::MemlockTx,
+        Role::Server => matches!(mode, Mode::MemlockRx | Mode::OdpAligned),
     };
-    if mode != limited {
+    if !limited {
         return;
     }
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -200,6 +241,29 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     let p = protect::open(protection(mode));
     let caps = capabilities(true, p.protector.as_ref());
     lock_path(&ep, mode);
+    // Receive destinations go on demand wherever the device offers it
+    // for READs and passed the endpoint's check of it, unless the mode
+    // says pinned; where the device offers it but failed the check, the
+    // endpoint says why.
+    let on_demand = ep.receives_on_demand();
+    eprintln!(
+        "receive destinations {} (the device {} registration on demand for READs{})",
+        if on_demand { "on demand" } else { "pinned" },
+        if ep.offers_on_demand() {
+            "offers"
+        } else {
+            "does not offer"
+        },
+        ep.on_demand_refused()
+            .map(|why| format!(", not used: {why}"))
+            .unwrap_or_default()
+    );
+    let odp_decided = on_demand
+        == (ep.offers_on_demand() && mode != Mode::CopyPinned && ep.on_demand_refused().is_none())
+        && (!whole_pages(mode) || on_demand == ep.offers_on_demand());
+    if !odp_decided {
+        fail("registration on demand: used where it should not be, or not where it should".into());
+    }
     let waiter = ep.waiter();
     let mut d = Driver::new(engine(Role::Server, caps, mode), ep, p.protector);
     d.establish(Duration::from_secs(60))
@@ -208,7 +272,7 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     let d = ThreadedDriver::start(d, waiter, p.faults);
     let mut store = Region::new(4 << 20);
     let flags = RecvFlags {
-        armable: mode == Mode::Armed,
+        armable: matches!(mode, Mode::Armed | Mode::OdpArmed),
         ..RecvFlags::default()
     };
     let (mut off, mut bad, mut i) = (0u64, 0u64, seed ^ 0x77);
@@ -238,10 +302,13 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
         });
         loop {
             i = word(i);
-            let start = (i % 8192) as usize;
-            let len = 1 + (word(i) % (2 << 20)) as usize;
+            let (start, len) = if whole_pages(mode) {
+                (0, (1 + word(i) % 512) as usize * PAGE)
+            } else {
+                ((i % 8192) as usize, 1 + (word(i) % (2 << 20)) as usize)
+            };
             recvs += 1;
-            if mode == Mode::Remap && recvs % 4 == 0 {
+            if matches!(mode, Mode::Remap | Mode::OdpAligned) && recvs % 4 == 0 {
                 // New pages under the same addresses: a registration kept
                 // for the old ones must not take this receive's bytes.
                 store.replace(recvs % 8 == 0);
@@ -270,12 +337,13 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     let (_, c) = d.close(Duration::from_secs(30));
     println!(
         "received {off} bad {bad} gets {} armed {} zero-copy {} (read ahead {}) bounced {bounced} \
-         registrations made {} reused {} invalidated {} (buffer remapped {remapped} times)",
+         registrations made {} (on demand {}) reused {} invalidated {} (buffer remapped {remapped} times)",
         c.gets,
         c.armed_recvs,
         c.bytes_recv_zcopy,
         c.bytes_recv_ahead,
         regs.made,
+        regs.on_demand,
         regs.reused,
         regs.invalidated
     );
@@ -283,30 +351,55 @@ fn server(addr: SocketAddr, mode: Mode, seed: u64) {
     // Every mode but BSDP moves its bulk by RDMA READ.
     let zero_copy_expected = mode != Mode::Bsdp;
     // Under the locked-memory limit, destinations it refuses take the
-    // bounce buffer.
-    let bounce_ok = mode != Mode::MemlockRx || bounced > 0;
+    // bounce buffer; on demand, nothing is pinned, and nothing bounces.
+    let bounce_ok =
+        !matches!(mode, Mode::MemlockRx | Mode::OdpAligned) || (bounced > 0) != on_demand;
     // One buffer received into again and again: its registration is kept
     // (except where armed receives unpin it, or the limit bounces it), and
-    // a remapped one is let go.
+    // a remapped one is let go, unless it is on demand (which follows the
+    // new pages: the stream arriving exact says it did).
     let cache_ok = match mode {
         // (Under the sender's limit, few sends go by GET at all.)
-        Mode::Bsdp | Mode::MemlockTx | Mode::MemlockRx | Mode::Armed => true,
-        Mode::Remap => regs.reused > 0 && regs.invalidated > 0,
+        Mode::Bsdp | Mode::MemlockTx | Mode::MemlockRx | Mode::Armed | Mode::OdpArmed => true,
+        Mode::Remap | Mode::OdpAligned => regs.reused > 0 && (on_demand || regs.invalidated > 0),
         _ => regs.reused > 0,
     };
     if !cache_ok {
         eprintln!("azsdp-verbs-check: the registration cache did not work as it should: {regs:?}");
+    }
+    // Every destination registered on demand where it should be, and none
+    // where it should not.
+    let odp_ok = if on_demand {
+        regs.on_demand == regs.made && (mode == Mode::Bsdp || regs.made > 0)
+    } else {
+        regs.on_demand == 0
+    };
+    if !odp_ok {
+        eprintln!(
+            "azsdp-verbs-check: registrations on demand {} of {}, expected {}",
+            regs.on_demand,
+            regs.made,
+            if on_demand { "all" } else { "none" }
+        );
     }
     // `ahead`: most of the stream was read ahead of the receives.
     let ahead_ok = mode != Mode::Ahead || c.bytes_recv_ahead * 2 > c.bytes_recv_zcopy;
     if !ahead_ok {
         eprintln!("azsdp-verbs-check: little was read ahead");
     }
+    // `odp-armed` on a device with registration on demand (6.17 on, which
+    // has the page moves arming needs): receives did return armed.
+    let armed_ok = mode != Mode::OdpArmed || !on_demand || c.armed_recvs > 0;
+    if !armed_ok {
+        eprintln!("azsdp-verbs-check: no receive was armed");
+    }
     std::process::exit(i32::from(
-        bad != 0
+        !armed_ok
+            || bad != 0
             || off == 0
             || !bounce_ok
             || !cache_ok
+            || !odp_ok
             || !ahead_ok
             || (zero_copy_expected && c.bytes_recv_zcopy == 0),
     ));
@@ -411,8 +504,12 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
     let (mut off, mut i) = (0u64, seed);
     while off < total {
         i = word(i);
-        let start = (i % 8192) as usize;
-        let len = (1 + word(i) % (1 << 20)).min(total - off) as usize;
+        let (start, len) = if whole_pages(mode) {
+            (0, (4 + word(i) % 256) as usize * PAGE)
+        } else {
+            ((i % 8192) as usize, (1 + word(i) % (1 << 20)) as usize)
+        };
+        let len = len.min((total - off) as usize);
         for (k, x) in bytes[start..start + len].iter_mut().enumerate() {
             *x = pattern(off + k as u64);
         }
@@ -458,8 +555,11 @@ fn client(addr: SocketAddr, from: Option<SocketAddr>, mode: Mode, seed: u64, tot
     } else {
         !touching || c.bytes_sent_async > total / 2
     };
-    let cow_ok =
-        !matches!(mode, Mode::Copy | Mode::CopyMsg | Mode::Ahead) || !caps.cas || c.cow_copies > 0;
+    let cow_ok = !matches!(
+        mode,
+        Mode::Copy | Mode::CopyPinned | Mode::OdpAligned | Mode::CopyMsg | Mode::Ahead
+    ) || !caps.cas
+        || c.cow_copies > 0;
     if !azsdp_ok || !cow_ok {
         eprintln!("azsdp-verbs-check: {mode:?} did not run as it should: {c:?}");
     }

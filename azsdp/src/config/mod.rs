@@ -99,6 +99,17 @@ pub enum RdmaLock {
     Message,
 }
 
+/// Over verbs, whether receive destinations are registered on demand
+/// (`IBV_ACCESS_ON_DEMAND`: nothing pinned, the NIC follows the program's
+/// page tables) where the device offers it for RDMA READ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RdmaOdp {
+    /// On demand where the device offers it, pinned elsewhere.
+    Auto,
+    /// Always pinned.
+    Off,
+}
+
 /// What a matching connection uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Use {
@@ -136,6 +147,7 @@ pub struct Tunables {
     pub poll: Option<Duration>,
     pub rdma_read_piece: Option<u64>,
     pub rdma_lock: Option<RdmaLock>,
+    pub rdma_odp: Option<RdmaOdp>,
     pub peer_timeout: Option<Duration>,
     pub keepalive: Option<Duration>,
     pub linger: Option<Duration>,
@@ -178,6 +190,9 @@ pub struct Settings {
     pub rdma_read_piece: u64,
     /// How the copy-on-write lock goes over verbs (a fabric setting).
     pub rdma_lock: RdmaLock,
+    /// Whether receive destinations are registered on demand over verbs
+    /// (a fabric setting).
+    pub rdma_odp: RdmaOdp,
     pub peer_timeout: Duration,
     pub keepalive: Duration,
     pub linger: Duration,
@@ -213,6 +228,7 @@ impl Default for Settings {
             poll: Duration::from_micros(20),
             rdma_read_piece: 128 << 10,
             rdma_lock: RdmaLock::Auto,
+            rdma_odp: RdmaOdp::Auto,
             peer_timeout: e.peer_timeout,
             keepalive: e.keepalive,
             linger: e.linger,
@@ -252,6 +268,7 @@ impl Settings {
             poll,
             rdma_read_piece,
             rdma_lock,
+            rdma_odp,
             peer_timeout,
             keepalive,
             linger,
@@ -339,6 +356,13 @@ impl Settings {
                     RdmaLock::Auto => "auto",
                     RdmaLock::Device => "device",
                     RdmaLock::Message => "message",
+                }),
+            ),
+            (
+                "rdma_odp",
+                q(match self.rdma_odp {
+                    RdmaOdp::Auto => "auto",
+                    RdmaOdp::Off => "off",
                 }),
             ),
             ("peer_timeout", dur(self.peer_timeout)),
@@ -485,6 +509,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "poll",
     "rdma_read_piece",
     "rdma_lock",
+    "rdma_odp",
     "peer_timeout",
     "keepalive",
     "linger",
@@ -715,6 +740,12 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
                     ("device", RdmaLock::Device),
                     ("message", RdmaLock::Message),
                 ],
+            )?)
+        }
+        "rdma_odp" => {
+            t.rdma_odp = Some(choice(
+                raw,
+                &[("auto", RdmaOdp::Auto), ("off", RdmaOdp::Off)],
             )?)
         }
         "peer_timeout" => t.peer_timeout = Some(duration_in(raw, 100 * MS, DAY, true)?),

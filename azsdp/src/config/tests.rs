@@ -293,8 +293,9 @@ fn read_ahead_is_a_size_or_auto() {
 }
 
 #[test]
-fn the_rdma_lock_is_auto_device_or_message() {
+fn the_rdma_lock_is_auto_device_or_message_and_odp_auto_or_off() {
     assert_eq!(Settings::default().rdma_lock, RdmaLock::Auto);
+    assert_eq!(Settings::default().rdma_odp, RdmaOdp::Auto);
     for (ok, v) in [
         ("auto", RdmaLock::Auto),
         ("device", RdmaLock::Device),
@@ -303,9 +304,19 @@ fn the_rdma_lock_is_auto_device_or_message() {
         let c = Config::parse(&format!("rdma_lock = \"{ok}\"\n"), "t.toml").unwrap();
         assert_eq!(c.global.rdma_lock, v, "{ok}");
     }
-    for bad in ["\"nic\"", "1", "true"] {
-        let e = parse_err(&format!("rdma_lock = {bad}\n"));
-        assert_eq!(e.key.as_deref(), Some("rdma_lock"), "{bad}: {e}");
+    for (ok, v) in [("auto", RdmaOdp::Auto), ("OFF", RdmaOdp::Off)] {
+        let c = Config::parse(&format!("rdma_odp = \"{ok}\"\n"), "t.toml").unwrap();
+        assert_eq!(c.global.rdma_odp, v, "{ok}");
+    }
+    for (key, bad) in [
+        ("rdma_lock", "\"nic\""),
+        ("rdma_lock", "1"),
+        ("rdma_lock", "true"),
+        ("rdma_odp", "\"on\""),
+        ("rdma_odp", "false"),
+    ] {
+        let e = parse_err(&format!("{key} = {bad}\n"));
+        assert_eq!(e.key.as_deref(), Some(key), "{bad}: {e}");
     }
 }
 

@@ -22,7 +22,7 @@ use super::ffi::{self, Access, CmId, CompChannel, Cq, DeviceCaps, EventChannel, 
 use super::reads::{ReadBook, ReadSplit};
 use super::waiter::VerbsWaiter;
 use super::wire::{CasAnswer, CasRequest, HEADER_LEN, Header, Kind};
-use crate::config::RdmaLock;
+use crate::config::{RdmaLock, RdmaOdp};
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
 use crate::fabric::pool::Pool;
 use crate::fabric::{Armed, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
@@ -46,6 +46,14 @@ pub struct VerbsParams {
     pub reg_cache: u64,
     /// How a long GET is cut into READs in flight together (`reads`).
     pub read_split: ReadSplit,
+    /// Receive destinations on demand where the device offers it
+    /// (`rdma_odp`).
+    pub odp: RdmaOdp,
+    /// Check, once per process and device, that READs land right in
+    /// memory registered on demand before using it (`loopback`). Off only
+    /// in tests whose READs land whole pages at page offset 0, which rxe
+    /// (6.17 to 7.3 at least) places right, for the rest of the path.
+    pub check_odp: bool,
 }
 
 impl Default for VerbsParams {
@@ -60,6 +68,8 @@ impl Default for VerbsParams {
             lock: RdmaLock::Auto,
             reg_cache: 32 << 20,
             read_split: ReadSplit::default(),
+            odp: RdmaOdp::Auto,
+            check_odp: true,
         }
     }
 }
@@ -153,6 +163,12 @@ pub struct VerbsEndpoint {
     cas_answers: VecDeque<CasAnswer>,
     /// Made when a destination could not be pinned.
     bounce: Option<Bounce>,
+    /// Receive destinations are registered on demand (the device offers
+    /// it for READs, `rdma_odp` allows it, the device passed the check,
+    /// and no such registration has failed yet).
+    odp_local: bool,
+    /// Why not, where the device offers it.
+    odp_refused: Option<String>,
     slot_mr: Mr,
     cas_mr: Mr,
     cq: Arc<Cq>,
@@ -301,6 +317,22 @@ impl VerbsEndpoint {
         } else {
             no_local_locks.clone()
         };
+        let odp_refused = if params.odp == RdmaOdp::Auto && caps.odp_reads && params.check_odp {
+            id.addresses()
+                .0
+                .ok_or_else(|| "no local address".to_string())
+                .and_then(|a| super::loopback::reads_on_demand_work(a.ip(), id.context()))
+                .err()
+        } else {
+            None
+        };
+        if let Some(why) = &odp_refused {
+            crate::protect::log_once(&format!(
+                "verbs: the device offers registration on demand, but it is not \
+                 used (receive destinations are pinned): {why}"
+            ));
+        }
+        let odp_local = params.odp == RdmaOdp::Auto && caps.odp_reads && odp_refused.is_none();
         let ep = VerbsEndpoint {
             id,
             regs: super::reg_cache::RegCache::new(
@@ -316,6 +348,8 @@ impl VerbsEndpoint {
             cas_by_tag: HashMap::new(),
             cas_answers: VecDeque::new(),
             bounce: None,
+            odp_local,
+            odp_refused,
             slot_mr,
             cas_mr,
             cq,
@@ -356,8 +390,10 @@ impl VerbsEndpoint {
             ep.post_recv(i)?;
         }
         let mut ep = ep;
-        if memlock_finite() {
-            // (Without it, a refused destination resets the connection.)
+        if memlock_finite() && !ep.odp_local {
+            // (Without it, a refused destination resets the connection.
+            // Destinations on demand are not pinned, and so never refused
+            // for the limit.)
             let _ = ep.ensure_bounce();
         }
         Ok(ep)
@@ -436,6 +472,21 @@ impl VerbsEndpoint {
     /// What the registration cache did.
     pub fn registrations(&self) -> super::reg_cache::RegCounts {
         self.regs.counts()
+    }
+
+    /// Does the device offer registration on demand for READs?
+    pub fn offers_on_demand(&self) -> bool {
+        self.caps.odp_reads
+    }
+
+    /// Are receive destinations registered on demand (now)?
+    pub fn receives_on_demand(&self) -> bool {
+        self.odp_local
+    }
+
+    /// Why not, where the device offers it and the settings allow it.
+    pub fn on_demand_refused(&self) -> Option<&str> {
+        self.odp_refused.as_deref()
     }
 
     /// Bytes received through the bounce buffer (destinations the
@@ -728,6 +779,46 @@ impl VerbsEndpoint {
         unsafe { self._pd.register(addr, len, flags) }.map_err(|e| registration_error(&e))
     }
 
+    /// A pinned registration, watched for the program releasing its
+    /// memory (it may be kept), and made again once kept ones are let go
+    /// if they were what the locked-memory limit refused.
+    fn register_pinned(&mut self, at: u64, n: u64, flags: Access) -> Result<Mr, OpError> {
+        crate::released_memory::watch(at..at + n);
+        let r = self.register(at, n, flags);
+        if matches!(r, Err(OpError::PinLimit)) && self.regs.drop_all_idle() {
+            // Kept pins made room for the limit to refuse: pins in use
+            // come first.
+            return self.register(at, n, flags);
+        }
+        r
+    }
+
+    /// A receive destination's registration on demand: nothing pinned, so
+    /// nothing the locked-memory limit counts or a move of pages forbids,
+    /// and the device writes into whatever pages the range maps when its
+    /// READ lands there, so a kept one stays right when the program
+    /// remaps that memory. If the device refuses it after all, this and
+    /// later ones are pinned.
+    fn register_on_demand(&mut self, at: u64, n: u64) -> Result<Mr, OpError> {
+        // SAFETY: as for `register`; a kept one is used again only for a
+        // live receive's destination, whatever the pages are by then.
+        match unsafe { self._pd.register(at, n, Access::LOCAL.on_demand()) } {
+            Ok(mr) => Ok(mr),
+            Err(e) => {
+                crate::protect::log_once(&format!(
+                    "verbs: the device refused a registration on demand ({e}): \
+                     receive destinations are pinned from now on"
+                ));
+                self.odp_local = false;
+                self.odp_refused = Some(format!("a registration on demand failed: {e}"));
+                if memlock_finite() {
+                    let _ = self.ensure_bounce();
+                }
+                self.register_pinned(at, n, Access::LOCAL)
+            }
+        }
+    }
+
     /// The key for a destination that cannot be pinned: the bounce
     /// buffer's.
     fn bounce_key(&mut self) -> Result<u32, OpError> {
@@ -840,6 +931,30 @@ impl VerbsEndpoint {
     }
 }
 
+/// Fault `[addr, addr+len)` in for writing from the CPU, before a READ
+/// lands there through a registration on demand. The device's own fault
+/// cannot wait for a userfaultfd handler or a SIGSEGV handler (the kernel
+/// fails it, and the READ ends in a protection error): a page still
+/// write-protected by another connection's send, or never touched in a
+/// range registered with userfaultfd, must be resolved the CPU's way first,
+/// as pinning it did. Each page's first byte in the range is read and
+/// written back unchanged.
+///
+/// # Safety
+/// `[addr, addr+len)` is mapped, writable memory the caller may write.
+unsafe fn fault_in_for_writing(addr: u64, len: u64) {
+    let page = crate::pages::system_page_size();
+    let end = addr.saturating_add(len);
+    let mut at = addr;
+    while at < end {
+        let p = at as *mut u8;
+        // SAFETY: the caller's promise; volatile, so that neither access
+        // is elided.
+        unsafe { p.write_volatile(p.read_volatile()) };
+        at = at - at % page + page;
+    }
+}
+
 /// Did a registration fail for the locked-memory limit? (The kernel says
 /// ENOMEM; only a finite `RLIMIT_MEMLOCK`, in a process without
 /// CAP_IPC_LOCK, which lifts it, makes that the limit: any other ENOMEM is
@@ -906,9 +1021,11 @@ impl Fabric for VerbsEndpoint {
         }
     }
 
-    /// Pinned registration through the cache (`super::reg_cache`),
-    /// completed at once. (ODP would go here on devices that have it:
-    /// none we test on does.)
+    /// Registration through the cache (`super::reg_cache`), completed at
+    /// once: a receive destination on demand where the device offers it,
+    /// pinned elsewhere; a source always pinned (what the peer may read is
+    /// then the pages advertised, whatever the program maps there later by
+    /// a call the memory hooks do not see).
     fn post_register(
         &mut self,
         op: OpId,
@@ -923,11 +1040,6 @@ impl Fabric for VerbsEndpoint {
                 .push_back((op, OpResult::Registered(Ok(key))));
             return Ok(());
         }
-        let flags = if peer {
-            Access::PEER_READ
-        } else {
-            Access::LOCAL
-        };
         // A local registration covers its whole pages (the device checks
         // bytes, and a kept one serves any buffer in them); the peer's
         // covers the advertised bytes alone.
@@ -938,18 +1050,21 @@ impl Fabric for VerbsEndpoint {
             let at = addr - addr % page;
             (at, addr.saturating_add(len).next_multiple_of(page) - at)
         };
-        // Releases of this memory from now on are seen (it may be kept).
-        crate::released_memory::watch(at..at + n);
-        let mut r = self.register(at, n, flags);
-        if matches!(r, Err(OpError::PinLimit)) && self.regs.drop_all_idle() {
-            // Kept pins made room for the limit to refuse: pins in use
-            // come first.
-            r = self.register(at, n, flags);
-        }
+        let r = if peer {
+            self.register_pinned(at, n, Access::PEER_READ)
+        } else if self.odp_local {
+            self.register_on_demand(at, n)
+        } else {
+            self.register_pinned(at, n, Access::LOCAL)
+        };
         let r = match r {
             Ok(mr) => {
                 let key = if peer { mr.rkey() } else { mr.lkey() };
-                self.regs.insert(key, mr, addr, len, peer);
+                if !peer && self.odp_local {
+                    self.regs.insert_on_demand(key, mr, addr, len);
+                } else {
+                    self.regs.insert(key, mr, addr, len, peer);
+                }
                 Ok(key)
             }
             Err(OpError::PinLimit) if !peer => self.bounce_key(),
@@ -1023,6 +1138,11 @@ impl Fabric for VerbsEndpoint {
             });
             self.next_bounce_piece();
             return Ok(());
+        }
+        if self.regs.is_on_demand(dst.key) {
+            // SAFETY: the destination is the memory of a receive in
+            // progress, held for this GET, whose bytes the READ overwrites.
+            unsafe { fault_in_for_writing(dst.addr, u64::from(len)) };
         }
         self.reads
             .start(op, dst.addr, dst.key, src.addr, src.key, u64::from(len));

@@ -522,19 +522,31 @@ pub struct DeviceCaps {
     pub atomics_with_cpu: bool,
     /// Outstanding RDMA READs / atomics a queue pair may have.
     pub max_rd_atom: u8,
+    /// Registrations on demand (`IBV_ACCESS_ON_DEMAND`) that RDMA READs
+    /// of a reliable-connected queue pair may use.
+    pub odp_reads: bool,
 }
 
 pub fn device_caps(ctx: *mut sys::ibv_context) -> io::Result<DeviceCaps> {
-    // SAFETY: plain data filled by the call on a live context.
-    let mut a: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { sys::ibv_query_device(ctx, &mut a) } != 0 {
-        return Err(last_error("ibv_query_device"));
+    // SAFETY: plain data filled by the call on a live context (which falls
+    // back to ibv_query_device, leaving the extended fields zero, where
+    // the provider has no extended query).
+    let mut x: sys::ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; no input.
+    if unsafe { sys::ibv_query_device_ex(ctx, std::ptr::null(), &mut x) } != 0 {
+        return Err(last_error("ibv_query_device_ex"));
     }
+    let a = &x.orig_attr;
+    let odp =
+        x.odp_caps.general_caps & u64::from(sys::ibv_odp_general_caps::IBV_ODP_SUPPORT.0) != 0;
+    let rc_reads = x.odp_caps.per_transport_caps.rc_odp_caps
+        & sys::ibv_odp_transport_cap_bits::IBV_ODP_SUPPORT_READ.0
+        != 0;
     Ok(DeviceCaps {
         atomics: a.atomic_cap != sys::ibv_atomic_cap::IBV_ATOMIC_NONE,
         atomics_with_cpu: a.atomic_cap == sys::ibv_atomic_cap::IBV_ATOMIC_GLOB,
         max_rd_atom: a.max_qp_rd_atom.clamp(1, 16) as u8,
+        odp_reads: odp && rc_reads,
     })
 }
 
@@ -559,9 +571,10 @@ impl Pd {
     /// Register `[addr, addr+len)`.
     ///
     /// # Safety
-    /// The range stays mapped while the registration lives (or the peer's
-    /// reads of it fail; they never read what replaced it: the NIC pins
-    /// the pages it registered).
+    /// The range stays mapped while the registration lives. Pinned, the
+    /// peer's reads of it after that fail or read the pages registered
+    /// (the NIC holds them); on demand ([`Access::on_demand`]), the NIC
+    /// reads and writes whatever the range maps when it gets there.
     pub unsafe fn register(&self, addr: u64, len: u64, access: Access) -> io::Result<Mr> {
         // SAFETY: the caller's promise.
         let mr = unsafe {
@@ -572,8 +585,13 @@ impl Pd {
                 access.0 as i32,
             )
         };
+        // (On demand pins nothing: the process-wide list of pins is for
+        // moves of pages that a pin forbids, `crate::pinned`.)
         NonNull::new(mr)
-            .map(|mr| Mr(mr, crate::pinned::pin(addr, len)))
+            .map(|mr| {
+                let pin = !access.is_on_demand();
+                Mr(mr, pin.then(|| crate::pinned::pin(addr, len)))
+            })
             .ok_or_else(|| last_error("ibv_reg_mr"))
     }
 }
@@ -600,12 +618,26 @@ impl Access {
             | sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0
             | sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
     );
+
+    /// The same access, on demand: no page is pinned, and the device
+    /// faults pages in through the kernel as it reaches them.
+    pub fn on_demand(self) -> Access {
+        Access(self.0 | sys::ibv_access_flags::IBV_ACCESS_ON_DEMAND.0)
+    }
+
+    pub fn is_on_demand(self) -> bool {
+        self.0 & sys::ibv_access_flags::IBV_ACCESS_ON_DEMAND.0 != 0
+    }
 }
 
 /// A memory registration: its keys work until it is dropped, and its pages
-/// count as pinned by this process while it lives ([`crate::pinned`]).
+/// count as pinned by this process while it lives ([`crate::pinned`]),
+/// unless it is on demand.
 #[derive(Debug)]
-pub struct Mr(NonNull<sys::ibv_mr>, #[allow(dead_code)] crate::pinned::Pin);
+pub struct Mr(
+    NonNull<sys::ibv_mr>,
+    #[allow(dead_code)] Option<crate::pinned::Pin>,
+);
 
 // SAFETY: libibverbs' calls are thread-safe.
 unsafe impl Send for Mr {}

@@ -27,6 +27,12 @@
 //! ([`RegCache::forget`]): an entry that overlaps a released range (or
 //! every entry, when the record overflowed) is never found again, and
 //! goes at once if idle, else with its last use.
+//!
+//! A local registration made on demand (ODP) pins nothing: the device
+//! follows the program's page tables. It is kept across such releases
+//! (used again only for a live receive's destination, it writes into
+//! whatever that memory is by then), and never stands in the way of a
+//! move of pages ([`RegCache::unpin`]).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -38,8 +44,11 @@ struct Entry<T> {
     /// What a lookup must fall inside: the advertised range (peer), the
     /// pages pinned (local).
     range: Range<u64>,
-    /// Bytes it pins (whole pages).
+    /// Bytes it pins (whole pages), or covers if on demand (counted
+    /// against the same budget: each costs the device state).
     pinned: u64,
+    /// Made on demand: pins nothing, follows the page tables.
+    on_demand: bool,
     users: u32,
     /// Its memory changed: not to be found again, nor kept.
     stale: bool,
@@ -56,6 +65,8 @@ pub struct RegCounts {
     pub reused: u64,
     /// Kept registrations dropped because their memory changed.
     pub invalidated: u64,
+    /// Registrations made on demand (of `made`).
+    pub on_demand: u64,
 }
 
 #[derive(Debug)]
@@ -112,10 +123,20 @@ impl<T> RegCache<T> {
         Some(key)
     }
 
-    /// A new registration, in use once.
+    /// A new pinned registration, in use once.
     pub fn insert(&mut self, key: u32, handle: T, addr: u64, len: u64, peer: bool) {
+        self.add(key, handle, addr, len, peer, false);
+    }
+
+    /// A new local registration made on demand, in use once.
+    pub fn insert_on_demand(&mut self, key: u32, handle: T, addr: u64, len: u64) {
+        self.add(key, handle, addr, len, false, true);
+    }
+
+    fn add(&mut self, key: u32, handle: T, addr: u64, len: u64, peer: bool, on_demand: bool) {
         self.clock += 1;
         self.counts.made += 1;
+        self.counts.on_demand += u64::from(on_demand);
         let pages = self.pages(addr, len);
         let pinned = pages.end - pages.start;
         if !peer {
@@ -146,6 +167,7 @@ impl<T> RegCache<T> {
                     pages
                 },
                 pinned,
+                on_demand,
                 users: 1,
                 stale: false,
                 used: self.clock,
@@ -212,7 +234,7 @@ impl<T> RegCache<T> {
         };
         let mut idle = Vec::new();
         for (&key, e) in self.by_key.iter_mut() {
-            if e.stale || !hit(e) {
+            if e.stale || e.on_demand || !hit(e) {
                 continue;
             }
             e.stale = true;
@@ -232,6 +254,9 @@ impl<T> RegCache<T> {
     pub fn unpin(&mut self, range: Range<u64>) -> bool {
         let page = self.page;
         let meets = |e: &Entry<T>| {
+            if e.on_demand {
+                return false;
+            }
             let start = e.range.start - e.range.start % page;
             let end = e.range.end.next_multiple_of(page);
             start < range.end && range.start < end
@@ -259,6 +284,11 @@ impl<T> RegCache<T> {
     /// Every key the peer could use ends now (revocation).
     pub fn revoke_peer_keys(&mut self) {
         self.by_key.retain(|_, e| !e.peer);
+    }
+
+    /// Is `key` a registration made on demand?
+    pub fn is_on_demand(&self, key: u32) -> bool {
+        self.by_key.get(&key).is_some_and(|e| e.on_demand)
     }
 
     /// Registrations held, in use or kept.
@@ -415,6 +445,34 @@ mod tests {
             "one in use pins a page there"
         );
         assert_eq!(alive(&t), 1);
+    }
+
+    #[test]
+    fn a_registration_on_demand_outlives_releases_and_never_blocks_a_move() {
+        let t = Rc::new(());
+        let mut c = RegCache::new(1 << 30, PAGE);
+        c.insert_on_demand(1, H(t.clone()), 0x20_0100, 2 * PAGE);
+        c.insert(2, H(t.clone()), 0x60_0000, PAGE, false);
+        c.release(1);
+        c.release(2);
+        assert!(c.is_on_demand(1) && !c.is_on_demand(2));
+        // The program remaps both: the pinned one goes, the one on demand
+        // follows the new pages and serves the next receive there.
+        let remapped = vec![0x20_0000..0x40_0000, 0x60_0000..0x80_0000];
+        c.forget(Some(&remapped));
+        assert_eq!(alive(&t), 1);
+        assert_eq!(c.reuse(0x20_0000, PAGE, false), Some(1));
+        // In use, it pins nothing a move of pages must wait for.
+        assert!(!c.unpin(0x20_0000..0x40_0000));
+        assert_eq!(alive(&t), 1);
+        c.forget(None);
+        c.release(1);
+        assert_eq!(alive(&t), 1, "kept, even after an unknown release");
+        let counts = c.counts();
+        assert_eq!(
+            (counts.made, counts.on_demand, counts.invalidated),
+            (2, 1, 1)
+        );
     }
 
     #[test]
