@@ -99,11 +99,29 @@ impl Loopback {
         initiator
             .create_qp(&pd, &cq, 4, 1)
             .map_err(|e| fail(&format!("initiator: {e}")))?;
-        initiator.connect(&[], depth)?;
-        let req = step(&lev, RDMA_CM_EVENT_CONNECT_REQUEST)?;
-        // SAFETY: the new id of a connect request, ours from now on.
-        let responder = unsafe { CmId::adopt(req.id()) }.ok_or_else(|| fail("no id"))?;
-        drop(req);
+        // A nonce in the private data: any local process may connect to
+        // the listener's port, and only our initiator is answered.
+        let mut nonce = [0u8; 8];
+        // SAFETY: 8 writable bytes.
+        let got = unsafe { libc::getrandom(nonce.as_mut_ptr().cast(), 8, libc::GRND_NONBLOCK) };
+        if got != 8 {
+            return Err(fail("no random nonce"));
+        }
+        initiator.connect(&nonce, depth)?;
+        let responder = loop {
+            let req = step(&lev, RDMA_CM_EVENT_CONNECT_REQUEST)?;
+            // SAFETY: the new id of a connect request, ours from now on.
+            let id = unsafe { CmId::adopt(req.id()) }.ok_or_else(|| fail("no id"))?;
+            let ours = req.private_data().starts_with(&nonce);
+            if !ours {
+                id.reject(&[]);
+            }
+            // (The event is acknowledged before a refused id goes.)
+            drop(req);
+            if ours {
+                break id;
+            }
+        };
         // The responder is on the device that owns `local` (the one that
         // runs the connection); the initiator wherever routing put it.
         let rctx = responder.context();
