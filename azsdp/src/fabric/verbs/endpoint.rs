@@ -281,6 +281,12 @@ impl VerbsEndpoint {
             Arc::clone(&events),
             params.poll,
         )?;
+        // (What the loopback pair, when one is wanted, is made for.)
+        let local_ip = id
+            .addresses()
+            .0
+            .map(|a| a.ip())
+            .ok_or_else(|| "no local address".to_string());
         let local_locks = if !caps.atomics {
             Err("the device has no atomics".to_string())
         } else if params.lock == RdmaLock::Message {
@@ -294,10 +300,9 @@ impl VerbsEndpoint {
                     .to_string(),
             )
         } else {
-            id.addresses()
-                .0
-                .ok_or_else(|| "no local address".to_string())
-                .and_then(|a| super::loopback::for_address(a.ip(), id.context()))
+            local_ip
+                .clone()
+                .and_then(|ip| super::loopback::for_address(ip, id.context()))
                 .and_then(|l| {
                     // SAFETY: the lock words outlive the registration (it
                     // is dropped with the endpoint, before them).
@@ -317,11 +322,10 @@ impl VerbsEndpoint {
         } else {
             no_local_locks.clone()
         };
-        let odp_refused = if params.odp == RdmaOdp::Auto && caps.odp_reads && params.check_odp {
-            id.addresses()
-                .0
-                .ok_or_else(|| "no local address".to_string())
-                .and_then(|a| super::loopback::reads_on_demand_work(a.ip(), id.context()))
+        let odp_wanted = params.odp == RdmaOdp::Auto && caps.odp_reads;
+        let odp_refused = if odp_wanted && params.check_odp {
+            local_ip
+                .and_then(|ip| super::loopback::reads_on_demand_work(ip, id.context()))
                 .err()
         } else {
             None
@@ -332,7 +336,7 @@ impl VerbsEndpoint {
                  used (receive destinations are pinned): {why}"
             ));
         }
-        let odp_local = params.odp == RdmaOdp::Auto && caps.odp_reads && odp_refused.is_none();
+        let odp_local = odp_wanted && odp_refused.is_none();
         let ep = VerbsEndpoint {
             id,
             regs: super::reg_cache::RegCache::new(
