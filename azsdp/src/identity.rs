@@ -19,16 +19,13 @@
 //!
 //! `unsafe` here: the `pidfd_open` and `pidfd_send_signal` system calls.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Weak};
 
 use crate::sync::Lock;
 
-use nix::sys::socket::{
-    ControlMessage, ControlMessageOwned, MsgFlags, UnixCredentials, recvmsg, sendmsg, setsockopt,
-    sockopt,
-};
+use nix::sys::socket::{ControlMessage, MsgFlags, UnixCredentials, sendmsg, setsockopt, sockopt};
 
 /// Most descriptors one identity message carries after the pidfd.
 pub const MAX_FDS: usize = 3;
@@ -121,6 +118,8 @@ pub enum IdentityError {
     NoPidfd,
     #[error("the message's descriptors were truncated")]
     Truncated,
+    #[error("the message carries {0} descriptors, at most {max} expected", max = 1 + MAX_FDS)]
+    TooManyDescriptors(usize),
     #[error("the pidfd names pid {got:?}, the credentials pid {creds}")]
     PidfdMismatch { creds: u32, got: Option<i64> },
     #[error("the sender is not visible in this pid namespace")]
@@ -274,57 +273,39 @@ pub fn recv_with_credentials(
     buf: &mut [u8],
     nonblocking: bool,
 ) -> Result<Received, IdentityError> {
-    let mut space = nix::cmsg_space!(libc::ucred, [RawFd; 1 + MAX_FDS]);
-    let mut flags = MsgFlags::MSG_CMSG_CLOEXEC;
+    let mut flags = 0;
     if nonblocking {
-        flags |= MsgFlags::MSG_DONTWAIT;
+        flags |= libc::MSG_DONTWAIT;
     }
     let want = buf.len();
-    let (n, mut creds, mut fds, truncated) = {
-        let mut iov = [IoSliceMut::new(buf)];
-        let msg = loop {
-            match recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), flags) {
-                Err(nix::Error::EINTR) => continue,
-                r => break r.map_err(os_err)?,
-            }
-        };
-        let mut creds = None;
-        let mut fds = Vec::new();
-        for c in msg.cmsgs().map_err(os_err)? {
-            match c {
-                ControlMessageOwned::ScmCredentials(u) => creds = Some(u),
-                ControlMessageOwned::ScmRights(v) => {
-                    for raw in v {
-                        // SAFETY: the kernel just installed this descriptor
-                        // for us; we own it from here.
-                        fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
-                    }
-                }
-                _ => {}
-            }
-        }
-        let truncated = msg
-            .flags
-            .intersects(MsgFlags::MSG_CTRUNC | MsgFlags::MSG_TRUNC);
-        (msg.bytes, creds.take(), fds, truncated)
-    };
+    // Every descriptor the message brought is owned from here: any refusal
+    // below closes them all.
+    let crate::scm::Received {
+        bytes: n,
+        creds,
+        mut fds,
+        truncated,
+    } = crate::scm::recv(sock.as_raw_fd(), buf, flags)?;
     if n == 0 && fds.is_empty() {
         return Err(IdentityError::Closed);
     }
     if truncated {
         return Err(IdentityError::Truncated);
     }
+    if fds.len() > 1 + MAX_FDS {
+        return Err(IdentityError::TooManyDescriptors(fds.len()));
+    }
     if n != want {
         // A stream socket may split a message only if the sender did;
         // ours never do. Either way the message is not ours.
         return Err(IdentityError::Length { got: n, want });
     }
-    let creds = creds.take().ok_or(IdentityError::NoCredentials)?;
+    let creds = creds.ok_or(IdentityError::NoCredentials)?;
     if fds.is_empty() {
         return Err(IdentityError::NoPidfd);
     }
     let pidfd = fds.remove(0);
-    let pid = u32::try_from(creds.pid()).map_err(|_| IdentityError::Invisible)?;
+    let pid = u32::try_from(creds.pid).map_err(|_| IdentityError::Invisible)?;
     if pid == 0 {
         return Err(IdentityError::Invisible);
     }
@@ -335,8 +316,8 @@ pub fn recv_with_credentials(
     Ok(Received {
         peer: PeerId {
             pid,
-            uid: creds.uid(),
-            gid: creds.gid(),
+            uid: creds.uid,
+            gid: creds.gid,
             pidfd: shared_pidfd(pid, pidfd),
         },
         fds,
@@ -450,6 +431,43 @@ mod tests {
             recv(b.as_fd(), &mut buf, false),
             Err(IdentityError::Closed)
         ));
+    }
+
+    #[test]
+    fn a_refused_message_closes_every_descriptor_it_brought() {
+        let (a, b) = pair();
+        let (x, _y) = UnixDatagram::pair().unwrap();
+        let me = std::fs::read_link(format!("/proc/self/fd/{}", x.as_raw_fd())).unwrap();
+        let copies = || {
+            std::fs::read_dir("/proc/self/fd")
+                .unwrap()
+                .flatten()
+                .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == me))
+                .count()
+        };
+        let pidfd = pidfd_open(std::process::id()).unwrap();
+        let creds = own_credentials();
+        let mut buf = [0u8; 3];
+        // One descriptor more than the buffer was made for, then many;
+        // with a good and a bad length.
+        for (n, len) in [(1 + MAX_FDS + 1, 3), (64, 3), (2, 2), (253, 9)] {
+            let mut raw = vec![pidfd.as_raw_fd()];
+            raw.resize(n, x.as_raw_fd());
+            let cmsgs = [
+                ControlMessage::ScmCredentials(&creds),
+                ControlMessage::ScmRights(&raw),
+            ];
+            sendmsg::<()>(
+                a.as_raw_fd(),
+                &[IoSlice::new(&[7u8; 9][..len])],
+                &cmsgs,
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+            assert!(recv(b.as_fd(), &mut buf, false).is_err());
+            assert_eq!(copies(), 1, "{n} descriptors, {len} bytes");
+        }
     }
 
     #[test]

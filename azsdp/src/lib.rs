@@ -40,6 +40,7 @@ pub mod process;
 pub mod protect;
 pub mod released_memory;
 pub mod sandbox;
+pub(crate) mod scm;
 pub mod sock_diag;
 pub mod stats;
 pub mod sync;

@@ -7,6 +7,8 @@
 //! azsdp-hostile squat PORT SECS        hold a listener's pairing name, answer and commit to everything
 //! azsdp-hostile lie PORT COOKIE SECS    offer to pair someone else's connection (by its socket cookie)
 //! azsdp-hostile flood PORT SECS IDLE    IDLE idle pairing connections, and bogus offers for SECS
+//! azsdp-hostile junk PORT COUNT         COUNT malformed messages with descriptors: half to the
+//!                                       pairing name, half to the bell of a pair made with it
 //! azsdp-hostile client PORT ATTACK      pair, then attack (see `client`)
 //! azsdp-hostile server PORT ATTACK SECS a listener that pairs with root clients, then attacks
 //! ```
@@ -100,6 +102,7 @@ fn main() {
             arg(&args, 4, "idle"),
             &mut r,
         ),
+        Some("junk") => junk(arg(&args, 2, "port"), arg(&args, 3, "count"), &mut r),
         Some("client") => client(
             arg(&args, 2, "port"),
             &arg::<String>(&args, 3, "attack"),
@@ -111,7 +114,7 @@ fn main() {
             arg(&args, 4, "secs"),
             &mut r,
         ),
-        _ => die("usage: azsdp-hostile squat|lie|flood|client|server ...".into()),
+        _ => die("usage: azsdp-hostile squat|lie|flood|junk|client|server ...".into()),
     }
     r.print();
 }
@@ -314,9 +317,13 @@ fn bell() -> std::sync::Arc<azsdp::driver::reactor::Reactor> {
     azsdp::driver::reactor::Reactor::get().unwrap_or_else(|e| die(e.to_string()))
 }
 
-/// Pair with the listener on `port` as an azsdp client would, but with
-/// whatever `tweak` does to the offer first. The TCP connection and our end.
-fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
+/// Offer to pair a new TCP connection to `port` as an azsdp client would,
+/// connect it, and take the listener's answer (its intro, identity, and
+/// descriptors: the accepted socket, then its bell).
+fn offer_and_answer(
+    port: u16,
+    r: &mut Report,
+) -> Result<(TcpStream, ShmOffer, Intro, azsdp::identity::Received), String> {
     let reg = registry(port).ok_or("no pairing name for that port")?;
     let (tcp, local_port) = bound_tcp();
     let cookie = sock_diag::cookie_of(tcp.as_fd()).map_err(|e| e.to_string())?;
@@ -332,6 +339,13 @@ fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
     let (a, answer) =
         recv_intro(reg.as_fd(), IntroKind::Answer, false).map_err(|e| e.to_string())?;
     r.answered = true;
+    Ok((tcp, offer, a, answer))
+}
+
+/// Pair with the listener on `port` as an azsdp client would. The TCP
+/// connection and our end.
+fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
+    let (tcp, offer, a, answer) = offer_and_answer(port, r)?;
     let deadline = Instant::now() + Duration::from_secs(5);
     while offer.agreement().load(Ordering::Acquire) != Agreement::COMMITTED {
         if Instant::now() > deadline {
@@ -705,6 +719,143 @@ fn flood(port: u16, secs: u64, idle: usize, r: &mut Report) {
             held.drain(idle..idle + 1000);
         }
     }
+}
+
+/// The shapes of [`junk`]'s messages: every way a message with descriptors
+/// can be wrong.
+const JUNK_SHAPES: usize = 9;
+
+/// Send one malformed message of shape `k` (mod [`JUNK_SHAPES`]) carrying
+/// descriptors on `sock`; `len` is the size the receiver expects.
+fn send_junk(sock: BorrowedFd<'_>, k: usize, len: usize, extra: BorrowedFd<'_>) -> bool {
+    use nix::sys::socket::{ControlMessage, MsgFlags, UnixCredentials, sendmsg};
+    let me = azsdp::identity::pidfd_open(std::process::id()).unwrap_or_else(|e| die(e.to_string()));
+    let init = azsdp::identity::pidfd_open(1).ok();
+    let creds = UnixCredentials::from(libc::ucred {
+        // SAFETY: plain system calls.
+        pid: unsafe { libc::getpid() },
+        // SAFETY: as above.
+        uid: unsafe { libc::geteuid() },
+        // SAFETY: as above.
+        gid: unsafe { libc::getegid() },
+    });
+    let mut body = vec![0xa5u8; len];
+    let good = &mut [0u8; INTRO_LEN];
+    offer_intro(1, 1, 1).emit(good);
+    body[..len.min(INTRO_LEN)].copy_from_slice(&good[..len.min(INTRO_LEN)]);
+    let many = |n: usize| {
+        let mut v = vec![me.as_raw_fd()];
+        v.resize(n, extra.as_raw_fd());
+        v
+    };
+    // (payload length, descriptors, with credentials)
+    let (size, fds, with_creds): (usize, Vec<i32>, bool) = match k % JUNK_SHAPES {
+        // One more descriptor than an identity message carries, then far more.
+        0 => (len, many(5), true),
+        1 => (len, many(64), true),
+        2 => (len, many(253), true),
+        // No credentials of our own (the kernel may add them).
+        3 => (len, many(2), false),
+        // Garbage in the payload.
+        4 => {
+            body.fill(0x5a);
+            (len, many(3), true)
+        }
+        // Half a message, and a longer one (truncated).
+        5 => (len / 2, many(3), true),
+        6 => {
+            body.resize(len + 100, 0x11);
+            (len + 100, many(3), true)
+        }
+        // The first descriptor is no pidfd of ours: another process's, or
+        // not a pidfd at all.
+        7 => {
+            let mut v = many(3);
+            v[0] = init.as_ref().map_or(extra.as_raw_fd(), |f| f.as_raw_fd());
+            (len, v, true)
+        }
+        _ => (len, vec![extra.as_raw_fd(); 3], true),
+    };
+    let mut cmsgs = vec![ControlMessage::ScmRights(&fds)];
+    if with_creds {
+        cmsgs.insert(0, ControlMessage::ScmCredentials(&creds));
+    }
+    let iov = [IoSlice::new(&body[..size])];
+    loop {
+        match sendmsg::<()>(
+            sock.as_raw_fd(),
+            &iov,
+            &cmsgs,
+            MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(_) => return true,
+            // A full bell: let the victim drain it.
+            Err(nix::Error::EAGAIN) => std::thread::sleep(Duration::from_millis(1)),
+            Err(_) => return false,
+        }
+    }
+}
+
+/// `count` malformed messages with descriptors, of every shape: half on
+/// pairing connections of their own (one message each, as a client's
+/// offer), half on the bell of a pair made honestly first.
+fn junk(port: u16, count: usize, r: &mut Report) {
+    let (extra, _keep) =
+        std::os::unix::net::UnixDatagram::pair().unwrap_or_else(|e| die(e.to_string()));
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    let to_registry = count / 2;
+    let mut held = std::collections::VecDeque::new();
+    let deadline = Instant::now() + Duration::from_secs(50);
+    for k in 0..to_registry {
+        let reg = loop {
+            match registry(port) {
+                Some(reg) => break reg,
+                None if Instant::now() < deadline => {
+                    // The listener's queue is full: let it take in what
+                    // is queued.
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                None => {
+                    r.note = format!("the pairing name refused us after {k} messages");
+                    return;
+                }
+            }
+        };
+        if send_junk(reg.as_fd(), k, INTRO_LEN, extra.as_fd()) {
+            r.offers += 1;
+        }
+        // Keep a few open (a listener reads a message before it sees the
+        // close), the rest go.
+        held.push_back(reg);
+        if held.len() > 64 {
+            held.pop_front();
+        }
+    }
+    drop(held);
+    // The bell: offer honestly, then ring the victim's bell (which its
+    // answer carries) with junk.
+    let (tcp, offer, _, answer) = match offer_and_answer(port, r) {
+        Ok(p) => p,
+        Err(e) => {
+            r.note = format!("no answer, so no bell: {e}");
+            return;
+        }
+    };
+    let Some(their_bell) = answer.fds.get(1) else {
+        r.note = "the answer carries no bell".into();
+        return;
+    };
+    // A mail: a token, then an intro's bytes.
+    let mail = 8 + INTRO_LEN;
+    for k in 0..count - to_registry {
+        if send_junk(their_bell.as_fd(), k, mail, extra.as_fd()) {
+            r.offers += 1;
+        }
+    }
+    drop(offer);
+    drop(tcp);
 }
 
 // ----- a hostile listener ---------------------------------------------------------

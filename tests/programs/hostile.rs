@@ -457,6 +457,79 @@ fn idle_and_flooding_registry_connections_keep_clients_served() {
     srv.p.kill();
 }
 
+/// The median of `n` runs of a plain client's connect-and-echo of 4 KiB.
+fn plain_echo_median(s: &Scratch, tag: &str, port: u16, n: usize) -> Duration {
+    let mut t: Vec<Duration> = (0..n)
+        .map(|i| served(s, &format!("{tag}-{i}"), false, port, 4 << 10).0)
+        .collect();
+    t.sort();
+    t[n / 2]
+}
+
+#[test]
+fn malformed_messages_with_descriptors_leak_none_and_delay_no_client() {
+    if !can_switch_user() {
+        return;
+    }
+    let s = Scratch::new("junk");
+    let p = port(146);
+    let mut srv = victim_server(&s, "server", p);
+    // Its first upgraded connection opens what a process opens once.
+    served(&s, "first", true, p, 4 << 10);
+    let base = fds_of(srv.pid);
+    let quiet = plain_echo_median(&s, "quiet", p, 5);
+    let mut junk = Background::start(true, &["junk", &p.to_string(), "10000"]);
+    let mut most = base;
+    let mut during = Vec::new();
+    while junk.p.child.try_wait().expect("try_wait").is_none() {
+        during.push(served(&s, &format!("during-{}", during.len()), false, p, 4 << 10).0);
+        most = most.max(fds_of(srv.pid));
+    }
+    let r = junk.report();
+    assert!(
+        r.flag("answered"),
+        "the junk never reached the bell: {}",
+        r.0
+    );
+    assert!(
+        r.count("offers") >= 9_000,
+        "the attacker sent too little: {}",
+        r.0
+    );
+    // The registry holds a bounded number of pending connections and
+    // offers per other user (each with up to three descriptors).
+    assert!(
+        most < base + 1100,
+        "the server held {most} descriptors (from {base})"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fds_of(srv.pid) > base && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        fds_of(srv.pid) <= base,
+        "10,000 malformed messages left {} descriptors (from {base})",
+        fds_of(srv.pid)
+    );
+    during.sort();
+    if !during.is_empty() {
+        let med = during[during.len() / 2];
+        // Twice the quiet time, and a little for a spawned client's
+        // scheduling on a host the attacker shares.
+        assert!(
+            med <= quiet * 2 + Duration::from_millis(25),
+            "plain clients took {med:?} (median of {}) under the junk, {quiet:?} without",
+            during.len()
+        );
+        eprintln!(
+            "junk: plain connect-and-echo {quiet:?} quiet, {med:?} under 10,000 malformed messages \
+             ({} clients); descriptors at most {most} (from {base})",
+            during.len()
+        );
+    }
+    srv.p.kill();
+}
+
 #[test]
 fn stat_files_live_in_a_checked_private_directory_and_go_at_exit() {
     let s = Scratch::new("statdir");

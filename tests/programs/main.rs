@@ -31,8 +31,8 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// stray-bytes (each plain, then azsdp); 134-135 runner-killed; 136
 /// redis (it shared 2 with execl before); 137-140 exit-after-send and
 /// _exit-after-send (plain, azsdp); 141-142 fork-idle-holder; 143-144
-/// close-range; 145 stopped peers; 160-161 exec-late-close; 146-159
-/// and 162-255 free.
+/// close-range; 145 stopped peers; 146 malformed messages with
+/// descriptors; 160-161 exec-late-close; 147-159 and 162-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
