@@ -32,9 +32,44 @@ use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 use crate::net;
 
-/// Registry connections taken in per pump (the rest wait in the kernel's
-/// queue for the next one).
-const ACCEPT_PER_PUMP: usize = 256;
+/// The registry's queue in the kernel. Today a client waits inside its
+/// `connect()` until its offer is read, so a short queue bounds that wait
+/// behind a flood (at [`IN_BACKGROUND`]'s pace, under half a second); a
+/// client that finds it full waits a moment for room, then stays on TCP.
+/// Honest clients queue one connection each while they connect, so only
+/// hundreds of clients connecting at the same instant find it full.
+const REGISTRY_BACKLOG: c_int = 256;
+
+/// How much registry work one pump may do: new pairing connections taken
+/// in, and messages read from those already taken.
+#[derive(Clone, Copy, Debug)]
+struct Budget {
+    accepts: usize,
+    reads: usize,
+}
+
+/// Within the program's `accept()`: more than the one pairing connection
+/// each client makes, so that honest clients' offers keep ahead of their
+/// TCP connections, and few enough that a flood of pairing connections
+/// costs `accept()` tens of microseconds (the rest waits in the kernel's
+/// queue for the stats thread).
+const IN_ACCEPT: Budget = Budget {
+    accepts: 4,
+    reads: 4,
+};
+
+/// Rounds of [`IN_ACCEPT`] one `accept()` may take while the queue is not
+/// flooded and this connection's offer is not in yet.
+const IN_ACCEPT_ROUNDS: usize = 16;
+
+/// From the stats thread, ten times a second, whether or not the program
+/// accepts: it keeps the queue moving and the offers bounded in time. Each
+/// refused connection costs a close, and a flood's closes free the memory
+/// its messages carry: bounded, they take a few percent of a core.
+const IN_BACKGROUND: Budget = Budget {
+    accepts: 64,
+    reads: 128,
+};
 
 /// A registry connection whose offer has not arrived yet.
 struct Waiting {
@@ -56,7 +91,56 @@ struct Offer {
     fds: Vec<OwnedFd>,
     page_size: u32,
     dst: SocketAddr,
+    /// The port and cookie of the client's TCP socket, as the client
+    /// claims them.
+    client_port: u16,
+    cookie: u64,
     since: Instant,
+}
+
+impl Batch {
+    /// Was the queue flooded: more left than a round takes in, and at
+    /// least half of what it took was refused or of no use? (An honest
+    /// burst fills the queue with offers that are taken up.)
+    fn flooded(&self) -> bool {
+        self.saturated && self.wasted * 2 >= self.taken
+    }
+
+    fn discard(&mut self, fds: impl IntoIterator<Item = OwnedFd>) {
+        self.wasted += 1;
+        if self.close_now {
+            fds.into_iter().for_each(drop);
+        } else {
+            self.doomed.extend(fds);
+        }
+    }
+}
+
+impl Offer {
+    /// Its descriptors, to close.
+    fn into_fds(self) -> impl Iterator<Item = OwnedFd> {
+        std::iter::once(self.stream).chain(self.fds)
+    }
+}
+
+/// What one round of [`Listener::take_in`] took in.
+#[derive(Default)]
+struct Batch {
+    /// Connections whose offer has not come yet.
+    waiting: Vec<Waiting>,
+    /// Offers that passed their format checks.
+    offers: Vec<Offer>,
+    /// Refused: to close outside the lock.
+    doomed: Vec<OwnedFd>,
+    /// Close what is refused at once instead (off the program's path:
+    /// the stats thread, which holds no lock meanwhile).
+    close_now: bool,
+    /// The budget ran out with more queued.
+    saturated: bool,
+    /// Pairing connections taken from the queue, and how many of them
+    /// were refused or said nothing of use.
+    taken: usize,
+    wasted: usize,
 }
 
 #[derive(Default)]
@@ -66,21 +150,111 @@ struct Pending {
     /// checked at accept). Several offers may claim one cookie: a lie
     /// cannot push the true one out.
     offers: HashMap<u64, Vec<Offer>>,
+    /// How many offers claim each client port: `accept()` looks a
+    /// connection up here first, and asks the kernel for its cookie only
+    /// when an offer may be its own.
+    ports: HashMap<u16, usize>,
+    /// Client ports of accepted connections that stayed on TCP while their
+    /// offer, if any, was still queued (behind a flood): an offer for one
+    /// of them that comes in later is closed at once, so that its client
+    /// goes on with TCP instead of waiting out `pair_timeout`.
+    on_tcp: HashMap<u16, Instant>,
+    /// What was refused or expired, closed by the stats thread outside the
+    /// lock: closing a flood's connections frees the memory their messages
+    /// carry, work that `accept()` should not do.
+    doomed: Vec<OwnedFd>,
+    /// The stats thread's last pump left connections queued: the queue
+    /// fills faster than it drains (a flood, or a burst of hundreds).
+    flooded: bool,
+    /// The stats thread is taking in without the lock: the users of the
+    /// waiting connections it took out, still counted against quotas.
+    taking_in: Option<Vec<u32>>,
+    /// The process that last called `accept()` on this listener, and when.
+    /// Only that process takes in new pairing connections in the
+    /// background: a parent that forked its workers, or a worker that
+    /// stopped accepting, would take the offers of connections another
+    /// process accepts, and those would stay on TCP.
+    last_accept: Option<(u32, Instant)>,
 }
 
 impl Pending {
     fn len(&self) -> usize {
-        self.waiting.len() + self.offers.values().map(Vec::len).sum::<usize>()
+        self.waiting.len()
+            + self.offers.values().map(Vec::len).sum::<usize>()
+            + self.taking_in.as_ref().map_or(0, Vec::len)
     }
 
-    fn of_user(&self, uid: u32) -> usize {
-        self.waiting.iter().filter(|w| w.uid == uid).count()
-            + self
-                .offers
-                .values()
-                .flatten()
-                .filter(|o| o.uid == uid)
-                .count()
+    /// Drop (to [`Pending::doomed`]) what is older than `expiry`.
+    fn expire(&mut self, expiry: Duration) {
+        let now = Instant::now();
+        let expired = self
+            .waiting
+            .extract_if(.., |w| now.duration_since(w.since) >= expiry);
+        let expired: Vec<OwnedFd> = expired.map(|w| w.stream).collect();
+        self.doomed.extend(expired);
+        let mut old = Vec::new();
+        for v in self.offers.values_mut() {
+            old.extend(v.extract_if(.., |o| now.duration_since(o.since) >= expiry));
+        }
+        if !old.is_empty() {
+            self.offers.retain(|_, v| !v.is_empty());
+            for o in old {
+                self.unclaim(o.client_port);
+                self.doomed.extend(o.into_fds());
+            }
+        }
+        self.on_tcp
+            .retain(|_, since| now.duration_since(*since) < expiry);
+    }
+
+    /// Put back what [`Listener::take_in`] took in (its admissions were
+    /// counted against what was held when its `waiting` was taken out).
+    fn merge(&mut self, b: Batch, addr: SocketAddr) {
+        self.waiting.extend(b.waiting);
+        self.doomed.extend(b.doomed);
+        for o in b.offers {
+            if self.on_tcp.contains_key(&o.client_port) {
+                debug!(
+                    "listener {addr}: an offer came after its connection was accepted on TCP; closed"
+                );
+                self.doomed.extend(o.into_fds());
+            } else {
+                *self.ports.entry(o.client_port).or_default() += 1;
+                self.offers.entry(o.cookie).or_default().push(o);
+            }
+        }
+    }
+
+    /// The offers that claim `cookie`, no longer held.
+    fn take_cookie(&mut self, cookie: u64) -> Vec<Offer> {
+        let v = self.offers.remove(&cookie).unwrap_or_default();
+        for o in &v {
+            self.unclaim(o.client_port);
+        }
+        v
+    }
+
+    fn unclaim(&mut self, port: u16) {
+        if let Some(n) = self.ports.get_mut(&port) {
+            *n -= 1;
+            if *n == 0 {
+                self.ports.remove(&port);
+            }
+        }
+    }
+
+    /// How many of each user's connections and offers are held.
+    fn counts(&self) -> HashMap<u32, usize> {
+        let mut c = HashMap::new();
+        let uids = self.waiting.iter().map(|w| w.uid);
+        let taken = self.taking_in.iter().flatten().copied();
+        for uid in uids
+            .chain(self.offers.values().flatten().map(|o| o.uid))
+            .chain(taken)
+        {
+            *c.entry(uid).or_default() += 1;
+        }
+        c
     }
 }
 
@@ -111,9 +285,9 @@ impl Limits {
         }
     }
 
-    fn admits(&self, p: &Pending, uid: u32) -> bool {
-        p.len() < self.total
-            && (uid == self.own_uid || uid == 0 || p.of_user(uid) < self.per_other_user)
+    /// May one more be held, with `held` in all and `of_user` of `uid`'s?
+    fn admits(&self, held: usize, of_user: usize, uid: u32) -> bool {
+        held < self.total && (uid == self.own_uid || uid == 0 || of_user < self.per_other_user)
     }
 }
 
@@ -201,6 +375,37 @@ pub fn peer_cred(fd: &impl AsRawFd) -> Option<(u32, u32)> {
     (r == 0).then_some((cred.pid as u32, cred.uid))
 }
 
+/// Split `waiting` into up to `most` connections that have something to
+/// read (a message, or the close) and the rest, with one `poll`.
+fn readable_first(waiting: Vec<Waiting>, most: usize) -> (Vec<Waiting>, Vec<Waiting>) {
+    if waiting.is_empty() || most == 0 {
+        return (Vec::new(), waiting);
+    }
+    let mut fds: Vec<libc::pollfd> = waiting
+        .iter()
+        .map(|w| libc::pollfd {
+            fd: w.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: poll over our own array of pollfds, with no wait.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+    if n <= 0 {
+        return (Vec::new(), waiting);
+    }
+    let mut ready = Vec::new();
+    let mut idle = Vec::with_capacity(waiting.len());
+    for (w, f) in waiting.into_iter().zip(&fds) {
+        if f.revents != 0 && ready.len() < most {
+            ready.push(w);
+        } else {
+            idle.push(w);
+        }
+    }
+    (ready, idle)
+}
+
 /// Who holds the registry name `name` (a squatter, or another listener).
 fn holder_of(name: &str) -> Option<(u32, u32)> {
     let (a, len) = abstract_addr(name)?;
@@ -232,7 +437,7 @@ impl Listener {
             if crate::real::bind(sock.as_raw_fd(), (&raw const a).cast(), len) != 0 {
                 -1
             } else {
-                crate::real::listen(sock.as_raw_fd(), libc::SOMAXCONN)
+                crate::real::listen(sock.as_raw_fd(), REGISTRY_BACKLOG)
             }
         };
         if r != 0 {
@@ -268,20 +473,28 @@ impl Listener {
         }))
     }
 
-    /// Take in, without waiting, what clients sent: new registry
-    /// connections (up to [`ACCEPT_PER_PUMP`], within the quotas) and the
-    /// offers that have arrived on those already taken. Drops what expired.
-    /// Whether the registry's queue may hold more.
-    fn pump(&self, p: &mut Pending) -> bool {
+    /// Take in, without waiting and within `budget`, what clients sent: new
+    /// registry connections (within the quotas) and the offers that have
+    /// arrived on those already `waiting` (only the readable ones are
+    /// read). Needs no lock: `held` and `counts` are what `Pending` held
+    /// when `waiting` was taken out of it.
+    fn take_in(
+        &self,
+        waiting: Vec<Waiting>,
+        mut counts: HashMap<u32, usize>,
+        held: usize,
+        budget: Budget,
+        close_now: bool,
+    ) -> Batch {
         let now = Instant::now();
-        let expiry = self.expiry;
-        p.waiting.retain(|w| now.duration_since(w.since) < expiry);
-        p.offers.retain(|_, v| {
-            v.retain(|o| now.duration_since(o.since) < expiry);
-            !v.is_empty()
-        });
-        let mut saturated = true;
-        for _ in 0..ACCEPT_PER_PUMP {
+        let mut b = Batch {
+            // Until the queue is found empty (unknown with no accepts).
+            saturated: budget.accepts > 0,
+            close_now,
+            ..Batch::default()
+        };
+        let mut fresh = Vec::new();
+        for _ in 0..budget.accepts {
             // SAFETY: accept4 on our registry socket, without an address.
             let fd = unsafe {
                 crate::real::accept4(
@@ -293,84 +506,146 @@ impl Listener {
             };
             if fd < 0 {
                 // Nothing queued, or no descriptor to spare: next time.
-                saturated = false;
+                b.saturated = false;
                 break;
             }
             // SAFETY: a new descriptor we own.
             let stream = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+            b.taken += 1;
             let Some((pid, uid)) = peer_cred(&stream) else {
+                b.discard([stream]);
                 continue;
             };
-            if !self.limits.admits(p, uid) {
+            let mine = counts.entry(uid).or_default();
+            if !self.limits.admits(held + fresh.len(), *mine, uid) {
                 debug!(
                     "listener {}: refused a pairing connection from pid {pid} uid {uid}: \
                      {} pending, {} of that user (limits {} in all, {} per other user)",
                     self.addr,
-                    p.len(),
-                    p.of_user(uid),
+                    held + fresh.len(),
+                    *mine,
                     self.limits.total,
                     self.limits.per_other_user
                 );
+                b.discard([stream]);
                 continue;
             }
-            p.waiting.push(Waiting {
+            *mine += 1;
+            fresh.push(Waiting {
                 stream,
                 uid,
                 since: now,
             });
         }
-        for w in std::mem::take(&mut p.waiting) {
+        // A new connection's offer is usually queued already (a client
+        // sends it right after connecting): read those at once; of the
+        // older ones, only what poll says is readable.
+        let (readable, idle) = readable_first(waiting, budget.reads);
+        b.waiting = idle;
+        for w in fresh.into_iter().chain(readable) {
             match recv_intro(w.stream.as_fd(), IntroKind::Offer, true) {
                 Ok((intro, r)) => {
-                    let (Some(target), false) = (intro.pair, r.fds.is_empty()) else {
-                        debug!(
-                            "listener {}: an offer without its connection or segment",
-                            self.addr
-                        );
-                        continue;
+                    let why = match intro.pair {
+                        _ if r.fds.is_empty() => "carries no segment",
+                        None => "names no connection",
+                        Some(t) if t.dst.port() != self.addr.port() => "is for another port",
+                        Some(target) => {
+                            b.offers.push(Offer {
+                                stream: w.stream,
+                                peer: r.peer,
+                                uid: w.uid,
+                                fds: r.fds,
+                                page_size: intro.page_size,
+                                dst: target.dst,
+                                client_port: target.client_port,
+                                cookie: target.cookie,
+                                since: w.since,
+                            });
+                            continue;
+                        }
                     };
-                    if target.dst.port() != self.addr.port() {
-                        debug!(
-                            "listener {}: an offer for {} is not ours",
-                            self.addr, target.dst
-                        );
-                        continue;
-                    }
-                    p.offers.entry(target.cookie).or_default().push(Offer {
-                        stream: w.stream,
-                        peer: r.peer,
-                        uid: w.uid,
-                        fds: r.fds,
-                        page_size: intro.page_size,
-                        dst: target.dst,
-                        since: w.since,
-                    });
+                    debug!("listener {}: an offer that {why}; closed", self.addr);
+                    b.discard(std::iter::once(w.stream).chain(r.fds));
                 }
-                Err(e) if e.would_block() => p.waiting.push(w),
-                Err(e) => debug!("listener {}: dropped a pairing message: {e}", self.addr),
+                Err(e) if e.would_block() => b.waiting.push(w),
+                Err(e) => {
+                    debug!("listener {}: dropped a pairing message: {e}", self.addr);
+                    b.discard([w.stream]);
+                }
             }
         }
+        b
+    }
+
+    /// [`Listener::take_in`] with the lock held throughout (the program's
+    /// `accept()`, which must see what it takes in). Whether the registry's
+    /// queue may hold more; a round that finds it flooded says so in
+    /// [`Pending::flooded`].
+    fn pump(&self, p: &mut Pending, budget: Budget) -> bool {
+        p.expire(self.expiry);
+        let (counts, held) = (p.counts(), p.len());
+        let waiting = std::mem::take(&mut p.waiting);
+        let b = self.take_in(waiting, counts, held, budget, false);
+        let saturated = b.saturated;
+        p.flooded |= b.flooded();
+        p.merge(b, self.addr);
         saturated
     }
 
-    /// Take in what arrived and drop what expired, without waiting for the
-    /// lock (the stats thread calls this ten times a second, so that a
-    /// listener whose program is slow to accept keeps its registry queue
-    /// moving and its offers bounded in time).
+    /// Take in what arrived and drop what expired (the stats thread calls
+    /// this ten times a second, so that a listener whose program is slow to
+    /// accept keeps its registry queue moving and its offers bounded in
+    /// time). In a flood, the lock is held only to take out and put back,
+    /// never across a system call, so the program's `accept()` never waits
+    /// for this; otherwise a round is short and holds it throughout, so
+    /// that `accept()` always sees every offer taken in.
     pub fn maintain(&self) {
-        if let Some(mut p) = self.pending.try_lock() {
-            let _ = self.pump(&mut p);
+        let Some(mut p) = self.pending.try_lock() else {
+            return;
+        };
+        p.expire(self.expiry);
+        let accepting = p.last_accept.is_some_and(|(pid, at)| {
+            pid == azsdp::process::pid() && at.elapsed() < Duration::from_secs(1)
+        });
+        let budget = Budget {
+            accepts: if accepting { IN_BACKGROUND.accepts } else { 0 },
+            ..IN_BACKGROUND
+        };
+        if !p.flooded {
+            let (counts, held) = (p.counts(), p.len());
+            let waiting = std::mem::take(&mut p.waiting);
+            let b = self.take_in(waiting, counts, held, budget, false);
+            p.flooded = b.flooded();
+            p.merge(b, self.addr);
+            let doomed = std::mem::take(&mut p.doomed);
+            drop(p);
+            drop(doomed);
+            return;
         }
+        let (counts, held) = (p.counts(), p.len());
+        let waiting = std::mem::take(&mut p.waiting);
+        p.taking_in = Some(waiting.iter().map(|w| w.uid).collect());
+        let doomed = std::mem::take(&mut p.doomed);
+        drop(p);
+        drop(doomed);
+        let b = self.take_in(waiting, counts, held, budget, true);
+        let mut p = self.pending.lock();
+        p.flooded = b.flooded();
+        p.taking_in = None;
+        p.merge(b, self.addr);
     }
 
     /// The offer for the connection whose client end is `far` (as the
-    /// kernel describes it), if one is true: it claims that socket's
-    /// cookie, and its sender is the user the kernel says owns the socket.
+    /// kernel describes it), if one is true: it claims that socket's port
+    /// and cookie, and its sender is the user the kernel says owns the
+    /// socket. Every other offer that claims the cookie is a lie.
     fn take_offer(&self, p: &mut Pending, far: &sock_diag::TcpSocket) -> Option<Offer> {
-        let v = p.offers.get_mut(&far.cookie)?;
-        let i = v.iter().position(|o| o.peer.uid() == far.uid);
+        let mut v = p.take_cookie(far.cookie);
+        let i = v
+            .iter()
+            .position(|o| o.client_port == far.local.port() && o.peer.uid() == far.uid);
         let offer = i.map(|i| v.remove(i));
-        for liar in v.drain(..) {
+        for liar in v {
             warning!(
                 "listener {}: pid {} (uid {}) offered to pair the connection of {} (uid {}); refused",
                 self.addr,
@@ -379,8 +654,8 @@ impl Listener {
                 far.local,
                 far.uid
             );
+            p.doomed.extend(liar.into_fds());
         }
-        p.offers.remove(&far.cookie);
         offer
     }
 
@@ -409,8 +684,36 @@ impl Listener {
         }
         let offer = {
             let mut p = self.pending.lock();
-            let mut more = self.pump(&mut p);
-            if p.offers.is_empty() && !more {
+            p.last_accept = Some((azsdp::process::pid(), Instant::now()));
+            // A client's offer is queued before its TCP connection exists,
+            // so it is usually in by now (taken in by an earlier accept(),
+            // or by this one's few reads). While the queue is flooded,
+            // accept() reads none: the stats thread drains the flood, this
+            // connection stays on TCP, and its offer is closed when it
+            // comes in, so that its client stops waiting.
+            let mut more = false;
+            if !p.flooded {
+                // In an honest burst the queue may hold many offers ahead
+                // of this one, each wanted by a later accept(): take them
+                // in, a few at a time, while this one is not among them.
+                for _ in 0..IN_ACCEPT_ROUNDS {
+                    more = self.pump(&mut p, IN_ACCEPT);
+                    if !more || p.flooded || p.ports.contains_key(&peer.port()) {
+                        break;
+                    }
+                }
+            }
+            if !p.ports.contains_key(&peer.port()) {
+                // Its offer may be queued still, or in the stats thread's
+                // hands: if it comes, it is closed.
+                let unseen = more || p.flooded || p.taking_in.is_some();
+                if unseen && p.on_tcp.len() < self.limits.total {
+                    debug!(
+                        "{local} <- {peer}: its offer, if any, is still queued behind others; \
+                         the connection stays on TCP"
+                    );
+                    p.on_tcp.insert(peer.port(), Instant::now());
+                }
                 return Err(TcpReason::PeerNotAzsdp);
             }
             // The client end of this connection, as the kernel knows it.
@@ -422,18 +725,7 @@ impl Listener {
                     return Err(TcpReason::PeerUnverified);
                 }
             };
-            let mut offer = self.take_offer(&mut p, &far);
-            // A client's offer is queued before its TCP connection exists:
-            // if the queue was too long to take in at once (a flood), take
-            // in what was queued before this connection (at most a full
-            // backlog) and look again.
-            let mut rounds = libc::SOMAXCONN as usize / ACCEPT_PER_PUMP + 1;
-            while offer.is_none() && more && rounds > 0 {
-                more = self.pump(&mut p);
-                rounds -= 1;
-                offer = self.take_offer(&mut p, &far);
-            }
-            offer
+            self.take_offer(&mut p, &far)
         };
         let Some(offer) = offer else {
             return Err(TcpReason::PeerNotAzsdp);

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! azsdp-hostile squat PORT SECS        hold a listener's pairing name, answer and commit to everything
-//! azsdp-hostile lie PORT COOKIE SECS    offer to pair someone else's connection (by its socket cookie)
+//! azsdp-hostile lie PORT COOKIE SECS CPORT  offer to pair someone else's connection (its cookie
+//!                                       and port)
 //! azsdp-hostile flood PORT SECS IDLE    IDLE idle pairing connections, and bogus offers for SECS
 //! azsdp-hostile junk PORT COUNT         COUNT malformed messages with descriptors: half to the
 //!                                       pairing name, half to the bell of a pair made with it
@@ -94,6 +95,7 @@ fn main() {
             arg(&args, 2, "port"),
             arg(&args, 3, "cookie"),
             arg(&args, 4, "secs"),
+            arg(&args, 5, "client port"),
             &mut r,
         ),
         Some("flood") => flood(
@@ -153,8 +155,24 @@ fn registry(port: u16) -> Option<OwnedFd> {
     registry_candidates(dst).into_iter().find_map(|name| {
         let s = seqpacket(false);
         let (a, len) = abstract_addr(&name);
-        // SAFETY: connect our socket to our own address.
-        let r = unsafe { libc::connect(s.as_raw_fd(), (&raw const a).cast(), len) };
+        // A full queue (the listener takes in at its own pace) holds a
+        // blocking connect: wait for room 200 ms at most, then go on.
+        let t = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 200_000,
+        };
+        // SAFETY: a send timeout on our own socket, then connect it to our
+        // own address.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                (&raw const t).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            );
+            libc::connect(s.as_raw_fd(), (&raw const a).cast(), len)
+        };
         (r == 0).then_some(s)
     })
 }
@@ -664,13 +682,13 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
 
 /// Offer to pair the connection whose client socket has `cookie` (someone
 /// else's), and wait `secs` for an answer.
-fn lie(port: u16, cookie: u64, secs: u64, r: &mut Report) {
+fn lie(port: u16, cookie: u64, secs: u64, client_port: u16, r: &mut Report) {
     let Some(reg) = registry(port) else {
         r.note = "no pairing name".into();
         return;
     };
     let offer = ShmOffer::new(ShmParams::default()).unwrap_or_else(|e| die(e.to_string()));
-    let intro = offer_intro(port, 1, cookie);
+    let intro = offer_intro(port, client_port, cookie);
     let reactor = bell();
     send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false)
         .unwrap_or_else(|e| die(e.to_string()));
@@ -726,8 +744,15 @@ fn flood(port: u16, secs: u64, idle: usize, r: &mut Report) {
 const JUNK_SHAPES: usize = 9;
 
 /// Send one malformed message of shape `k` (mod [`JUNK_SHAPES`]) carrying
-/// descriptors on `sock`; `len` is the size the receiver expects.
-fn send_junk(sock: BorrowedFd<'_>, k: usize, len: usize, extra: BorrowedFd<'_>) -> bool {
+/// descriptors on `sock`; `len` is the size the receiver expects. Waits
+/// for room until `deadline`.
+fn send_junk(
+    sock: BorrowedFd<'_>,
+    k: usize,
+    len: usize,
+    extra: BorrowedFd<'_>,
+    deadline: Instant,
+) -> bool {
     use nix::sys::socket::{ControlMessage, MsgFlags, UnixCredentials, sendmsg};
     let me = azsdp::identity::pidfd_open(std::process::id()).unwrap_or_else(|e| die(e.to_string()));
     let init = azsdp::identity::pidfd_open(1).ok();
@@ -790,8 +815,11 @@ fn send_junk(sock: BorrowedFd<'_>, k: usize, len: usize, extra: BorrowedFd<'_>) 
             None,
         ) {
             Ok(_) => return true,
-            // A full bell: let the victim drain it.
-            Err(nix::Error::EAGAIN) => std::thread::sleep(Duration::from_millis(1)),
+            // A full bell, or too many of our descriptors in flight (the
+            // kernel's limit per sender): let the victim take them in.
+            Err(nix::Error::EAGAIN | nix::Error::ETOOMANYREFS) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
             Err(_) => return false,
         }
     }
@@ -823,7 +851,7 @@ fn junk(port: u16, count: usize, r: &mut Report) {
                 }
             }
         };
-        if send_junk(reg.as_fd(), k, INTRO_LEN, extra.as_fd()) {
+        if send_junk(reg.as_fd(), k, INTRO_LEN, extra.as_fd(), deadline) {
             r.offers += 1;
         }
         // Keep a few open (a listener reads a message before it sees the
@@ -836,11 +864,16 @@ fn junk(port: u16, count: usize, r: &mut Report) {
     drop(held);
     // The bell: offer honestly, then ring the victim's bell (which its
     // answer carries) with junk.
-    let (tcp, offer, _, answer) = match offer_and_answer(port, r) {
-        Ok(p) => p,
-        Err(e) => {
-            r.note = format!("no answer, so no bell: {e}");
-            return;
+    let (tcp, offer, _, answer) = loop {
+        match offer_and_answer(port, r) {
+            Ok(p) => break p,
+            // Our junk's descriptors still in flight, or the victim still
+            // taking in the junk (and refusing offers meanwhile): wait.
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => {
+                r.note = format!("no answer, so no bell: {e}");
+                return;
+            }
         }
     };
     let Some(their_bell) = answer.fds.get(1) else {
@@ -850,7 +883,7 @@ fn junk(port: u16, count: usize, r: &mut Report) {
     // A mail: a token, then an intro's bytes.
     let mail = 8 + INTRO_LEN;
     for k in 0..count - to_registry {
-        if send_junk(their_bell.as_fd(), k, mail, extra.as_fd()) {
+        if send_junk(their_bell.as_fd(), k, mail, extra.as_fd(), deadline) {
             r.offers += 1;
         }
     }
