@@ -2,7 +2,9 @@
 //! holder counts as inside azsdp so that the memory hooks (which run inside
 //! any allocation, ours included) let it pass instead of re-entering. A bare
 //! `std::sync` mutex held across an allocation froze processes at about 130
-//! connections; this test keeps the whole class out.
+//! connections; this test keeps the whole class out. (And two more
+//! classes of the same kind below: threads started without blocking
+//! signals, descriptors received without owning them.)
 
 use std::path::{Path, PathBuf};
 
@@ -196,4 +198,43 @@ fn the_socket_beneath_is_reached_by_raw_system_calls_only() {
         "beneath.rs calls libc's hooked {calls:?}: use libc::syscall"
     );
     assert!(code.contains("libc::syscall("), "the raw calls are there");
+}
+
+/// Every message azsdp receives with control data goes through
+/// `azsdp::scm`, which owns every descriptor the kernel installed before
+/// anything looks at the message: a parser that gives up first (nix's
+/// `cmsgs()` on a truncated message) leaked a local attacker's descriptors
+/// into root servers for good.
+#[test]
+fn every_descriptor_received_is_owned() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for dir in ["azsdp/src", "azsdp/proto/src", "shim/src", "daemon/src"] {
+        sources(&root.join(dir), &mut files);
+    }
+    let mut found = Vec::new();
+    for f in &files {
+        if f.ends_with("azsdp/src/scm.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(f).expect("read source");
+        let text = text.split("#[cfg(test)]").next().unwrap_or("");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            // (The shim's `real::recvmsg` is the program's own call.)
+            if code.contains(".cmsgs(")
+                || code.contains("ControlMessageOwned")
+                || code.contains("libc::recvmsg")
+                || code.contains("socket::recvmsg")
+                || code.contains("recvmsg::<")
+            {
+                found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "receive control data with azsdp::scm::recv:\n{}",
+        found.join("\n")
+    );
 }
