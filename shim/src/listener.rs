@@ -58,6 +58,17 @@ const IN_ACCEPT: Budget = Budget {
     reads: 4,
 };
 
+/// Refused or useless connections and messages in one round of the stats
+/// thread before it calls the queue flooded (more than a round of
+/// [`IN_ACCEPT`] can see: only the stats thread decides).
+const FLOOD_WASTE: usize = 16;
+
+/// Refused descriptors kept for the stats thread to close, at most.
+const DOOMED_MOST: usize = 128;
+
+/// How long a flood found by one round counts.
+const FLOODED_FOR: Duration = Duration::from_secs(1);
+
 /// Rounds of [`IN_ACCEPT`] one `accept()` may take while the queue is not
 /// flooded and this connection's offer is not in yet.
 const IN_ACCEPT_ROUNDS: usize = 16;
@@ -100,10 +111,11 @@ struct Offer {
 
 impl Batch {
     /// Was the queue flooded: more left than a round takes in, and at
-    /// least half of what it took was refused or of no use? (An honest
-    /// burst fills the queue with offers that are taken up.)
+    /// least half of what it took, and at least [`FLOOD_WASTE`], refused or
+    /// of no use? (An honest burst fills the queue with offers that are
+    /// taken up; a few stray messages are no flood.)
     fn flooded(&self) -> bool {
-        self.saturated && self.wasted * 2 >= self.taken
+        self.saturated && self.wasted >= FLOOD_WASTE && self.wasted * 2 >= self.taken
     }
 
     fn discard(&mut self, fds: impl IntoIterator<Item = OwnedFd>) {
@@ -163,9 +175,8 @@ struct Pending {
     /// lock: closing a flood's connections frees the memory their messages
     /// carry, work that `accept()` should not do.
     doomed: Vec<OwnedFd>,
-    /// The stats thread's last pump left connections queued: the queue
-    /// fills faster than it drains (a flood, or a burst of hundreds).
-    flooded: bool,
+    /// Until when the queue counts as flooded (see [`Batch::flooded`]).
+    flooded_until: Option<Instant>,
     /// The stats thread is taking in without the lock: the users of the
     /// waiting connections it took out, still counted against quotas.
     taking_in: Option<Vec<u32>>,
@@ -182,6 +193,21 @@ impl Pending {
         self.waiting.len()
             + self.offers.values().map(Vec::len).sum::<usize>()
             + self.taking_in.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Is the queue flooded (a round of the stats thread found it so
+    /// within the last [`FLOODED_FOR`])?
+    fn flooded(&self) -> bool {
+        self.flooded_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// What a round of the stats thread says of the queue: flooded for
+    /// [`FLOODED_FOR`] from a round that finds it so (a flood's pace varies:
+    /// a round that happens to drain it does not end it).
+    fn note_round(&mut self, b: &Batch) {
+        if b.flooded() {
+            self.flooded_until = Some(Instant::now() + FLOODED_FOR);
+        }
     }
 
     /// Drop (to [`Pending::doomed`]) what is older than `expiry`.
@@ -212,6 +238,11 @@ impl Pending {
     fn merge(&mut self, b: Batch, addr: SocketAddr) {
         self.waiting.extend(b.waiting);
         self.doomed.extend(b.doomed);
+        if self.doomed.len() > DOOMED_MOST {
+            // The stats thread is late (a loaded host): close the excess
+            // here rather than let a flood hold descriptors.
+            self.doomed.truncate(DOOMED_MOST);
+        }
         for o in b.offers {
             if self.on_tcp.contains_key(&o.client_port) {
                 debug!(
@@ -579,15 +610,13 @@ impl Listener {
 
     /// [`Listener::take_in`] with the lock held throughout (the program's
     /// `accept()`, which must see what it takes in). Whether the registry's
-    /// queue may hold more; a round that finds it flooded says so in
-    /// [`Pending::flooded`].
+    /// queue may hold more.
     fn pump(&self, p: &mut Pending, budget: Budget) -> bool {
         p.expire(self.expiry);
         let (counts, held) = (p.counts(), p.len());
         let waiting = std::mem::take(&mut p.waiting);
         let b = self.take_in(waiting, counts, held, budget, false);
         let saturated = b.saturated;
-        p.flooded |= b.flooded();
         p.merge(b, self.addr);
         saturated
     }
@@ -611,11 +640,11 @@ impl Listener {
             accepts: if accepting { IN_BACKGROUND.accepts } else { 0 },
             ..IN_BACKGROUND
         };
-        if !p.flooded {
+        if !p.flooded() {
             let (counts, held) = (p.counts(), p.len());
             let waiting = std::mem::take(&mut p.waiting);
             let b = self.take_in(waiting, counts, held, budget, false);
-            p.flooded = b.flooded();
+            p.note_round(&b);
             p.merge(b, self.addr);
             let doomed = std::mem::take(&mut p.doomed);
             drop(p);
@@ -630,7 +659,7 @@ impl Listener {
         drop(doomed);
         let b = self.take_in(waiting, counts, held, budget, true);
         let mut p = self.pending.lock();
-        p.flooded = b.flooded();
+        p.note_round(&b);
         p.taking_in = None;
         p.merge(b, self.addr);
     }
@@ -692,13 +721,14 @@ impl Listener {
             // connection stays on TCP, and its offer is closed when it
             // comes in, so that its client stops waiting.
             let mut more = false;
-            if !p.flooded {
+            let flooded = p.flooded();
+            if !flooded {
                 // In an honest burst the queue may hold many offers ahead
                 // of this one, each wanted by a later accept(): take them
                 // in, a few at a time, while this one is not among them.
                 for _ in 0..IN_ACCEPT_ROUNDS {
                     more = self.pump(&mut p, IN_ACCEPT);
-                    if !more || p.flooded || p.ports.contains_key(&peer.port()) {
+                    if !more || p.ports.contains_key(&peer.port()) {
                         break;
                     }
                 }
@@ -706,7 +736,7 @@ impl Listener {
             if !p.ports.contains_key(&peer.port()) {
                 // Its offer may be queued still, or in the stats thread's
                 // hands: if it comes, it is closed.
-                let unseen = more || p.flooded || p.taking_in.is_some();
+                let unseen = more || flooded || p.taking_in.is_some();
                 if unseen && p.on_tcp.len() < self.limits.total {
                     debug!(
                         "{local} <- {peer}: its offer, if any, is still queued behind others; \
