@@ -233,16 +233,19 @@ impl Pending {
             .retain(|_, since| now.duration_since(*since) < expiry);
     }
 
+    /// Take the waiting connections out for [`Listener::take_in`], with
+    /// what is held in all and per user counted before (they still count
+    /// against the quotas while out).
+    fn take_waiting(&mut self) -> (Vec<Waiting>, HashMap<u32, usize>, usize) {
+        let (counts, held) = (self.counts(), self.len());
+        (std::mem::take(&mut self.waiting), counts, held)
+    }
+
     /// Put back what [`Listener::take_in`] took in (its admissions were
     /// counted against what was held when its `waiting` was taken out).
     fn merge(&mut self, b: Batch, addr: SocketAddr) {
         self.waiting.extend(b.waiting);
         self.doomed.extend(b.doomed);
-        if self.doomed.len() > DOOMED_MOST {
-            // The stats thread is late (a loaded host): close the excess
-            // here rather than let a flood hold descriptors.
-            self.doomed.truncate(DOOMED_MOST);
-        }
         for o in b.offers {
             if self.on_tcp.contains_key(&o.client_port) {
                 debug!(
@@ -253,6 +256,11 @@ impl Pending {
                 *self.ports.entry(o.client_port).or_default() += 1;
                 self.offers.entry(o.cookie).or_default().push(o);
             }
+        }
+        if self.doomed.len() > DOOMED_MOST {
+            // The stats thread is late (a loaded host): close the excess
+            // here rather than let a flood hold descriptors.
+            self.doomed.truncate(DOOMED_MOST);
         }
     }
 
@@ -613,8 +621,7 @@ impl Listener {
     /// queue may hold more.
     fn pump(&self, p: &mut Pending, budget: Budget) -> bool {
         p.expire(self.expiry);
-        let (counts, held) = (p.counts(), p.len());
-        let waiting = std::mem::take(&mut p.waiting);
+        let (waiting, counts, held) = p.take_waiting();
         let b = self.take_in(waiting, counts, held, budget, false);
         let saturated = b.saturated;
         p.merge(b, self.addr);
@@ -641,8 +648,7 @@ impl Listener {
             ..IN_BACKGROUND
         };
         if !p.flooded() {
-            let (counts, held) = (p.counts(), p.len());
-            let waiting = std::mem::take(&mut p.waiting);
+            let (waiting, counts, held) = p.take_waiting();
             let b = self.take_in(waiting, counts, held, budget, false);
             p.note_round(&b);
             p.merge(b, self.addr);
@@ -651,8 +657,7 @@ impl Listener {
             drop(doomed);
             return;
         }
-        let (counts, held) = (p.counts(), p.len());
-        let waiting = std::mem::take(&mut p.waiting);
+        let (waiting, counts, held) = p.take_waiting();
         p.taking_in = Some(waiting.iter().map(|w| w.uid).collect());
         let doomed = std::mem::take(&mut p.doomed);
         drop(p);
