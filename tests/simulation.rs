@@ -44,8 +44,8 @@ fn thousands_of_seeds_hold_every_invariant() {
         summary.failures.len()
     );
     println!(
-        "{n} seeds, 0 failures; {} engines parked across an exec, {} execs moved onto TCP instead",
-        summary.parked, summary.park_fallbacks
+        "{n} seeds, 0 failures; {} engines parked across an exec, {} execs moved onto TCP instead, {} connections joined from TCP",
+        summary.parked, summary.park_fallbacks, summary.joined
     );
 }
 
@@ -79,6 +79,12 @@ fn seeds_exercise_every_mechanism() {
         ("aborted connections", summary.aborted),
         ("switches to TCP", summary.switched),
         ("engines parked across an exec", summary.parked),
+        ("connections joined from TCP", summary.joined),
+        ("bytes sent on TCP before a join", t.tcp_sent_before_join),
+        (
+            "bytes taken from TCP before a join",
+            t.tcp_received_before_join,
+        ),
         (
             "bytes copied because they were small",
             t.copied(azsdp::conn::CopyReason::Small),

@@ -145,6 +145,10 @@ fn main() {
             t.recoveries,
             t.cancels_sent
         );
+        println!(
+            "  {} connections joined from TCP ({} B sent and {} B taken there first); {} switched to TCP",
+            summary.joined, t.tcp_sent_before_join, t.tcp_received_before_join, summary.switched
+        );
         let shown = failures.first().map_or(args.first, |f| f.seed);
         print_report(&run_seed(shown, false), false);
     }

@@ -42,9 +42,16 @@ fn drive(c: &mut Connection, mem: &mut FlatMemory) {
 fuzz_target!(|data: &[u8]| {
     let mut mem = FlatMemory::new(1 << 20);
     let t = Timestamp::ZERO;
-    let mut c = Connection::new(cfg(Role::Server), t);
-    // Half the inputs start from an established connection with work in flight.
+    // Half the inputs start from an established connection with work in
+    // flight; half begin on TCP (JOIN's rules), and join half the time.
     let established = data.first().is_some_and(|b| b & 1 == 1);
+    let joining = data.first().is_some_and(|b| b & 2 == 2);
+    let mut config = cfg(Role::Server);
+    config.joins_from_tcp = joining;
+    let mut c = Connection::new(config, t);
+    if joining && data.first().is_some_and(|b| b & 4 == 4) {
+        c.join_tx(t, 1000);
+    }
     let mut seq = 0u32;
     if established {
         let hello = Hello {

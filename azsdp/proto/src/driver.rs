@@ -729,6 +729,27 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         self.drive();
     }
 
+    /// Our sending direction joins the fabric after `tcp_sent` bytes went
+    /// over TCP (see `Connection::join_tx`).
+    pub fn join_tx(&mut self, tcp_sent: u64) {
+        let now = self.now();
+        self.conn.join_tx(now, tcp_sent);
+        self.drive();
+    }
+
+    /// Where the application's next receive reads from (`conn::RxRoute`).
+    pub fn rx_route(&self) -> crate::conn::RxRoute {
+        self.conn.rx_route()
+    }
+
+    /// The application took `n` bytes from TCP while the route said so.
+    pub fn took_from_tcp(&mut self, n: u64) -> Result<(), CallError> {
+        let now = self.now();
+        let r = self.conn.took_from_tcp(now, n);
+        self.drive();
+        r
+    }
+
     /// Look at the TCP connection beneath: bytes there while on the fabric
     /// were written behind our back, and reset the connection.
     pub fn check_stream(&mut self) {

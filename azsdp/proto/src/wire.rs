@@ -49,10 +49,11 @@ pub enum MsgType {
     Shutdown = 9,
     Abort = 10,
     Switch = 11,
+    Join = 12,
 }
 
 impl MsgType {
-    pub const ALL: [MsgType; 11] = [
+    pub const ALL: [MsgType; 12] = [
         MsgType::Hello,
         MsgType::HelloAck,
         MsgType::Data,
@@ -64,6 +65,7 @@ impl MsgType {
         MsgType::Shutdown,
         MsgType::Abort,
         MsgType::Switch,
+        MsgType::Join,
     ];
 
     pub fn from_u8(v: u8) -> Option<MsgType> {
@@ -83,6 +85,7 @@ impl MsgType {
             MsgType::Shutdown => 8,
             MsgType::Abort => 4,
             MsgType::Switch => 16,
+            MsgType::Join => 8,
         })
     }
 
@@ -108,6 +111,7 @@ impl MsgType {
             MsgType::Shutdown => "SHUTDOWN",
             MsgType::Abort => "ABORT",
             MsgType::Switch => "SWITCH",
+            MsgType::Join => "JOIN",
         }
     }
 }
@@ -256,6 +260,11 @@ pub enum Message<'a> {
         consumed: u64,
         sent: u64,
     },
+    /// The sender's stream moves from the TCP connection beneath onto the
+    /// fabric: its first `tcp_sent` bytes went over TCP, the rest come here.
+    Join {
+        tcp_sent: u64,
+    },
 }
 
 impl Message<'_> {
@@ -272,6 +281,7 @@ impl Message<'_> {
             Message::Shutdown { .. } => MsgType::Shutdown,
             Message::Abort { .. } => MsgType::Abort,
             Message::Switch { .. } => MsgType::Switch,
+            Message::Join { .. } => MsgType::Join,
         }
     }
 
@@ -547,6 +557,7 @@ pub fn parse(buf: &[u8]) -> Result<Frame<'_>, WireError> {
             let sent = r.u64();
             Message::Switch { consumed, sent }
         }
+        MsgType::Join => Message::Join { tcp_sent: r.u64() },
         MsgType::Abort => {
             let raw = r.u16();
             reserved(ty, "reserved", r.u16().into())?;
@@ -736,6 +747,7 @@ pub fn emit(frame: &Frame<'_>, out: &mut [u8]) -> Result<usize, WireError> {
             w.u64(consumed);
             w.u64(sent);
         }
+        Message::Join { tcp_sent } => w.u64(tcp_sent),
         Message::Abort { code } => {
             w.u16(code as u16);
             w.u16(0);
@@ -841,6 +853,7 @@ mod tests {
             any::<u64>().prop_map(|stream_end| Message::Shutdown { stream_end }),
             (any::<u64>(), any::<u64>())
                 .prop_map(|(consumed, sent)| Message::Switch { consumed, sent }),
+            any::<u64>().prop_map(|tcp_sent| Message::Join { tcp_sent }),
             prop::sample::select(AbortCode::ALL.to_vec()).prop_map(|code| Message::Abort { code }),
         ];
         prop_oneof![

@@ -187,6 +187,7 @@ fn encode_result(r: Result<u64, CallError>) -> i64 {
                 CallError::ConnReset => 4,
                 CallError::TimedOut => 5,
                 CallError::Switched => 6,
+                CallError::OnTcp => 7,
             })
         }
     }
@@ -202,6 +203,7 @@ fn decode_result(v: i64) -> Answer {
         3 => CallError::BrokenPipe,
         5 => CallError::TimedOut,
         6 => CallError::Switched,
+        7 => CallError::OnTcp,
         100 => return Answer::Unservable,
         _ => CallError::ConnReset,
     }))

@@ -28,7 +28,7 @@ pub(super) fn fail(e: CallError, nosignal: bool) -> ssize_t {
         CallError::ConnReset => libc::ECONNRESET,
         CallError::TimedOut => libc::ETIMEDOUT,
         // (Made again on TCP before it gets here; never the program's.)
-        CallError::Switched => libc::EAGAIN,
+        CallError::Switched | CallError::OnTcp => libc::EAGAIN,
     };
     real::set_errno(errno);
     -1

@@ -329,6 +329,11 @@ pub enum CallError {
     /// the call again there. (Never seen by an application.)
     #[error("moved to the TCP connection")]
     Switched,
+    /// This direction of a connection that began on TCP has not joined
+    /// the fabric yet: make the call on TCP (`conn::join`). (Never seen by
+    /// an application.)
+    #[error("still on the TCP connection")]
+    OnTcp,
 }
 
 /// A violation of the protocol by the peer.

@@ -127,6 +127,12 @@ pub struct Counters {
     pub prepare_failures: u64,
     pub arm_failures: u64,
     pub fallback_reason: Option<FallbackReason>,
+    /// Bytes of our stream, and of the peer's, that went over TCP before
+    /// the connection joined the fabric (`conn::join`).
+    #[serde(default)]
+    pub tcp_sent_before_join: u64,
+    #[serde(default)]
+    pub tcp_received_before_join: u64,
     /// Bytes sent by copy, by [`CopyReason`] (they add up to
     /// `bytes_sent_bsdp`).
     pub copied: [u64; COPY_REASONS],

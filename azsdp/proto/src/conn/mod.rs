@@ -18,6 +18,7 @@ mod ahead_gauge;
 mod api;
 mod counters;
 mod fallback;
+mod join;
 pub mod lockword;
 mod park;
 mod rx;
@@ -31,6 +32,7 @@ use std::ops::Range;
 
 pub use api::*;
 pub use counters::{COPY_REASONS, CopyReason, Counters, FallbackReason};
+pub use join::RxRoute;
 pub use park::Unparkable;
 pub use settings::{Capabilities, EngineConfig, FaultPolicy, LockRegion, RecvProtect};
 pub use timers::Timer;
@@ -99,6 +101,9 @@ enum OutMsg {
     Switch {
         consumed: u64,
         sent: u64,
+    },
+    Join {
+        tcp_sent: u64,
     },
 }
 
@@ -256,6 +261,9 @@ pub struct Connection {
     /// here, read before the TCP socket (see `handle_peer_left`).
     #[serde(default)]
     orphaned: bool,
+    /// The connection's move from TCP onto the fabric (join.rs).
+    #[serde(default)]
+    join: join::Join,
     /// Our stream handed to the fabric and not yet consumed, in order.
     posted: VecDeque<Posted>,
     /// Stream offset of `posted`'s first piece.
@@ -371,6 +379,7 @@ impl Connection {
             switch: Switch::No,
             peer_switch: None,
             orphaned: false,
+            join: join::Join::new(cfg.joins_from_tcp),
             posted: VecDeque::new(),
             posted_base: 0,
             data_pumped: 0,
@@ -645,6 +654,7 @@ impl Connection {
             OutMsg::Shutdown(end) => Message::Shutdown { stream_end: end },
             OutMsg::Abort(code) => Message::Abort { code },
             OutMsg::Switch { consumed, sent } => Message::Switch { consumed, sent },
+            OutMsg::Join { tcp_sent } => Message::Join { tcp_sent },
         };
         wire::emit(
             &Frame {
@@ -786,8 +796,13 @@ impl Connection {
             // The TCP connection's own shutdown is what counts now.
             return;
         }
+        debug_assert!(
+            self.join.tx_on_fabric() || matches!(how, Shutdown::Read) || self.is_aborted(),
+            "the driver joins before it shuts down a joining connection"
+        );
         if matches!(how, Shutdown::Write | Shutdown::Both)
             && self.tx_shutdown == TxShutdown::Open
+            && self.join.tx_on_fabric()
             && !self.is_aborted()
         {
             self.tx_shutdown = TxShutdown::Queued;
@@ -947,11 +962,13 @@ impl Connection {
             }
             _ => {}
         }
+        self.check_join(ty)?;
         if matches!(self.switch, Switch::Sent | Switch::Resending) || self.state == State::Switched
         {
             // We left the fabric: the peer's stream comes again over TCP.
             return match frame.msg {
                 Message::Switch { consumed, sent } => self.on_switch(consumed, sent),
+                Message::Join { tcp_sent } => self.on_join(tcp_sent),
                 Message::Abort { code } => {
                     self.abort(AbortReason::PeerAbort(code), None);
                     Ok(())
@@ -1007,6 +1024,7 @@ impl Connection {
             }
             Message::Abort { code } => self.abort(AbortReason::PeerAbort(code), None),
             Message::Switch { consumed, sent } => self.on_switch(consumed, sent)?,
+            Message::Join { tcp_sent } => self.on_join(tcp_sent)?,
         }
         Ok(())
     }
@@ -1068,6 +1086,10 @@ impl Connection {
         };
         if !is_ack {
             self.out.push_back(OutMsg::HelloAck);
+            if let Some(tcp_sent) = self.join.tx_sent() {
+                // Joined before the handshake: JOIN follows HELLO_ACK.
+                self.out.push_back(OutMsg::Join { tcp_sent });
+            }
         }
         self.state = State::Established;
         Ok(())

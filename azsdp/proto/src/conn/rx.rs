@@ -144,6 +144,14 @@ impl Connection {
             self.push(Action::CallDone { call, result });
             return;
         }
+        if self.join.route() != super::RxRoute::Fabric && self.state != State::Switched {
+            // The peer's stream still comes over TCP here (join.rs).
+            self.push(Action::CallDone {
+                call,
+                result: Err(CallError::OnTcp),
+            });
+            return;
+        }
         if buf.len == 0 {
             self.push(Action::CallDone {
                 call,

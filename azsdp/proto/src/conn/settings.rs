@@ -127,6 +127,10 @@ pub struct EngineConfig {
     pub linger: Duration,
     pub caps: Capabilities,
     pub lock_region: LockRegion,
+    /// The connection began on the TCP connection beneath and joins the
+    /// fabric direction by direction (`conn::join`); both sides agree.
+    #[serde(default)]
+    pub joins_from_tcp: bool,
 }
 
 impl EngineConfig {
@@ -156,6 +160,7 @@ impl EngineConfig {
             linger: Duration::from_secs(30),
             caps,
             lock_region,
+            joins_from_tcp: false,
         }
     }
 }

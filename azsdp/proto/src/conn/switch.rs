@@ -95,7 +95,8 @@ impl Connection {
         if self.switch != Switch::Checking || self.is_aborted() {
             return;
         }
-        if !clean {
+        // (Bytes of the peer's TCP part, before it joined, are no stray.)
+        if !clean && self.rx_route() == super::RxRoute::Fabric {
             self.abort(super::AbortReason::StrayBytes, Some(AbortCode::Reset));
             return;
         }
@@ -119,8 +120,8 @@ impl Connection {
     /// written behind azsdp's back; the connection is reset.
     pub fn stray_bytes(&mut self, now: crate::time::Timestamp, mem: &mut dyn UserMemory) {
         self.now = now;
-        if self.switch_sent() {
-            // The peer's resend, not stray.
+        if self.switch_sent() || self.rx_route() != super::RxRoute::Fabric {
+            // The peer's resend, or its part before it joined: not stray.
             return;
         }
         self.abort(super::AbortReason::StrayBytes, Some(AbortCode::Reset));

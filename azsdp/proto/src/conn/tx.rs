@@ -145,6 +145,9 @@ impl Connection {
             Some(if first { e } else { CallError::BrokenPipe })
         } else if self.tx_shutdown != TxShutdown::Open {
             Some(CallError::BrokenPipe)
+        } else if !self.join.tx_on_fabric() {
+            // Our stream still goes over TCP (join.rs).
+            Some(CallError::OnTcp)
         } else if self.peer_left {
             // As TCP to a peer that closed: this send goes (and draws a
             // reset, since nobody reads it), the next one fails.

@@ -45,6 +45,9 @@ pub struct SimReport {
     /// whose engine did not park in time (it moved onto TCP instead).
     pub parked: u64,
     pub park_fallbacks: u64,
+    /// The connection began on TCP and both sides' sending directions
+    /// joined the fabric.
+    pub joined: bool,
 }
 
 impl SimReport {
@@ -71,6 +74,9 @@ pub struct BatchSummary {
     pub aborted: u64,
     /// Seeds whose connection left the fabric for TCP (both sides).
     pub switched: u64,
+    /// Seeds whose connection began on TCP and joined the fabric (both
+    /// sides' sending directions).
+    pub joined: u64,
     /// Engines parked across an exec, and execs that moved onto TCP.
     pub parked: u64,
     pub park_fallbacks: u64,
@@ -115,6 +121,8 @@ fn add(total: &mut Counters, c: &Counters) {
         msgs_sent,
         msgs_received,
         credits_returned,
+        tcp_sent_before_join,
+        tcp_received_before_join,
     } = c;
     total.bytes_sent_bsdp += bytes_sent_bsdp;
     for (t, n) in total.copied.iter_mut().zip(copied) {
@@ -153,6 +161,8 @@ fn add(total: &mut Counters, c: &Counters) {
     total.msgs_sent += msgs_sent;
     total.msgs_received += msgs_received;
     total.credits_returned += credits_returned;
+    total.tcp_sent_before_join += tcp_sent_before_join;
+    total.tcp_received_before_join += tcp_received_before_join;
 }
 
 /// Run seeds `first..first+count` on `threads` threads.
@@ -182,6 +192,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
                             u64::from(r.states.iter().any(|s| matches!(s, State::Aborted(_))));
                         sum.switched += u64::from(r.states.iter().all(|s| *s == State::Switched));
                         sum.parked += r.parked;
+                        sum.joined += u64::from(r.joined);
                         sum.park_fallbacks += r.park_fallbacks;
                         if !r.passed() {
                             sum.failures.push(r);
@@ -201,6 +212,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
         summary.aborted += p.aborted;
         summary.switched += p.switched;
         summary.parked += p.parked;
+        summary.joined += p.joined;
         summary.park_fallbacks += p.park_fallbacks;
         summary.failures.extend(p.failures);
     }

@@ -93,6 +93,9 @@ pub struct Scenario {
     /// time: its calls stop, its engine parks when quiet and the new
     /// image takes it up after a pause.
     pub exec: Option<(usize, Duration)>,
+    /// The connection begins on TCP, and each side's sending direction
+    /// joins the fabric at this time (`None`: only when it ends its stream).
+    pub join: Option<[Option<Duration>; 2]>,
 }
 
 impl Scenario {
@@ -118,10 +121,14 @@ impl Scenario {
             p_pool_fail: 0.0,
             p_departure_unknown: 0.25,
         };
-        let engine = [
+        let join = join_of(seed);
+        let mut engine = [
             engine_config(&mut r, Role::Client, page[0], fabric.lock_slots),
             engine_config(&mut r, Role::Server, page[1], fabric.lock_slots),
         ];
+        for e in &mut engine {
+            e.joins_from_tcp = join.is_some();
+        }
         let bidirectional = r.chance(0.4);
         let mut apps = vec![app_spec(&mut r)];
         if bidirectional {
@@ -170,6 +177,7 @@ impl Scenario {
             time_limit: Duration::from_secs(30),
             switch: switch_of(seed),
             exec: exec_of(seed),
+            join,
         }
     }
 }
@@ -197,6 +205,19 @@ fn exec_of(seed: u64) -> Option<(usize, Duration)> {
         let side = r.below(2) as usize;
         (side, Duration::from_micros(r.range(1, 20_000)))
     })
+}
+
+/// One seed in four begins on TCP and joins the fabric, each side at a
+/// random time of its own (one side in eight only when it ends its
+/// stream), with any of the other events (a stream of its own, as for
+/// [`switch_of`]).
+fn join_of(seed: u64) -> Option<[Option<Duration>; 2]> {
+    let mut r = Rng::new(seed ^ 0x701e_7cb0);
+    if !r.chance(0.25) {
+        return None;
+    }
+    let mut at = || (!r.chance(0.125)).then(|| Duration::from_micros(r.range(0, 20_000)));
+    Some([at(), at()])
 }
 
 fn page_size(r: &mut Rng) -> u64 {

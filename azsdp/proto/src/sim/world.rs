@@ -15,7 +15,7 @@ use super::memory::{SharedMems, SimMemory};
 use super::rng::Rng;
 use super::scenario::{Injection, Scenario};
 use crate::conn::{
-    Access, CallError, CallId, Counters, RecvFlags, SendFlags, Shutdown, State, Ticket,
+    Access, CallError, CallId, Counters, RecvFlags, RxRoute, SendFlags, Shutdown, State, Ticket,
     Unprotectable,
 };
 use crate::driver::Driver;
@@ -44,6 +44,9 @@ enum WEvent {
     Kill(usize),
     /// The side leaves the fabric for TCP.
     Switch(usize),
+    /// The side's sending direction joins the fabric (the connection
+    /// began on TCP).
+    Join(usize),
     /// The side's process `exec`s a program that runs the shim.
     Exec(usize),
     /// The side's exec gives up waiting for its engine to park.
@@ -183,6 +186,11 @@ pub struct World {
     events_run: u64,
     /// The TCP connection beneath (the hosts write resends into it).
     tcp: SharedTcp,
+    /// Bytes each side's application sent, and took, on TCP before its
+    /// direction joined the fabric (a connection that began on TCP).
+    tcp_before_join: [(u64, u64); 2],
+    /// Each side's receive route when its TCP readers last looked.
+    routes: [RxRoute; 2],
 }
 
 fn pattern_word(dir: usize, seed: u64, w: u64) -> u64 {
@@ -294,6 +302,8 @@ impl World {
             calls: BTreeMap::new(),
             violations: Vec::new(),
             tcp,
+            tcp_before_join: [(0, 0); 2],
+            routes: [RxRoute::Fabric; 2],
             trace,
             events_run: 0,
             sc,
@@ -313,6 +323,11 @@ impl World {
         }
         if let Some((side, at)) = w.sc.exec {
             w.schedule(Timestamp::ZERO + at, WEvent::Exec(side));
+        }
+        for (side, at) in w.sc.join.unwrap_or_default().into_iter().enumerate() {
+            if let Some(at) = at {
+                w.schedule(Timestamp::ZERO + at, WEvent::Join(side));
+            }
         }
         w.settle(0);
         w.settle(1);
@@ -340,6 +355,7 @@ impl World {
             | WEvent::Poll(side)
             | WEvent::Kill(side)
             | WEvent::Switch(side)
+            | WEvent::Join(side)
             | WEvent::Exec(side)
             | WEvent::ExecDeadline(side)
             | WEvent::Cancel { side, .. } => side,
@@ -476,6 +492,7 @@ impl World {
                     self.settle(side);
                 }
             }
+            WEvent::Join(side) => self.join(side),
             WEvent::Exec(side) => self.start_exec(side),
             WEvent::ExecDeadline(side) => {
                 if self.procs[side].exec && !self.procs[side].dead {
@@ -515,13 +532,20 @@ impl World {
         }
         // A resend may have gone onto TCP (the host writes it).
         self.wake_tcp_readers(1 - side);
+        // The peer's JOIN (or its departure) may have moved our receives.
+        let route = self.drivers[side].rx_route();
+        if route != self.routes[side] || self.drivers[side].peer_left() {
+            self.routes[side] = route;
+            self.wake_tcp_readers(side);
+        }
         let c = self.drivers[side].connection();
         if matches!(c.state(), State::Aborted(_))
-            && c.switch_sent()
+            && (c.switch_sent() || c.config().joins_from_tcp)
             && !self.tcp.borrow().shut[side]
         {
-            // Aborted halfway through the switch: the shim resets the TCP
-            // connection, which the peer may be reading already.
+            // Aborted halfway through the switch, or while joining: the
+            // shim resets the TCP connection, which the peer may be
+            // reading already.
             self.tcp.borrow_mut().shut[side] = true;
             self.wake_tcp_readers(1 - side);
         }
@@ -675,6 +699,42 @@ impl World {
         *self.drivers[side].connection().state() == State::Switched
     }
 
+    /// Do `side`'s sends go to TCP: it left the fabric, or its sending
+    /// direction has not joined yet?
+    fn sends_on_tcp(&self, side: usize) -> bool {
+        let c = self.drivers[side].connection();
+        self.on_tcp(side) || !(c.tx_joined() || matches!(c.state(), State::Aborted(_)))
+    }
+
+    /// Do `side`'s receives go to TCP before its peer's stream joined?
+    /// (Not once its connection aborted: calls get its error.)
+    fn recv_route_tcp(&self, side: usize) -> Option<Option<u64>> {
+        let c = self.drivers[side].connection();
+        match c.rx_route() {
+            RxRoute::Tcp { left } if !matches!(c.state(), State::Aborted(_) | State::Switched) => {
+                Some(left)
+            }
+            _ => None,
+        }
+    }
+
+    /// `side`'s sending direction joins the fabric (once; not while its
+    /// process execs, nor after it left the fabric or died).
+    fn join(&mut self, side: usize) {
+        let p = &self.procs[side];
+        if p.dead || self.on_tcp(side) || self.drivers[side].connection().tx_joined() {
+            return;
+        }
+        if p.exec {
+            self.schedule(self.now + Duration::from_micros(200), WEvent::Join(side));
+            return;
+        }
+        let sent = self.tcp_before_join[side].0;
+        self.note(|| format!("side {side}: joins the fabric after {sent} bytes on TCP"));
+        self.drivers[side].join_tx(sent);
+        self.settle(side);
+    }
+
     /// Threads of `side` waiting for TCP bytes may look again.
     fn wake_tcp_readers(&mut self, side: usize) {
         for t in 0..self.threads.len() {
@@ -692,6 +752,60 @@ impl World {
         self.tcp.borrow_mut().wrote[side].extend(b);
         self.wake_tcp_readers(1 - side);
         len
+    }
+
+    /// A receive while the peer's stream still comes over TCP: at most
+    /// `left` bytes there (`None`: until its JOIN says). `None` if it must
+    /// wait, for TCP or for the connection.
+    fn recv_before_join(
+        &mut self,
+        side: usize,
+        addr: u64,
+        len: u64,
+        left: Option<u64>,
+        flags: RecvFlags,
+    ) -> Option<Result<u64, CallError>> {
+        let len = left.map_or(len, |k| len.min(k));
+        // The end of TCP is the end of the stream only once the connection
+        // says no JOIN will come (the peer is gone): one may be on its way.
+        let r = match self.tcp_recv(side, addr, len, flags) {
+            Some(Ok(0)) if left.is_some() => Some(Err(CallError::ConnReset)),
+            Some(Ok(0)) => {
+                let d = &self.drivers[side];
+                let over = d.peer_left() || matches!(d.connection().state(), State::Aborted(_));
+                if over {
+                    Some(Ok(0))
+                } else if flags.nonblocking {
+                    Some(Err(CallError::WouldBlock))
+                } else {
+                    None
+                }
+            }
+            r => r,
+        };
+        if let Some(Ok(n)) = r
+            && n > 0
+            && !flags.peek
+        {
+            self.tcp_before_join[side].1 += n;
+            if let Err(e) = self.drivers[side].took_from_tcp(n) {
+                self.settle(side);
+                return Some(Err(e));
+            }
+            self.settle(side);
+        }
+        r
+    }
+
+    /// Join now if not yet (a stream's end, a close): what `side` sent on
+    /// TCP so far is all of its TCP part.
+    fn join_now(&mut self, side: usize) {
+        if !self.procs[side].dead && self.sends_on_tcp(side) && !self.on_tcp(side) {
+            let sent = self.tcp_before_join[side].0;
+            self.note(|| format!("side {side}: joins as it ends, after {sent} bytes on TCP"));
+            self.drivers[side].join_tx(sent);
+            self.settle(side);
+        }
     }
 
     /// `recv()` on TCP: `None` if it must wait.
@@ -907,7 +1021,7 @@ impl World {
                         }
                         // EINTR: the application retries; after a switch,
                         // the shim makes the call again on TCP.
-                        Err(CallError::Interrupted | CallError::Switched) => {}
+                        Err(CallError::Interrupted | CallError::Switched | CallError::OnTcp) => {}
                         Err(e) => {
                             self.threads[t].error = Some(e);
                             return Some(Phase::Finish);
@@ -916,10 +1030,13 @@ impl World {
                 }
                 let (off, len) = self.threads[t].cur;
                 let sent = self.threads[t].sent;
-                if sent < len && self.on_tcp(side) {
+                if sent < len && self.sends_on_tcp(side) {
                     let idx = self.threads[t].buf.expect("buffer");
                     let addr = Self::buf_addr(side, idx) + off + sent;
                     let n = self.tcp_send(side, addr, len - sent);
+                    if !self.on_tcp(side) {
+                        self.tcp_before_join[side].0 += n;
+                    }
                     self.threads[t].result = Some(Ok(n));
                     return Some(Phase::Send);
                 }
@@ -1028,6 +1145,8 @@ impl World {
                     self.tcp.borrow_mut().shut[side] = true;
                     self.wake_tcp_readers(1 - side);
                 }
+                // The end of a joining stream goes on the fabric.
+                self.join_now(side);
                 self.drivers[side].shutdown(Shutdown::Write);
                 self.settle(side);
                 self.maybe_close(side, t);
@@ -1046,6 +1165,7 @@ impl World {
             .all(|(_, th)| matches!(th.phase, Phase::Done));
         if others_done && !self.procs[side].closed {
             self.procs[side].closed = true;
+            self.join_now(side);
             self.drivers[side].submit_close();
             self.settle(side);
         }
@@ -1105,7 +1225,7 @@ impl World {
                             self.threads[t].phase = Phase::Recv;
                             return None;
                         }
-                        Err(CallError::Interrupted | CallError::Switched) => {
+                        Err(CallError::Interrupted | CallError::Switched | CallError::OnTcp) => {
                             return Some(Phase::Recv);
                         }
                         Err(e) => {
@@ -1126,6 +1246,17 @@ impl World {
                     armable: self.sc.buffers[side][idx].1,
                 };
                 th.last_peek = flags.peek;
+                if let Some(left) = self.recv_route_tcp(side) {
+                    match self.recv_before_join(side, addr, len, left, flags) {
+                        Some(r) => {
+                            self.threads[t].result = Some(r);
+                            return Some(Phase::Recv);
+                        }
+                        None => self.threads[t].waiting = Some(Wait::Tcp),
+                    }
+                    self.threads[t].phase = Phase::Recv;
+                    return None;
+                }
                 if self.on_tcp(side) {
                     match self.tcp_recv(side, addr, len, flags) {
                         Some(r) => self.threads[t].result = Some(r),
@@ -1358,7 +1489,7 @@ impl World {
             // A killed sender's thread may not have seen its last send() return;
             // its engine's counters (frozen at death) say what it accepted.
             let sent: u64 = if self.procs[snd].dead {
-                self.drivers[snd].connection().counters().bytes_sent()
+                self.drivers[snd].connection().counters().bytes_sent() + self.tcp_before_join[snd].0
             } else {
                 self.threads
                     .iter()
@@ -1374,16 +1505,25 @@ impl World {
                 .sum();
             let cs = self.drivers[snd].connection().counters().clone();
             let cr = self.drivers[rcv].connection().counters().clone();
-            if !self.procs[snd].dead && !switched && cs.bytes_sent() != sent {
+            // Bytes that went over TCP before the join are the
+            // application's, not the engine's.
+            let (tcp_sent, tcp_taken) = (self.tcp_before_join[snd].0, self.tcp_before_join[rcv].1);
+            if !self.procs[snd].dead && !switched && cs.bytes_sent() + tcp_sent != sent {
                 self.violations.push(format!(
-                    "direction {dir}: sender counters say {} bytes, send() returned {sent}",
+                    "direction {dir}: sender counters say {} bytes (+{tcp_sent} on TCP), send() returned {sent}",
                     cs.bytes_sent()
                 ));
             }
-            if !self.procs[rcv].dead && !switched && cr.bytes_received() != recvd {
+            if !self.procs[rcv].dead && !switched && cr.bytes_received() + tcp_taken != recvd {
                 self.violations.push(format!(
-                    "direction {dir}: receiver counters say {} bytes, recv() returned {recvd}",
+                    "direction {dir}: receiver counters say {} bytes (+{tcp_taken} from TCP), recv() returned {recvd}",
                     cr.bytes_received()
+                ));
+            }
+            if !switched && !fatal && cs.tcp_sent_before_join != tcp_sent {
+                self.violations.push(format!(
+                    "direction {dir}: the JOIN said {} bytes went over TCP, the application sent {tcp_sent} there",
+                    cs.tcp_sent_before_join
                 ));
             }
             // After a failure the count is ambiguous (a ZSDP send the peer
@@ -1442,6 +1582,8 @@ impl World {
             trace: self.trace.take(),
             parked: self.procs.iter().map(|p| p.parked).sum(),
             park_fallbacks: self.procs.iter().map(|p| p.park_fallbacks).sum(),
+            joined: self.sc.join.is_some()
+                && self.drivers.iter().all(|d| d.connection().tx_joined()),
             scenario: self.sc,
         }
     }

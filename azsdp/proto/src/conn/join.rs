@@ -1,0 +1,178 @@
+//! Joining the fabric from the TCP connection beneath (docs/protocol.md §8b).
+//!
+//! A connection paired after `connect()`/`accept()` returned starts on TCP,
+//! and each direction moves onto the fabric on its own. A side joins its
+//! sending direction once ([`Connection::join_tx`]): it stops writing to
+//! TCP and sends JOIN(tcp_sent), the length of its stream that went over
+//! TCP, before any byte of its stream on the fabric. The receiving side reads
+//! TCP until it has taken that many bytes (it reports them,
+//! [`Connection::took_from_tcp`]), then the fabric. Until the JOIN is in, it
+//! reads TCP and waits for either. Stream offsets on the fabric count from
+//! the join: SHUTDOWN, SWITCH and the counters never include the TCP part.
+//!
+//! This is the reverse of leaving (switch.rs): there the fabric's stream
+//! goes on over TCP from an offset both sides know; here TCP's goes on over
+//! the fabric from an offset the JOIN says.
+
+use super::{CallError, Connection, OutMsg, ProtocolError};
+use crate::wire::MsgType;
+
+/// Where the application's next receive reads from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RxRoute {
+    /// The TCP connection. `left`: bytes of the peer's TCP part still to
+    /// read there, or `None` if the peer has not joined (its stream goes on
+    /// over TCP until its JOIN says where it ends: wait for TCP or for the
+    /// connection, whichever comes first).
+    Tcp { left: Option<u64> },
+    /// The fabric (the engine's `recv`).
+    Fabric,
+}
+
+/// One connection's join: both directions' TCP parts. Not joining: every
+/// field stays as made, and both routes are the fabric.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Join {
+    /// The connection began on TCP (both sides pair this way, or neither).
+    joining: bool,
+    /// Our JOIN: how much of our stream went over TCP (`None`: our sends
+    /// still go there).
+    tx: Option<u64>,
+    /// The peer's JOIN.
+    peer: Option<u64>,
+    /// Bytes of the peer's stream our application took from TCP.
+    taken: u64,
+}
+
+impl Join {
+    pub(super) fn new(joining: bool) -> Join {
+        Join {
+            joining,
+            ..Join::default()
+        }
+    }
+
+    /// Our JOIN's count, once we joined.
+    pub(super) fn tx_sent(&self) -> Option<u64> {
+        self.tx
+    }
+
+    /// May our stream go on the fabric (sends, SHUTDOWN)?
+    pub(super) fn tx_on_fabric(&self) -> bool {
+        !self.joining || self.tx.is_some()
+    }
+
+    pub(super) fn route(&self) -> RxRoute {
+        if !self.joining {
+            return RxRoute::Fabric;
+        }
+        match self.peer {
+            None => RxRoute::Tcp { left: None },
+            Some(n) if self.taken < n => RxRoute::Tcp {
+                left: Some(n - self.taken),
+            },
+            Some(_) => RxRoute::Fabric,
+        }
+    }
+
+    /// Must the peer's message of type `ty` wait for its JOIN (a message of
+    /// its stream, or one about its advertisements)?
+    fn needs_peer_join(&self, ty: MsgType) -> bool {
+        self.joining
+            && self.peer.is_none()
+            && matches!(
+                ty,
+                MsgType::Data
+                    | MsgType::SrcAvail
+                    | MsgType::SrcAvailUpdate
+                    | MsgType::SrcAvailCancel
+                    | MsgType::Shutdown
+            )
+    }
+}
+
+impl Connection {
+    /// Our sending direction joins the fabric: `tcp_sent` bytes of our
+    /// stream went over TCP, the rest goes here. Once, before any send
+    /// through the engine (a second call, or one on a connection that did
+    /// not begin on TCP, is ignored).
+    pub fn join_tx(&mut self, now: crate::time::Timestamp, tcp_sent: u64) {
+        self.now = now;
+        if !self.join.joining || self.join.tx.is_some() {
+            debug_assert!(self.join.joining, "join_tx on a connection not joining");
+            return;
+        }
+        self.join.tx = Some(tcp_sent);
+        self.counters.tcp_sent_before_join = tcp_sent;
+        // A server joined before the peer's HELLO sends JOIN after its
+        // HELLO_ACK (`on_hello`): nothing but the handshake may come first.
+        let handshake_first =
+            self.state == super::State::Handshake && self.cfg.role == super::Role::Server;
+        if !self.is_aborted() && self.state != super::State::Switched && !handshake_first {
+            self.out.push_back(OutMsg::Join { tcp_sent });
+        }
+    }
+
+    /// Has our sending direction joined (or did it begin on the fabric)?
+    pub fn tx_joined(&self) -> bool {
+        self.join.tx_on_fabric()
+    }
+
+    /// Where the application's next receive reads from.
+    pub fn rx_route(&self) -> RxRoute {
+        self.join.route()
+    }
+
+    /// The application took `n` bytes of the peer's stream from TCP (not
+    /// peeked). More than the peer's JOIN says went there is a broken
+    /// stream: the connection aborts and the caller gets the error.
+    pub fn took_from_tcp(&mut self, now: crate::time::Timestamp, n: u64) -> Result<(), CallError> {
+        self.now = now;
+        self.join.taken += n;
+        self.counters.tcp_received_before_join = self.join.taken;
+        match self.join.peer {
+            Some(end) if self.join.taken > end => {
+                self.abort(
+                    super::AbortReason::StrayBytes,
+                    Some(crate::wire::AbortCode::Reset),
+                );
+                Err(CallError::ConnReset)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Check a message against the join before it is handled.
+    pub(super) fn check_join(&self, ty: MsgType) -> Result<(), ProtocolError> {
+        if self.join.needs_peer_join(ty) {
+            return Err(ProtocolError::Unexpected {
+                ty,
+                when: "before the peer's JOIN",
+            });
+        }
+        Ok(())
+    }
+
+    /// The peer's JOIN: its first `tcp_sent` bytes are on TCP.
+    pub(super) fn on_join(&mut self, tcp_sent: u64) -> Result<(), ProtocolError> {
+        let ty = MsgType::Join;
+        if !self.join.joining {
+            return Err(ProtocolError::Unexpected {
+                ty,
+                when: "on a connection that began on the fabric",
+            });
+        }
+        if self.join.peer.is_some() {
+            return Err(ProtocolError::Unexpected { ty, when: "twice" });
+        }
+        if tcp_sent < self.join.taken {
+            // We read more from TCP than it says went there.
+            return Err(ProtocolError::Invalid {
+                ty,
+                why: "says fewer bytes went over TCP than arrived there",
+            });
+        }
+        self.join.peer = Some(tcp_sent);
+        Ok(())
+    }
+}
