@@ -105,3 +105,32 @@ fn a_receive_interrupted_after_the_peers_shutdown_is_not_the_end() {
     assert_eq!(r.parked, 1, "the scenario parks side 0 once");
     assert!(r.passed(), "{:?}", r.violations);
 }
+
+/// Seed 16506: side 1 cancels an advertisement (a signal ends its send)
+/// just as the stalled side 0 leaves the fabric. Side 0's SWITCH answers
+/// that cancel (it reads nothing more of the fabric), but side 1 waited
+/// for the GET_COMPLETE instead, and both sides hung.
+#[test]
+fn a_cancel_the_peer_left_before_answering_does_not_hold_up_the_switch() {
+    let r = azsdp::sim::run_seed(16_506, false);
+    assert!(r.passed(), "{:?}", r.violations);
+    assert!(
+        r.states.iter().all(|s| *s == azsdp::conn::State::Switched),
+        "{:?}",
+        r.states
+    );
+}
+
+/// Seeds 5134 and 10607 move every byte, a few at a time, for longer than
+/// the scenario's 30 s: slow, not hung (bytes keep moving), so they pass.
+#[test]
+fn a_slow_run_that_keeps_moving_is_no_hang() {
+    for seed in [5134, 10_607] {
+        let r = azsdp::sim::run_seed(seed, false);
+        assert!(r.passed(), "seed {seed}: {:?}", r.violations);
+        assert!(
+            r.sim_time > std::time::Duration::from_secs(30),
+            "seed {seed}"
+        );
+    }
+}

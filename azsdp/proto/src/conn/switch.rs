@@ -270,6 +270,9 @@ impl Connection {
         match self.switch {
             Switch::No | Switch::Checking | Switch::Resending => {}
             Switch::Leaving => {
+                if let Some(consumed) = self.peer_switch {
+                    self.settle_cancels(consumed);
+                }
                 self.finish_filled_recvs();
                 if self.switch_quiet() {
                     self.switch = Switch::Checking;
@@ -281,6 +284,26 @@ impl Connection {
                     self.start_resend(from);
                 }
             }
+        }
+    }
+
+    /// The peer left: it answers no cancel of ours (it reads nothing more
+    /// of the fabric), and its SWITCH's `consumed` says how much of each
+    /// cancelled advertisement it took, as the GET_COMPLETE would have.
+    /// (Waiting for that answer hung both sides: seed 16506.)
+    fn settle_cancels(&mut self, consumed: u64) {
+        let cancelled: Vec<(u32, u64, u32)> = self
+            .out_avails
+            .values()
+            .filter(|a| a.cancel_sent)
+            .map(|a| (a.id, a.stream_off, a.len))
+            .collect();
+        for (id, off, len) in cancelled {
+            let took = consumed.saturating_sub(off).min(u64::from(len)) as u32;
+            if let Some(a) = self.out_avails.get_mut(&id) {
+                a.acked = a.acked.max(took);
+            }
+            self.finish_out_avail(id);
         }
     }
 

@@ -31,6 +31,12 @@ type Filler = dyn Fn(u64, &mut [u8]);
 /// Events after which a run counts as hung (a livelock at one instant
 /// included).
 const EVENT_LIMIT: u64 = 20_000_000;
+/// Past the scenario's time limit, a run in which no application byte
+/// moved for this long is a hang (every wait of the engine ends within a
+/// second: peer timeout, linger, stalls).
+const STALL_LIMIT: Duration = Duration::from_secs(5);
+/// No run goes on past this, moving or not.
+const HARD_LIMIT: Duration = Duration::from_secs(300);
 
 /// Where each side's buffers live in simulated memory.
 const BUF_BASE: u64 = 0x1000_0000;
@@ -365,6 +371,8 @@ impl World {
     /// Run to completion; return the report.
     pub fn run(mut self) -> SimReport {
         let limit = Timestamp::ZERO + self.sc.time_limit;
+        // (Bytes the applications moved, and when that last changed.)
+        let mut moved = (0u64, Timestamp::ZERO);
         loop {
             if self.finished() {
                 break;
@@ -380,7 +388,14 @@ impl World {
                     break;
                 }
             };
-            if next > limit || self.events_run > EVENT_LIMIT {
+            // A slow run (a receiver that takes a few bytes at a time with
+            // compute between) is no hang as long as bytes keep moving.
+            let now_moved: u64 = self.threads.iter().map(|t| t.pos).sum();
+            if now_moved != moved.0 {
+                moved = (now_moved, self.now);
+            }
+            let stuck = next > limit && next.saturating_since(moved.1) > STALL_LIMIT;
+            if stuck || next > Timestamp::ZERO + HARD_LIMIT || self.events_run > EVENT_LIMIT {
                 self.violations.push(format!(
                     "hang: still running at {:?}; side 0: {}; side 1: {}",
                     self.now,
