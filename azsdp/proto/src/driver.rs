@@ -737,6 +737,19 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         self.drive();
     }
 
+    /// The listener's side: the client may join (`Connection::allow_join`).
+    pub fn allow_join(&mut self) {
+        let now = self.now();
+        self.conn.allow_join(now);
+        self.drive();
+    }
+
+    /// The listener's side: the client never joins, if it is not too late
+    /// (`Connection::forbid_join`).
+    pub fn forbid_join(&mut self) -> bool {
+        self.conn.forbid_join()
+    }
+
     /// Where the application's next receive reads from (`conn::RxRoute`).
     pub fn rx_route(&self) -> crate::conn::RxRoute {
         self.conn.rx_route()

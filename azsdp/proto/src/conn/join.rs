@@ -42,6 +42,12 @@ pub(super) struct Join {
     peer: Option<u64>,
     /// Bytes of the peer's stream our application took from TCP.
     taken: u64,
+    /// The listener's side: may the client join? (HELLO_ACK waits for it;
+    /// `Some(false)`: never, the connection stays on TCP.)
+    allowed: Option<bool>,
+    /// The client's HELLO, while HELLO_ACK waits.
+    #[serde(skip)]
+    hello: Option<crate::wire::Hello>,
 }
 
 impl Join {
@@ -50,6 +56,16 @@ impl Join {
             joining,
             ..Join::default()
         }
+    }
+
+    /// Does a HELLO wait for the driver's word (see [`Connection::allow_join`])?
+    pub(super) fn defers_hello(&self) -> bool {
+        self.joining && self.allowed != Some(true)
+    }
+
+    /// Keep the HELLO for later; false if one is kept already.
+    pub(super) fn defer_hello(&mut self, h: crate::wire::Hello) -> bool {
+        self.hello.replace(h).is_none()
     }
 
     /// Our JOIN's count, once we joined.
@@ -92,6 +108,54 @@ impl Join {
 }
 
 impl Connection {
+    /// The listener's side: the client may join now (the process that
+    /// runs the connection is the only one that holds it). Until then a
+    /// client's HELLO goes unanswered, and a client joins only once
+    /// answered: a listener that forks the connection first keeps it on
+    /// TCP with [`Connection::forbid_join`], no handshake needed.
+    pub fn allow_join(&mut self, now: crate::time::Timestamp) {
+        self.now = now;
+        if !self.join.joining || self.join.allowed.is_some() {
+            return;
+        }
+        self.join.allowed = Some(true);
+        if let Some(h) = self.join.hello.take()
+            && self.state == super::State::Handshake
+        {
+            self.accept_hello(h, false);
+        }
+    }
+
+    /// The listener's side: the client must never join (forked processes
+    /// share the connection, and could not agree on what went over TCP).
+    /// True if it never will (no HELLO_ACK went); false if the handshake
+    /// is done, and the connection must leave the fabric instead.
+    pub fn forbid_join(&mut self) -> bool {
+        if !self.join.joining || self.state != super::State::Handshake {
+            return false;
+        }
+        self.join.allowed = Some(false);
+        self.join.hello = None;
+        true
+    }
+
+    /// A connection begun on TCP whose handshake is not done: neither side
+    /// joined, and none will (the listener answers no HELLO from now on,
+    /// and a client joins only once answered).
+    pub(super) fn join_never_started(&mut self) -> bool {
+        if !self.join.joining || self.join.tx.is_some() || self.join.peer.is_some() {
+            return false;
+        }
+        self.join.allowed = Some(false);
+        self.join.hello = None;
+        true
+    }
+
+    /// Is the handshake done (so that a client may join)?
+    pub fn established(&self) -> bool {
+        self.state == super::State::Established
+    }
+
     /// Our sending direction joins the fabric: `tcp_sent` bytes of our
     /// stream went over TCP, the rest goes here. Once, before any send
     /// through the engine (a second call, or one on a connection that did
@@ -102,13 +166,15 @@ impl Connection {
             debug_assert!(self.join.joining, "join_tx on a connection not joining");
             return;
         }
+        if self.tx_shutdown != super::TxShutdown::Open {
+            // Our stream ended on TCP: it never joins.
+            return;
+        }
         self.join.tx = Some(tcp_sent);
         self.counters.tcp_sent_before_join = tcp_sent;
-        // A server joined before the peer's HELLO sends JOIN after its
-        // HELLO_ACK (`on_hello`): nothing but the handshake may come first.
-        let handshake_first =
-            self.state == super::State::Handshake && self.cfg.role == super::Role::Server;
-        if !self.is_aborted() && self.state != super::State::Switched && !handshake_first {
+        // Before the handshake is done, JOIN follows it (`accept_hello`):
+        // nothing but the handshake may come first.
+        if self.state == super::State::Established {
             self.out.push_back(OutMsg::Join { tcp_sent });
         }
     }

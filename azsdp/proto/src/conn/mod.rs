@@ -796,17 +796,18 @@ impl Connection {
             // The TCP connection's own shutdown is what counts now.
             return;
         }
-        debug_assert!(
-            self.join.tx_on_fabric() || matches!(how, Shutdown::Read) || self.is_aborted(),
-            "the driver joins before it shuts down a joining connection"
-        );
         if matches!(how, Shutdown::Write | Shutdown::Both)
             && self.tx_shutdown == TxShutdown::Open
-            && self.join.tx_on_fabric()
             && !self.is_aborted()
         {
-            self.tx_shutdown = TxShutdown::Queued;
-            self.txq.push_back(TxItem::Shutdown);
+            if self.join.tx_on_fabric() {
+                self.tx_shutdown = TxShutdown::Queued;
+                self.txq.push_back(TxItem::Shutdown);
+            } else {
+                // Our stream ended on TCP before it joined (the peer reads
+                // its end there): nothing of it goes on the fabric.
+                self.tx_shutdown = TxShutdown::Sent;
+            }
         }
         if matches!(how, Shutdown::Read | Shutdown::Both) && !self.rx_shut {
             self.rx_shut = true;
@@ -1051,6 +1052,20 @@ impl Connection {
                 when: "with no common version",
             });
         }
+        if !is_ack && self.join.defers_hello() {
+            // Answered when the driver allows the join (join.rs).
+            if !self.join.defer_hello(h) {
+                return Err(ProtocolError::Unexpected { ty, when: "twice" });
+            }
+            return Ok(());
+        }
+        self.accept_hello(h, is_ack);
+        Ok(())
+    }
+
+    /// The peer's HELLO (or HELLO_ACK) checked: take its parameters, and
+    /// the connection is established.
+    fn accept_hello(&mut self, h: Hello, is_ack: bool) {
         let payload = u64::from(h.slot_size) - wire::HEADER_LEN as u64;
         let sink = h.features & wire::features::ZCOPY_SINK != 0;
         let cow = h.features & wire::features::COW_LOCK != 0 && self.cfg.caps.cas;
@@ -1086,13 +1101,12 @@ impl Connection {
         };
         if !is_ack {
             self.out.push_back(OutMsg::HelloAck);
-            if let Some(tcp_sent) = self.join.tx_sent() {
-                // Joined before the handshake: JOIN follows HELLO_ACK.
-                self.out.push_back(OutMsg::Join { tcp_sent });
-            }
+        }
+        if let Some(tcp_sent) = self.join.tx_sent() {
+            // Joined before the handshake: JOIN follows it.
+            self.out.push_back(OutMsg::Join { tcp_sent });
         }
         self.state = State::Established;
-        Ok(())
     }
 
     /// A fabric or host operation finished.

@@ -96,6 +96,9 @@ pub struct Scenario {
     /// The connection begins on TCP, and each side's sending direction
     /// joins the fabric at this time (`None`: only when it ends its stream).
     pub join: Option<[Option<Duration>; 2]>,
+    /// With `join`: when the listener's side (side 1) allows the client
+    /// to join, or (`None`) forbids it (a forked listener: all stays TCP).
+    pub allow: Option<Duration>,
 }
 
 impl Scenario {
@@ -178,6 +181,7 @@ impl Scenario {
             switch: switch_of(seed),
             exec: exec_of(seed),
             join,
+            allow: allow_of(seed),
         }
     }
 }
@@ -218,6 +222,13 @@ fn join_of(seed: u64) -> Option<[Option<Duration>; 2]> {
     }
     let mut at = || (!r.chance(0.125)).then(|| Duration::from_micros(r.range(0, 20_000)));
     Some([at(), at()])
+}
+
+/// When the listener allows the join (one seed in eight of the joining
+/// ones, never: it forbids it).
+fn allow_of(seed: u64) -> Option<Duration> {
+    let mut r = Rng::new(seed ^ 0xa110_3ed0);
+    (!r.chance(0.125)).then(|| Duration::from_micros(r.range(0, 5_000)))
 }
 
 fn page_size(r: &mut Rng) -> u64 {

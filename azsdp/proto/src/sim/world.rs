@@ -53,6 +53,8 @@ enum WEvent {
     /// The side's sending direction joins the fabric (the connection
     /// began on TCP).
     Join(usize),
+    /// The listener's side allows the join (or forbids it).
+    Allow(usize),
     /// The side's process `exec`s a program that runs the shim.
     Exec(usize),
     /// The side's exec gives up waiting for its engine to park.
@@ -335,6 +337,10 @@ impl World {
                 w.schedule(Timestamp::ZERO + at, WEvent::Join(side));
             }
         }
+        if w.sc.join.is_some() {
+            let at = w.sc.allow.unwrap_or_default();
+            w.schedule(Timestamp::ZERO + at, WEvent::Allow(1));
+        }
         w.settle(0);
         w.settle(1);
         w
@@ -362,6 +368,7 @@ impl World {
             | WEvent::Kill(side)
             | WEvent::Switch(side)
             | WEvent::Join(side)
+            | WEvent::Allow(side)
             | WEvent::Exec(side)
             | WEvent::ExecDeadline(side)
             | WEvent::Cancel { side, .. } => side,
@@ -508,6 +515,18 @@ impl World {
                 }
             }
             WEvent::Join(side) => self.join(side),
+            WEvent::Allow(side) => {
+                if !self.procs[side].dead {
+                    if self.sc.allow.is_some() {
+                        self.note(|| format!("side {side}: allows the join"));
+                        self.drivers[side].allow_join();
+                    } else {
+                        let never = self.drivers[side].forbid_join();
+                        self.note(|| format!("side {side}: forbids the join ({never})"));
+                    }
+                    self.settle(side);
+                }
+            }
             WEvent::Exec(side) => self.start_exec(side),
             WEvent::ExecDeadline(side) => {
                 if self.procs[side].exec && !self.procs[side].dead {
@@ -740,7 +759,21 @@ impl World {
         if p.dead || self.on_tcp(side) || self.drivers[side].connection().tx_joined() {
             return;
         }
-        if p.exec {
+        let ended = self
+            .threads
+            .iter()
+            .all(|t| t.side != side || matches!(t.phase, Phase::Done));
+        if ended {
+            return;
+        }
+        // A side joins once its handshake is done (the listener answers
+        // only when it allows the join); the listener's, as the shim's,
+        // only once the client's JOIN is in (the client's program may
+        // sleep on the TCP socket alone until it joins).
+        let c = self.drivers[side].connection();
+        let waits_for_peer = c.config().role == crate::conn::Role::Server
+            && matches!(c.rx_route(), RxRoute::Tcp { left: None });
+        if p.exec || !c.established() || waits_for_peer {
             self.schedule(self.now + Duration::from_micros(200), WEvent::Join(side));
             return;
         }
@@ -781,21 +814,11 @@ impl World {
         flags: RecvFlags,
     ) -> Option<Result<u64, CallError>> {
         let len = left.map_or(len, |k| len.min(k));
-        // The end of TCP is the end of the stream only once the connection
-        // says no JOIN will come (the peer is gone): one may be on its way.
+        // The end of TCP with no JOIN: the peer ended its stream there (or
+        // died; a JOIN on its way then is lost with what follows, as after
+        // any death the checks allow a prefix).
         let r = match self.tcp_recv(side, addr, len, flags) {
             Some(Ok(0)) if left.is_some() => Some(Err(CallError::ConnReset)),
-            Some(Ok(0)) => {
-                let d = &self.drivers[side];
-                let over = d.peer_left() || matches!(d.connection().state(), State::Aborted(_));
-                if over {
-                    Some(Ok(0))
-                } else if flags.nonblocking {
-                    Some(Err(CallError::WouldBlock))
-                } else {
-                    None
-                }
-            }
             r => r,
         };
         if let Some(Ok(n)) = r
@@ -812,15 +835,24 @@ impl World {
         r
     }
 
-    /// Join now if not yet (a stream's end, a close): what `side` sent on
-    /// TCP so far is all of its TCP part.
+    /// A stream's end (or a close) before `side` joined: as the shim, it
+    /// joins now if the peer has (the end goes on the fabric after the TCP
+    /// part), else it ends on TCP and never joins.
     fn join_now(&mut self, side: usize) {
-        if !self.procs[side].dead && self.sends_on_tcp(side) && !self.on_tcp(side) {
-            let sent = self.tcp_before_join[side].0;
+        if self.procs[side].dead || !self.sends_on_tcp(side) || self.on_tcp(side) {
+            return;
+        }
+        let sent = self.tcp_before_join[side].0;
+        let peer_joined = !matches!(self.drivers[side].rx_route(), RxRoute::Tcp { left: None });
+        if peer_joined {
             self.note(|| format!("side {side}: joins as it ends, after {sent} bytes on TCP"));
             self.drivers[side].join_tx(sent);
-            self.settle(side);
+        } else {
+            self.note(|| format!("side {side}: ends its stream on TCP, after {sent} bytes"));
+            self.tcp.borrow_mut().shut[side] = true;
+            self.wake_tcp_readers(1 - side);
         }
+        self.settle(side);
     }
 
     /// `recv()` on TCP: `None` if it must wait.
@@ -1535,7 +1567,8 @@ impl World {
                     cr.bytes_received()
                 ));
             }
-            if !switched && !fatal && cs.tcp_sent_before_join != tcp_sent {
+            let joined = self.drivers[snd].connection().tx_joined();
+            if !switched && !fatal && joined && cs.tcp_sent_before_join != tcp_sent {
                 self.violations.push(format!(
                     "direction {dir}: the JOIN said {} bytes went over TCP, the application sent {tcp_sent} there",
                     cs.tcp_sent_before_join

@@ -133,6 +133,7 @@ fn a_server_that_joins_before_the_handshake_sends_join_after_hello_ack() {
     let mut client = Connection::new(joining(Role::Client), now);
     let mut server = Connection::new(joining(Role::Server), now);
     server.join_tx(now, 0);
+    server.allow_join(now);
     let mut buf = vec![0u8; 1 << 16];
     assert_eq!(server.poll_transmit(&mut buf), None, "nothing before HELLO");
     let n = client.poll_transmit(&mut buf).expect("HELLO");
@@ -145,4 +146,61 @@ fn a_server_that_joins_before_the_handshake_sends_join_after_hello_ack() {
     assert_eq!(types, [wire::MsgType::HelloAck, wire::MsgType::Join]);
     assert_eq!(*client.state(), State::Established);
     assert_eq!(client.rx_route(), RxRoute::Fabric);
+}
+
+/// Until the listener allows it, the client's HELLO goes unanswered (so the
+/// client never joins); then the handshake completes.
+#[test]
+fn the_listener_answers_once_it_allows_the_join() {
+    let mut mem = FlatMemory::new(4096);
+    let now = Timestamp::ZERO;
+    let mut client = Connection::new(joining(Role::Client), now);
+    let mut server = Connection::new(joining(Role::Server), now);
+    let mut buf = vec![0u8; 1 << 16];
+    let n = client.poll_transmit(&mut buf).expect("HELLO");
+    server.handle_message(now, &buf[..n], &mut mem);
+    assert_eq!(server.poll_transmit(&mut buf), None, "no HELLO_ACK yet");
+    assert!(!server.established());
+    server.allow_join(now);
+    let n = server.poll_transmit(&mut buf).expect("HELLO_ACK");
+    client.handle_message(now, &buf[..n], &mut mem);
+    assert!(client.established() && server.established());
+}
+
+/// A listener that forks the connection before the handshake forbids the
+/// join: no HELLO_ACK ever goes, and leaving needs no SWITCH (nothing went
+/// on the fabric); after the handshake it is too late to forbid.
+#[test]
+fn a_forbidden_join_stays_on_tcp_without_a_handshake() {
+    let mut mem = FlatMemory::new(4096);
+    let now = Timestamp::ZERO;
+    let mut client = Connection::new(joining(Role::Client), now);
+    let mut server = Connection::new(joining(Role::Server), now);
+    let mut buf = vec![0u8; 1 << 16];
+    let n = client.poll_transmit(&mut buf).expect("HELLO");
+    server.handle_message(now, &buf[..n], &mut mem);
+    assert!(server.forbid_join());
+    server.allow_join(now);
+    assert_eq!(server.poll_transmit(&mut buf), None, "never answered");
+    server.leave_fabric(now, &mut mem);
+    assert_eq!(*server.state(), State::Switched);
+    assert_eq!(server.poll_transmit(&mut buf), None, "no SWITCH either");
+    client.leave_fabric(now, &mut mem);
+    assert_eq!(*client.state(), State::Switched);
+    // Established: too late.
+    let mut p = joining_pair();
+    assert!(!p.d[1].forbid_join());
+}
+
+/// A stream that ends before its side joined (the peer has not joined
+/// either) ends on TCP: no SHUTDOWN on the fabric, and it never joins.
+#[test]
+fn a_stream_that_ends_before_it_joined_stays_on_tcp() {
+    let mut p = joining_pair();
+    p.d[0].shutdown(Shutdown::Write);
+    p.d[0].join_tx(5);
+    p.run_for(Duration::from_millis(1));
+    assert!(!p.d[0].connection().tx_joined());
+    assert_eq!(p.d[1].rx_route(), RxRoute::Tcp { left: None });
+    assert_eq!(p.counters(1).msgs_received, 1, "only the HELLO");
 }

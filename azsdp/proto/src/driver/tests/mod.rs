@@ -119,6 +119,8 @@ impl Pair {
             tcp,
             stopped: [false; 2],
         };
+        // (A listener begun on TCP answers once it allows the join.)
+        p.d[1].allow_join();
         p.run_for(Duration::from_millis(1));
         assert_eq!(*p.d[0].connection().state(), State::Established);
         assert_eq!(*p.d[1].connection().state(), State::Established);
