@@ -64,9 +64,10 @@ impl Connection {
     /// made again on TCP.
     pub fn leave_fabric(&mut self, now: crate::time::Timestamp, mem: &mut dyn UserMemory) {
         self.now = now;
-        if self.state == State::Handshake && self.join_never_started() {
+        if (self.state == State::Handshake || self.is_aborted()) && self.join_never_started() {
             // Begun on TCP, and nothing went on the fabric either way, nor
-            // will (join.rs): on TCP at once, no SWITCH needed.
+            // will (join.rs; an engine that ended before anything did,
+            // its peer gone): on TCP at once, no SWITCH needed.
             self.state = State::Switched;
             self.wake_waiters();
             return;

@@ -204,3 +204,36 @@ fn a_stream_that_ends_before_it_joined_stays_on_tcp() {
     assert_eq!(p.d[1].rx_route(), RxRoute::Tcp { left: None });
     assert_eq!(p.counters(1).msgs_received, 1, "only the HELLO");
 }
+
+/// A peer that leaves (dies, abandons the pair) before anything joined
+/// either way takes nothing with it: the stream is all on TCP and goes on
+/// there, not a reset. Once something joined, a departure is as before.
+#[test]
+fn a_peer_gone_before_anything_joined_leaves_the_stream_on_tcp() {
+    for joined in [false, true] {
+        let mut mem = FlatMemory::new(4096);
+        let now = Timestamp::ZERO;
+        let mut client = Connection::new(joining(Role::Client), now);
+        let mut server = Connection::new(joining(Role::Server), now);
+        server.allow_join(now);
+        if joined {
+            client.join_tx(now, 3);
+        }
+        let mut buf = vec![0u8; 1 << 16];
+        for _ in 0..4 {
+            while let Some(n) = client.poll_transmit(&mut buf) {
+                server.handle_message(now, &buf[..n], &mut mem);
+            }
+            while let Some(n) = server.poll_transmit(&mut buf) {
+                client.handle_message(now, &buf[..n], &mut mem);
+            }
+        }
+        assert!(client.established() && server.established());
+        server.handle_peer_gone(now);
+        if joined {
+            assert!(matches!(server.state(), State::Aborted(_)), "{joined}");
+        } else {
+            assert_eq!(*server.state(), State::Switched);
+        }
+    }
+}
