@@ -13,6 +13,15 @@ fn joining(role: Role) -> EngineConfig {
     c
 }
 
+/// Side `s` ended the connection for a protocol error of its peer's.
+fn assert_protocol_error(p: &Pair, s: usize) {
+    let state = p.d[s].connection().state();
+    assert!(
+        matches!(state, State::Aborted(AbortReason::Protocol(_))),
+        "side {s}: {state:?}"
+    );
+}
+
 fn joining_pair() -> Pair {
     Pair::new(joining(Role::Client), joining(Role::Server))
 }
@@ -86,14 +95,7 @@ fn a_join_saying_less_than_already_arrived_is_a_protocol_error() {
     p.d[1].took_from_tcp(10).unwrap();
     p.d[0].join_tx(9);
     p.run_for(Duration::from_millis(1));
-    assert!(
-        matches!(
-            p.d[1].connection().state(),
-            State::Aborted(AbortReason::Protocol(_))
-        ),
-        "{:?}",
-        p.d[1].connection().state()
-    );
+    assert_protocol_error(&p, 1);
 }
 
 #[test]
@@ -103,68 +105,98 @@ fn data_before_the_peers_join_and_a_join_nobody_expects_are_errors() {
     let mut p = Pair::new(joining(Role::Client), cfg(Role::Server));
     let (s, _) = p.send_pattern(1, 10, 2);
     assert_eq!(p.poll(1, s), Some(Ok(10)));
-    assert!(
-        matches!(
-            p.d[0].connection().state(),
-            State::Aborted(AbortReason::Protocol(_))
-        ),
-        "{:?}",
-        p.d[0].connection().state()
-    );
+    assert_protocol_error(&p, 0);
     let mut p = Pair::new(joining(Role::Client), cfg(Role::Server));
     p.d[0].join_tx(0);
     p.run_for(Duration::from_millis(1));
-    assert!(
-        matches!(
-            p.d[1].connection().state(),
-            State::Aborted(AbortReason::Protocol(_))
-        ),
-        "{:?}",
-        p.d[1].connection().state()
-    );
+    assert_protocol_error(&p, 1);
+}
+
+/// Two engines begun on TCP, driven by hand: messages cross only when a
+/// test says.
+struct Engines {
+    mem: FlatMemory,
+    now: Timestamp,
+    client: Connection,
+    server: Connection,
+    buf: Vec<u8>,
+}
+
+impl Engines {
+    fn new() -> Engines {
+        let now = Timestamp::ZERO;
+        Engines {
+            mem: FlatMemory::new(4096),
+            now,
+            client: Connection::new(joining(Role::Client), now),
+            server: Connection::new(joining(Role::Server), now),
+            buf: vec![0u8; 1 << 16],
+        }
+    }
+
+    /// The client's HELLO reaches the listener.
+    fn hello(&mut self) {
+        let n = self.client.poll_transmit(&mut self.buf).expect("HELLO");
+        self.server
+            .handle_message(self.now, &self.buf[..n], &mut self.mem);
+    }
+
+    /// What the listener sends reaches the client; the types, in order.
+    fn server_to_client(&mut self) -> Vec<wire::MsgType> {
+        let mut types = Vec::new();
+        while let Some(n) = self.server.poll_transmit(&mut self.buf) {
+            types.push(wire::parse(&self.buf[..n]).unwrap().msg.msg_type());
+            self.client
+                .handle_message(self.now, &self.buf[..n], &mut self.mem);
+        }
+        types
+    }
+
+    /// Everything either side has to send crosses, until both are quiet.
+    fn exchange(&mut self) {
+        for _ in 0..4 {
+            while let Some(n) = self.client.poll_transmit(&mut self.buf) {
+                self.server
+                    .handle_message(self.now, &self.buf[..n], &mut self.mem);
+            }
+            self.server_to_client();
+        }
+    }
 }
 
 /// The listener commits (and joins, having sent nothing) before the
 /// client's HELLO is in: its JOIN must follow its HELLO_ACK.
 #[test]
 fn a_server_that_joins_before_the_handshake_sends_join_after_hello_ack() {
-    let mut mem = FlatMemory::new(4096);
-    let now = Timestamp::ZERO;
-    let mut client = Connection::new(joining(Role::Client), now);
-    let mut server = Connection::new(joining(Role::Server), now);
-    server.join_tx(now, 0);
-    server.allow_join(now);
-    let mut buf = vec![0u8; 1 << 16];
-    assert_eq!(server.poll_transmit(&mut buf), None, "nothing before HELLO");
-    let n = client.poll_transmit(&mut buf).expect("HELLO");
-    server.handle_message(now, &buf[..n], &mut mem);
-    let mut types = Vec::new();
-    while let Some(n) = server.poll_transmit(&mut buf) {
-        types.push(wire::parse(&buf[..n]).unwrap().msg.msg_type());
-        client.handle_message(now, &buf[..n], &mut mem);
-    }
-    assert_eq!(types, [wire::MsgType::HelloAck, wire::MsgType::Join]);
-    assert_eq!(*client.state(), State::Established);
-    assert_eq!(client.rx_route(), RxRoute::Fabric);
+    let mut e = Engines::new();
+    let now = e.now;
+    e.server.join_tx(now, 0);
+    e.server.allow_join(now);
+    assert_eq!(
+        e.server.poll_transmit(&mut e.buf),
+        None,
+        "nothing before HELLO"
+    );
+    e.hello();
+    assert_eq!(
+        e.server_to_client(),
+        [wire::MsgType::HelloAck, wire::MsgType::Join]
+    );
+    assert_eq!(*e.client.state(), State::Established);
+    assert_eq!(e.client.rx_route(), RxRoute::Fabric);
 }
 
 /// Until the listener allows it, the client's HELLO goes unanswered (so the
 /// client never joins); then the handshake completes.
 #[test]
 fn the_listener_answers_once_it_allows_the_join() {
-    let mut mem = FlatMemory::new(4096);
-    let now = Timestamp::ZERO;
-    let mut client = Connection::new(joining(Role::Client), now);
-    let mut server = Connection::new(joining(Role::Server), now);
-    let mut buf = vec![0u8; 1 << 16];
-    let n = client.poll_transmit(&mut buf).expect("HELLO");
-    server.handle_message(now, &buf[..n], &mut mem);
-    assert_eq!(server.poll_transmit(&mut buf), None, "no HELLO_ACK yet");
-    assert!(!server.established());
-    server.allow_join(now);
-    let n = server.poll_transmit(&mut buf).expect("HELLO_ACK");
-    client.handle_message(now, &buf[..n], &mut mem);
-    assert!(client.established() && server.established());
+    let mut e = Engines::new();
+    e.hello();
+    assert!(e.server_to_client().is_empty(), "no HELLO_ACK yet");
+    assert!(!e.server.established());
+    e.server.allow_join(e.now);
+    assert_eq!(e.server_to_client(), [wire::MsgType::HelloAck]);
+    assert!(e.client.established() && e.server.established());
 }
 
 /// A listener that forks the connection before the handshake forbids the
@@ -172,21 +204,17 @@ fn the_listener_answers_once_it_allows_the_join() {
 /// on the fabric); after the handshake it is too late to forbid.
 #[test]
 fn a_forbidden_join_stays_on_tcp_without_a_handshake() {
-    let mut mem = FlatMemory::new(4096);
-    let now = Timestamp::ZERO;
-    let mut client = Connection::new(joining(Role::Client), now);
-    let mut server = Connection::new(joining(Role::Server), now);
-    let mut buf = vec![0u8; 1 << 16];
-    let n = client.poll_transmit(&mut buf).expect("HELLO");
-    server.handle_message(now, &buf[..n], &mut mem);
-    assert!(server.forbid_join());
-    server.allow_join(now);
-    assert_eq!(server.poll_transmit(&mut buf), None, "never answered");
-    server.leave_fabric(now, &mut mem);
-    assert_eq!(*server.state(), State::Switched);
-    assert_eq!(server.poll_transmit(&mut buf), None, "no SWITCH either");
-    client.leave_fabric(now, &mut mem);
-    assert_eq!(*client.state(), State::Switched);
+    let mut e = Engines::new();
+    let now = e.now;
+    e.hello();
+    assert!(e.server.forbid_join());
+    e.server.allow_join(now);
+    assert!(e.server_to_client().is_empty(), "never answered");
+    e.server.leave_fabric(now, &mut e.mem);
+    assert_eq!(*e.server.state(), State::Switched);
+    assert!(e.server_to_client().is_empty(), "no SWITCH either");
+    e.client.leave_fabric(now, &mut e.mem);
+    assert_eq!(*e.client.state(), State::Switched);
     // Established: too late.
     let mut p = joining_pair();
     assert!(!p.d[1].forbid_join());
@@ -211,29 +239,19 @@ fn a_stream_that_ends_before_it_joined_stays_on_tcp() {
 #[test]
 fn a_peer_gone_before_anything_joined_leaves_the_stream_on_tcp() {
     for joined in [false, true] {
-        let mut mem = FlatMemory::new(4096);
-        let now = Timestamp::ZERO;
-        let mut client = Connection::new(joining(Role::Client), now);
-        let mut server = Connection::new(joining(Role::Server), now);
-        server.allow_join(now);
+        let mut e = Engines::new();
+        let now = e.now;
+        e.server.allow_join(now);
         if joined {
-            client.join_tx(now, 3);
+            e.client.join_tx(now, 3);
         }
-        let mut buf = vec![0u8; 1 << 16];
-        for _ in 0..4 {
-            while let Some(n) = client.poll_transmit(&mut buf) {
-                server.handle_message(now, &buf[..n], &mut mem);
-            }
-            while let Some(n) = server.poll_transmit(&mut buf) {
-                client.handle_message(now, &buf[..n], &mut mem);
-            }
-        }
-        assert!(client.established() && server.established());
-        server.handle_peer_gone(now);
+        e.exchange();
+        assert!(e.client.established() && e.server.established());
+        e.server.handle_peer_gone(now);
         if joined {
-            assert!(matches!(server.state(), State::Aborted(_)), "{joined}");
+            assert!(matches!(e.server.state(), State::Aborted(_)), "{joined}");
         } else {
-            assert_eq!(*server.state(), State::Switched);
+            assert_eq!(*e.server.state(), State::Switched);
         }
     }
 }
