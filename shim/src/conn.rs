@@ -30,7 +30,7 @@ pub type ActiveEndpoint = AnyEndpoint;
 /// The transport, sized by `s`, for the connection on socket `fd`.
 pub fn transport(s: &Settings, fd: i32) -> Active {
     // SAFETY: F_GETFD on the program's socket.
-    let survives_exec = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
+    let survives_exec = unsafe { crate::real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC == 0;
     ShmTransport {
         params: ShmParams {
             ring_capacity: (s.bsdp_buffer.max(64 << 10) * 2)

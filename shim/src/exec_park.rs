@@ -301,7 +301,7 @@ fn take_up_one(pc: ParkedConn) {
         }
     };
     // SAFETY: F_GETFL on the inherited descriptor.
-    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    let fl = unsafe { crate::real::fcntl(fd, libc::F_GETFL, 0) };
     let sock = Sock::new(pc.family, fl >= 0 && fl & libc::O_NONBLOCK != 0);
     {
         let mut o = sock.opts.lock();

@@ -429,7 +429,7 @@ fn readable_first(waiting: Vec<Waiting>, most: usize) -> (Vec<Waiting>, Vec<Wait
         })
         .collect();
     // SAFETY: poll over our own array of pollfds, with no wait.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+    let n = unsafe { crate::real::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
     if n <= 0 {
         return (Vec::new(), waiting);
     }

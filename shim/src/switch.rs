@@ -136,7 +136,7 @@ pub fn connections_on_descriptors(extra: &[libc::c_int]) -> Vec<(Arc<Sock>, Vec<
         }
         // SAFETY: F_GETFD on a descriptor the table tracks.
         let survives = extra.contains(&fd)
-            || unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC == 0;
+            || unsafe { crate::real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC == 0;
         let i = match seen.iter().position(|(s, _)| Arc::ptr_eq(s, &sock)) {
             Some(i) => i,
             None => {
