@@ -52,6 +52,11 @@ fuzz_target!(|data: &[u8]| {
     if joining && data.first().is_some_and(|b| b & 4 == 4) {
         c.join_tx(t, 1000);
     }
+    // A listener begun on TCP answers HELLO only once allowed; half the
+    // joining inputs allow it (the rest stay in the handshake).
+    if joining && data.first().is_some_and(|b| b & 8 == 8) {
+        c.allow_join(t);
+    }
     let mut seq = 0u32;
     if established {
         let hello = Hello {
