@@ -63,6 +63,12 @@ impl Join {
         self.joining && self.allowed != Some(true)
     }
 
+    /// The client never joins: no HELLO is answered from now on.
+    fn forbid(&mut self) {
+        self.allowed = Some(false);
+        self.hello = None;
+    }
+
     /// Keep the HELLO for later; false if one is kept already.
     pub(super) fn defer_hello(&mut self, h: crate::wire::Hello) -> bool {
         self.hello.replace(h).is_none()
@@ -134,20 +140,21 @@ impl Connection {
         if !self.join.joining || self.state != super::State::Handshake {
             return false;
         }
-        self.join.allowed = Some(false);
-        self.join.hello = None;
+        self.join.forbid();
         true
     }
 
-    /// A connection begun on TCP whose handshake is not done: neither side
-    /// joined, and none will (the listener answers no HELLO from now on,
-    /// and a client joins only once answered).
-    pub(super) fn join_never_started(&mut self) -> bool {
+    /// A connection begun on TCP with nothing joined either way has its
+    /// whole stream on TCP: it is on TCP from now on, with no SWITCH, and
+    /// neither side joins (the listener answers no HELLO, and a client
+    /// joins only once answered). Whether it was such a connection.
+    pub(super) fn stay_on_tcp_if_unjoined(&mut self) -> bool {
         if !self.join.joining || self.join.tx.is_some() || self.join.peer.is_some() {
             return false;
         }
-        self.join.allowed = Some(false);
-        self.join.hello = None;
+        self.join.forbid();
+        self.state = super::State::Switched;
+        self.wake_waiters();
         true
     }
 

@@ -1381,13 +1381,10 @@ impl Connection {
         if self.is_aborted() || self.state == State::Switched {
             return;
         }
-        if !matches!(reason, AbortReason::Protocol(_)) && self.join_never_started() {
-            // Begun on TCP and nothing went on the fabric either way (the
-            // peer left, or never took the pair up): the stream is all on
-            // TCP, and goes on there (join.rs). (A peer breaking the
-            // protocol is still an error.)
-            self.state = State::Switched;
-            self.wake_waiters();
+        // Begun on TCP and nothing went on the fabric either way (the peer
+        // left, or never took the pair up): the stream goes on over TCP
+        // (join.rs). (A peer breaking the protocol is still an error.)
+        if !matches!(reason, AbortReason::Protocol(_)) && self.stay_on_tcp_if_unjoined() {
             return;
         }
         if matches!(

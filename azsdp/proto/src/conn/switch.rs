@@ -64,12 +64,10 @@ impl Connection {
     /// made again on TCP.
     pub fn leave_fabric(&mut self, now: crate::time::Timestamp, mem: &mut dyn UserMemory) {
         self.now = now;
-        if (self.state == State::Handshake || self.is_aborted()) && self.join_never_started() {
-            // Begun on TCP, and nothing went on the fabric either way, nor
-            // will (join.rs; an engine that ended before anything did,
-            // its peer gone): on TCP at once, no SWITCH needed.
-            self.state = State::Switched;
-            self.wake_waiters();
+        // Begun on TCP, and nothing went on the fabric either way, nor will
+        // (join.rs; or an engine that ended before anything did, its peer
+        // gone): on TCP at once, no SWITCH needed.
+        if (self.state == State::Handshake || self.is_aborted()) && self.stay_on_tcp_if_unjoined() {
             return;
         }
         if self.switch == Switch::No && !self.is_aborted() && self.state != State::Switched {

@@ -194,9 +194,10 @@ pub struct World {
     events_run: u64,
     /// The TCP connection beneath (the hosts write resends into it).
     tcp: SharedTcp,
-    /// Bytes each side's application sent, and took, on TCP before its
-    /// direction joined the fabric (a connection that began on TCP).
-    tcp_before_join: [(u64, u64); 2],
+    /// Bytes each side's application sent on TCP before its direction
+    /// joined the fabric (a connection that began on TCP; what it took
+    /// there the engine counts, told by `took_from_tcp`).
+    tcp_sent_before_join: [u64; 2],
     /// Each side's receive route when its TCP readers last looked.
     routes: [RxRoute; 2],
 }
@@ -310,7 +311,7 @@ impl World {
             calls: BTreeMap::new(),
             violations: Vec::new(),
             tcp,
-            tcp_before_join: [(0, 0); 2],
+            tcp_sent_before_join: [0; 2],
             routes: [RxRoute::Fabric; 2],
             trace,
             events_run: 0,
@@ -752,6 +753,11 @@ impl World {
         }
     }
 
+    /// Has `side`'s peer joined (its JOIN is in)?
+    fn peer_joined(&self, side: usize) -> bool {
+        !matches!(self.drivers[side].rx_route(), RxRoute::Tcp { left: None })
+    }
+
     /// `side`'s sending direction joins the fabric (once; not while its
     /// process execs, nor after it left the fabric or died).
     fn join(&mut self, side: usize) {
@@ -771,13 +777,13 @@ impl World {
         // only once the client's JOIN is in (the client's program may
         // sleep on the TCP socket alone until it joins).
         let c = self.drivers[side].connection();
-        let waits_for_peer = c.config().role == crate::conn::Role::Server
-            && matches!(c.rx_route(), RxRoute::Tcp { left: None });
+        let waits_for_peer =
+            c.config().role == crate::conn::Role::Server && !self.peer_joined(side);
         if p.exec || !c.established() || waits_for_peer {
             self.schedule(self.now + Duration::from_micros(200), WEvent::Join(side));
             return;
         }
-        let sent = self.tcp_before_join[side].0;
+        let sent = self.tcp_sent_before_join[side];
         self.note(|| format!("side {side}: joins the fabric after {sent} bytes on TCP"));
         self.drivers[side].join_tx(sent);
         self.settle(side);
@@ -825,7 +831,6 @@ impl World {
             && n > 0
             && !flags.peek
         {
-            self.tcp_before_join[side].1 += n;
             if let Err(e) = self.drivers[side].took_from_tcp(n) {
                 self.settle(side);
                 return Some(Err(e));
@@ -842,9 +847,8 @@ impl World {
         if self.procs[side].dead || !self.sends_on_tcp(side) || self.on_tcp(side) {
             return;
         }
-        let sent = self.tcp_before_join[side].0;
-        let peer_joined = !matches!(self.drivers[side].rx_route(), RxRoute::Tcp { left: None });
-        if peer_joined {
+        let sent = self.tcp_sent_before_join[side];
+        if self.peer_joined(side) {
             self.note(|| format!("side {side}: joins as it ends, after {sent} bytes on TCP"));
             self.drivers[side].join_tx(sent);
         } else {
@@ -1082,7 +1086,7 @@ impl World {
                     let addr = Self::buf_addr(side, idx) + off + sent;
                     let n = self.tcp_send(side, addr, len - sent);
                     if !self.on_tcp(side) {
-                        self.tcp_before_join[side].0 += n;
+                        self.tcp_sent_before_join[side] += n;
                     }
                     self.threads[t].result = Some(Ok(n));
                     return Some(Phase::Send);
@@ -1536,7 +1540,8 @@ impl World {
             // A killed sender's thread may not have seen its last send() return;
             // its engine's counters (frozen at death) say what it accepted.
             let sent: u64 = if self.procs[snd].dead {
-                self.drivers[snd].connection().counters().bytes_sent() + self.tcp_before_join[snd].0
+                self.drivers[snd].connection().counters().bytes_sent()
+                    + self.tcp_sent_before_join[snd]
             } else {
                 self.threads
                     .iter()
@@ -1554,7 +1559,8 @@ impl World {
             let cr = self.drivers[rcv].connection().counters().clone();
             // Bytes that went over TCP before the join are the
             // application's, not the engine's.
-            let (tcp_sent, tcp_taken) = (self.tcp_before_join[snd].0, self.tcp_before_join[rcv].1);
+            let (tcp_sent, tcp_taken) =
+                (self.tcp_sent_before_join[snd], cr.tcp_received_before_join);
             if !self.procs[snd].dead && !switched && cs.bytes_sent() + tcp_sent != sent {
                 self.violations.push(format!(
                     "direction {dir}: sender counters say {} bytes (+{tcp_sent} on TCP), send() returned {sent}",
