@@ -235,26 +235,32 @@ fn nonblock(server: bool, port: u16) -> R {
             recv_some(c, &mut b, libc::MSG_DONTWAIT) == -1 && errno() == libc::EAGAIN,
             "drained recv"
         );
-        // Fill the connection: the peer does not read yet.
+        // Fill the connection: the peer does not read yet. As on TCP, bytes
+        // queued on our side may still move to the peer's side after the
+        // first EAGAIN (over verbs, as credits come back), so POLLOUT may
+        // return; but then a send must take bytes. Full is 50 ms without it.
         let chunk = vec![7u8; 65536];
         let mut sent = 0usize;
         loop {
-            // SAFETY: send(2) from our own buffer.
-            let n = unsafe { libc::send(c, chunk.as_ptr().cast(), chunk.len(), 0) };
-            if n < 0 {
-                check!(errno() == libc::EAGAIN, "full send: {}", err_name(errno()));
-                break;
-            }
-            sent += n as usize;
             check!(
                 sent < (1 << 30),
                 "a non-blocking send never filled the connection"
             );
+            // SAFETY: send(2) from our own buffer.
+            let n = unsafe { libc::send(c, chunk.as_ptr().cast(), chunk.len(), 0) };
+            if n < 0 {
+                check!(errno() == libc::EAGAIN, "full send: {}", err_name(errno()));
+                if poll1(c, libc::POLLOUT, 50) & libc::POLLOUT == 0 {
+                    break;
+                }
+                // SAFETY: as above.
+                let n = unsafe { libc::send(c, chunk.as_ptr().cast(), chunk.len(), 0) };
+                check!(n > 0, "POLLOUT, then send: {}", err_name(errno()));
+                sent += n as usize;
+                continue;
+            }
+            sent += n as usize;
         }
-        check!(
-            poll1(c, libc::POLLOUT, 50) & libc::POLLOUT == 0,
-            "POLLOUT while full"
-        );
         check!(
             poll1(c, libc::POLLOUT, 10_000) & libc::POLLOUT != 0,
             "no POLLOUT after the peer drained"
@@ -275,7 +281,20 @@ fn nonblock(server: bool, port: u16) -> R {
         let c = connect_to(port)?;
         check!(recv_exact(c, 2)? == b"go", "go");
         send_all(c, &data(1000, 2))?;
-        sleep_ms(300);
+        // Read nothing until the peer has filled the connection: what is
+        // waiting here stops growing (a fixed sleep lost the race on a busy
+        // host, whose peer was still filling when we began to drain).
+        let (mut last, mut since) = (fionread(c), Instant::now());
+        let t = Instant::now();
+        while (last == 0 || since.elapsed() < Duration::from_millis(300))
+            && t.elapsed() < Duration::from_secs(20)
+        {
+            sleep_ms(10);
+            let now = fionread(c);
+            if now != last {
+                (last, since) = (now, Instant::now());
+            }
+        }
         let mut total = Vec::new();
         let mut b = vec![0u8; 1 << 16];
         loop {
