@@ -750,6 +750,22 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         self.conn.forbid_join()
     }
 
+    /// On TCP at once if nothing joined either way, nor can
+    /// (`Connection::stay_on_tcp_now`). Whether it is.
+    pub fn stay_on_tcp_now(&mut self) -> bool {
+        let now = self.now();
+        let r = self.conn.stay_on_tcp_now(now);
+        self.drive();
+        r
+    }
+
+    /// The TCP socket beneath was reset (`Connection::tcp_reset`).
+    pub fn tcp_reset(&mut self) {
+        let now = self.now();
+        self.conn.tcp_reset(now);
+        self.drive();
+    }
+
     /// Where the application's next receive reads from (`conn::RxRoute`).
     pub fn rx_route(&self) -> crate::conn::RxRoute {
         self.conn.rx_route()

@@ -214,16 +214,20 @@ pub enum AbortCode {
     Incompatible = 5,
     /// Data arrived after the receiving application closed its end.
     Closed = 6,
+    /// The connection began on TCP and stays there: nothing joined the
+    /// fabric either way, and nothing will (§8b).
+    StaysOnTcp = 7,
 }
 
 impl AbortCode {
-    pub const ALL: [AbortCode; 6] = [
+    pub const ALL: [AbortCode; 7] = [
         AbortCode::Reset,
         AbortCode::ProtocolError,
         AbortCode::Timeout,
         AbortCode::FabricError,
         AbortCode::Incompatible,
         AbortCode::Closed,
+        AbortCode::StaysOnTcp,
     ];
     pub fn from_u16(v: u16) -> Option<AbortCode> {
         AbortCode::ALL.into_iter().find(|c| *c as u16 == v)

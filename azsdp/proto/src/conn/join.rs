@@ -144,6 +144,24 @@ impl Connection {
         true
     }
 
+    /// Leave for TCP at once if the handshake is not done (or the engine
+    /// ended) and nothing joined either way: no SWITCH is needed, and none
+    /// goes (`stay_on_tcp_if_unjoined`). Whether it did.
+    /// A peer still in its handshake is told (ABORT `StaysOnTcp`), so that
+    /// it drops its side at once rather than wait for an answer.
+    pub fn stay_on_tcp_now(&mut self, now: crate::time::Timestamp) -> bool {
+        self.now = now;
+        let handshake = self.state == super::State::Handshake;
+        if !(handshake || self.is_aborted()) || !self.stay_on_tcp_if_unjoined() {
+            return false;
+        }
+        if handshake {
+            self.out
+                .push_back(super::OutMsg::Abort(crate::wire::AbortCode::StaysOnTcp));
+        }
+        true
+    }
+
     /// A connection begun on TCP with nothing joined either way has its
     /// whole stream on TCP: it is on TCP from now on, with no SWITCH, and
     /// neither side joins (the listener answers no HELLO, and a client
@@ -156,6 +174,15 @@ impl Connection {
         self.state = super::State::Switched;
         self.wake_waiters();
         true
+    }
+
+    /// The TCP socket beneath was reset (the peer's kernel discarded our
+    /// TCP part unread) and the application was told (ECONNRESET): the
+    /// connection is over; later sends fail with EPIPE, as TCP's.
+    pub fn tcp_reset(&mut self, now: crate::time::Timestamp) {
+        self.now = now;
+        self.abort(super::AbortReason::PeerGone, None);
+        self.error_reported = true;
     }
 
     /// Is the handshake done (so that a client may join)?

@@ -63,11 +63,10 @@ impl Connection {
     /// progress end with [`CallError::Switched`] (or what they moved), to be
     /// made again on TCP.
     pub fn leave_fabric(&mut self, now: crate::time::Timestamp, mem: &mut dyn UserMemory) {
-        self.now = now;
         // Begun on TCP, and nothing went on the fabric either way, nor will
         // (join.rs; or an engine that ended before anything did, its peer
         // gone): on TCP at once, no SWITCH needed.
-        if (self.state == State::Handshake || self.is_aborted()) && self.stay_on_tcp_if_unjoined() {
+        if self.stay_on_tcp_now(now) {
             return;
         }
         if self.switch == Switch::No && !self.is_aborted() && self.state != State::Switched {

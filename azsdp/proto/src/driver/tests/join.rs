@@ -201,7 +201,9 @@ fn the_listener_answers_once_it_allows_the_join() {
 
 /// A listener that forks the connection before the handshake forbids the
 /// join: no HELLO_ACK ever goes, and leaving needs no SWITCH (nothing went
-/// on the fabric); after the handshake it is too late to forbid.
+/// on the fabric); its ABORT (`StaysOnTcp`) tells the client, which
+/// stays on TCP at once rather than wait for an answer. After the
+/// handshake it is too late to forbid.
 #[test]
 fn a_forbidden_join_stays_on_tcp_without_a_handshake() {
     let mut e = Engines::new();
@@ -212,9 +214,9 @@ fn a_forbidden_join_stays_on_tcp_without_a_handshake() {
     assert!(e.server_to_client().is_empty(), "never answered");
     e.server.leave_fabric(now, &mut e.mem);
     assert_eq!(*e.server.state(), State::Switched);
-    assert!(e.server_to_client().is_empty(), "no SWITCH either");
-    e.client.leave_fabric(now, &mut e.mem);
+    assert_eq!(e.server_to_client(), [wire::MsgType::Abort], "no SWITCH");
     assert_eq!(*e.client.state(), State::Switched);
+    assert!(!e.client.stay_on_tcp_now(now), "once");
     // Established: too late.
     let mut p = joining_pair();
     assert!(!p.d[1].forbid_join());
