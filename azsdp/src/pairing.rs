@@ -28,8 +28,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use thiserror::Error;
 
 const MAGIC: [u8; 4] = *b"AZBT";
-/// Version of the side channel's format and of the registry names.
-pub const VERSION: u16 = 2;
+/// Version of the side channel's format and of the registry names (3:
+/// connections begin on TCP and join the fabric, docs/protocol.md §8b; a
+/// side of version 2 would run its engine on the fabric from the start).
+pub const VERSION: u16 = 3;
 /// Bytes of an encoded [`Intro`].
 pub const INTRO_LEN: usize = 48;
 
@@ -345,21 +347,21 @@ mod tests {
     #[test]
     fn names_and_candidates() {
         let v4: SocketAddr = "127.0.0.1:6379".parse().unwrap();
-        assert_eq!(registry_name(v4), "azsdp/v2/tcp/127.0.0.1/6379");
+        assert_eq!(registry_name(v4), "azsdp/v3/tcp/127.0.0.1/6379");
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:6379".parse().unwrap();
         assert_eq!(registry_name(mapped), registry_name(v4));
         assert_eq!(
             registry_candidates(v4),
             vec![
-                "azsdp/v2/tcp/127.0.0.1/6379",
-                "azsdp/v2/tcp/0.0.0.0/6379",
-                "azsdp/v2/tcp/::/6379"
+                "azsdp/v3/tcp/127.0.0.1/6379",
+                "azsdp/v3/tcp/0.0.0.0/6379",
+                "azsdp/v3/tcp/::/6379"
             ]
         );
         let v6: SocketAddr = "[::1]:80".parse().unwrap();
         assert_eq!(
             registry_candidates(v6),
-            vec!["azsdp/v2/tcp/::1/80", "azsdp/v2/tcp/::/80"]
+            vec!["azsdp/v3/tcp/::1/80", "azsdp/v3/tcp/::/80"]
         );
     }
 }

@@ -172,10 +172,17 @@ pub enum TcpReason {
     CmRejected,
     /// The peer's RDMA connection was not made within `pair_timeout`.
     CmTimeout,
+    /// The pair is under way: the connection is TCP meanwhile.
+    Pairing,
+    /// A fork shared the connection before its pair completed.
+    Forked,
+    /// The program shut the connection down or closed it before its pair
+    /// completed.
+    ShortLived,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 16] = [
+    pub const ALL: [TcpReason; 19] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -192,6 +199,9 @@ impl TcpReason {
         TcpReason::RdmaRoute,
         TcpReason::CmRejected,
         TcpReason::CmTimeout,
+        TcpReason::Pairing,
+        TcpReason::Forked,
+        TcpReason::ShortLived,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -219,6 +229,9 @@ impl TcpReason {
             TcpReason::RdmaRoute => "rdma-route",
             TcpReason::CmRejected => "cm-rejected",
             TcpReason::CmTimeout => "cm-timeout",
+            TcpReason::Pairing => "pairing",
+            TcpReason::Forked => "forked",
+            TcpReason::ShortLived => "short-lived",
         }
     }
 }

@@ -67,6 +67,9 @@ pub struct Conn {
     stat: Lock<Option<(Arc<StatFile>, usize)>>,
     /// Last path published (to log changes once).
     path: Lock<ConnPath>,
+    /// The connection began on its TCP socket and is joining the fabric
+    /// (`crate::join`); `None` once paired on the fabric from the start.
+    pub joining: Option<crate::join::Joining>,
 }
 
 impl Conn {
@@ -74,6 +77,9 @@ impl Conn {
     /// Nothing waits for the peer here: the handshake completes in the
     /// background, and calls that need it wait for it (bounded by
     /// `peer_timeout`, and by the peer process's life).
+    ///
+    /// `joining`: the connection began on TCP and joins the fabric
+    /// (`crate::join`), with what the program moved on TCP so far.
     pub fn start(
         ep: ActiveEndpoint,
         fd: i32,
@@ -81,6 +87,7 @@ impl Conn {
         settings: &Settings,
         local: SocketAddr,
         peer: SocketAddr,
+        joining: Option<crate::join::Joining>,
     ) -> Arc<Conn> {
         let p = protect::open(settings.protection);
         let mut caps: Capabilities = capabilities(ep.get_refused().is_none(), p.protector.as_ref());
@@ -90,13 +97,14 @@ impl Conn {
         caps.zcopy_source &= Endpoint::same_user(&ep);
         caps.arm_recv &= ep.arms_receives();
         let mut cfg = settings.engine_config(role, caps, LockRegion::UNSET);
+        cfg.joins_from_tcp = joining.is_some();
         if !ep.reads_ahead() {
             cfg.read_ahead = 0;
         }
         let beneath = Arc::new(TcpBeneath::new(fd));
         let host = Self::host(settings, &beneath);
         let d = Driver::with_host(cfg, ep, p.protector, host);
-        Self::run(d, p.faults, beneath, role, settings, local, peer)
+        Self::run(d, p.faults, beneath, role, settings, local, peer, joining)
     }
 
     /// Take up a connection the previous image of this process parked
@@ -115,7 +123,8 @@ impl Conn {
         let beneath = Arc::new(TcpBeneath::new(fd));
         let host = Self::host(settings, &beneath);
         let d = Driver::unpark(engine, ep, p.protector, host)?;
-        let c = Self::run(d, p.faults, beneath, role, settings, local, peer);
+        // (Only a connection whose join was over is parked.)
+        let c = Self::run(d, p.faults, beneath, role, settings, local, peer, None);
         // The peer rings the previous image's bell, gone with it.
         c.driver.with_fabric(|ep| {
             if let Some(shm) = ep.shm() {
@@ -134,6 +143,7 @@ impl Conn {
     }
 
     /// Drive `d` from this process's reactor and the program's calls.
+    #[allow(clippy::too_many_arguments)] // (WIP: fold into one start record)
     fn run(
         d: Driver<ActiveEndpoint, Box<dyn Protector + Send>>,
         faults: Option<Box<dyn azsdp::protect::FaultSource>>,
@@ -142,6 +152,7 @@ impl Conn {
         settings: &Settings,
         local: SocketAddr,
         peer: SocketAddr,
+        joining: Option<crate::join::Joining>,
     ) -> Arc<Conn> {
         let peer_pid = Endpoint::peer_pid(d.fabric());
         let fabric = d.fabric().fabric_name();
@@ -182,6 +193,7 @@ impl Conn {
             reported: AtomicBool::new(false),
             stat: Lock::new(stat),
             path: Lock::new(ConnPath::Azsdp),
+            joining,
         });
         c.publish();
         c
@@ -232,6 +244,37 @@ impl Conn {
         self.driver.close_in_background(abort, self.linger);
         crate::runtime::closing(Arc::clone(self));
         self.touched();
+    }
+
+    /// Readiness for poll/select/epoll of the program's descriptor `fd`:
+    /// the engine's, with the TCP socket's part while joining.
+    pub fn readiness_on(&self, fd: i32) -> azsdp::conn::Readiness {
+        let mut r = self.driver.readiness();
+        if let Some(j) = self.joining.as_ref().filter(|j| !j.settled()) {
+            j.merge(self, fd, &mut r);
+        } else if self.joining.is_some() && r.read_hangup && !r.error {
+            // The peer ended; our TCP part may have died unread with it
+            // (its kernel reset the socket), as TCP would show.
+            let mut p = libc::pollfd {
+                fd,
+                events: 0,
+                revents: 0,
+            };
+            // SAFETY: a poll of one pollfd of ours, without waiting (libc's:
+            // `libc::poll` would be our own hook).
+            unsafe { crate::real::poll(&mut p, 1, 0) };
+            if p.revents & libc::POLLERR != 0 {
+                r.error = true;
+                r.hangup = true;
+            }
+        }
+        r
+    }
+
+    /// Is the connection still joining the fabric (a direction of it on
+    /// the TCP socket)?
+    pub fn joining_now(&self) -> Option<&crate::join::Joining> {
+        self.joining.as_ref().filter(|j| !j.settled())
     }
 
     /// The program changed the connection's state itself (a shutdown, a
@@ -373,6 +416,9 @@ impl Drop for Conn {
 /// A connection left on plain TCP: only counted, for `azsdp stat`.
 pub struct TcpConn {
     stat: Option<(Arc<StatFile>, usize)>,
+    /// While a pair is under way (`crate::pending`): what the program
+    /// moved on the socket, exactly.
+    counts: Option<crate::pending::Counts>,
 }
 
 impl TcpConn {
@@ -382,9 +428,29 @@ impl TcpConn {
         reason: TcpReason,
         server: bool,
     ) -> Arc<TcpConn> {
+        Arc::new(TcpConn {
+            stat: Self::slot(local, peer, reason, server),
+            counts: None,
+        })
+    }
+
+    /// A client's connection whose pair is under way.
+    pub fn pairing(local: Option<SocketAddr>, peer: Option<SocketAddr>) -> Arc<TcpConn> {
+        Arc::new(TcpConn {
+            stat: Self::slot(local, peer, TcpReason::Pairing, false),
+            counts: Some(crate::pending::Counts::default()),
+        })
+    }
+
+    fn slot(
+        local: Option<SocketAddr>,
+        peer: Option<SocketAddr>,
+        reason: TcpReason,
+        server: bool,
+    ) -> Option<(Arc<StatFile>, usize)> {
         let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
         let role = if server { Role::Server } else { Role::Client };
-        let stat = crate::runtime::stat_file().and_then(|f| {
+        crate::runtime::stat_file().and_then(|f| {
             let slot = f.open_slot(
                 role,
                 local.unwrap_or(unspecified),
@@ -392,14 +458,52 @@ impl TcpConn {
             )?;
             f.set_path(slot, ConnPath::Tcp, Some(reason), 0);
             Some((f, slot))
-        });
-        Arc::new(TcpConn { stat })
+        })
+    }
+
+    pub fn counts(&self) -> Option<&crate::pending::Counts> {
+        self.counts.as_ref()
+    }
+
+    /// Why it is (or stays) on TCP.
+    pub fn set_reason(&self, reason: TcpReason) {
+        if let Some((f, slot)) = &self.stat {
+            f.set_path(*slot, ConnPath::Tcp, Some(reason), 0);
+        }
     }
 
     pub fn count(&self, sent: u64, received: u64) {
         if let Some((f, slot)) = &self.stat {
             f.add_tcp(*slot, sent, received);
         }
+    }
+
+    /// Make the program's data call `f` on the socket, counted: what it
+    /// sent (`sent`) or took (a peek takes nothing).
+    pub fn call(&self, sent: bool, peek: bool, f: impl FnOnce() -> isize) -> isize {
+        if let Some(c) = &self.counts {
+            c.busy.fetch_add(1, Ordering::SeqCst);
+        }
+        let r = f();
+        if r > 0 {
+            let n = r as u64;
+            if let Some(c) = &self.counts {
+                if sent {
+                    c.sent.fetch_add(n, Ordering::SeqCst);
+                } else if !peek {
+                    c.taken.fetch_add(n, Ordering::SeqCst);
+                }
+            }
+            if sent {
+                self.count(n, 0);
+            } else if !peek {
+                self.count(0, n);
+            }
+        }
+        if let Some(c) = &self.counts {
+            c.busy.fetch_sub(1, Ordering::SeqCst);
+        }
+        r
     }
 }
 

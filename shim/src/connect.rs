@@ -10,14 +10,12 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use azsdp::config::{FabricChoice, Settings, Use};
-use azsdp::conn::Role;
-use azsdp::fabric::shm::{recv_intro, send_intro};
+use azsdp::fabric::shm::send_intro;
 use azsdp::identity::Received;
-use azsdp::pairing::{Agreement, Intro, IntroKind, PairTarget, registry_candidates};
+use azsdp::pairing::{Intro, IntroKind, PairTarget, registry_candidates};
 use azsdp::sock_diag;
 use azsdp::stats::TcpReason;
 use azsdp::transport::{Offer, Transport};
@@ -25,9 +23,8 @@ use libc::c_int;
 
 use crate::conn::Conn;
 use crate::conn::{Active, transport};
-use crate::endpoint::AnyEndpoint;
 use crate::listener::{abstract_addr, peer_cred, seqpacket_with};
-use crate::log::{debug, info, warning};
+use crate::log::{debug, info};
 use crate::net;
 use crate::real;
 
@@ -36,8 +33,18 @@ pub enum Outcome {
     /// The kernel's answer (return value, errno); the socket is plain TCP
     /// for `reason` (`None`: not connected, e.g. an error).
     Tcp(c_int, c_int, Option<TcpReason>),
-    /// Connected and upgraded.
+    /// Connected and upgraded (over verbs).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     Azsdp(Arc<Conn>),
+    /// The kernel's answer (return value, errno); the offer went to the
+    /// listener, whose answer comes later (`crate::pending`).
+    Pairing {
+        r: c_int,
+        e: c_int,
+        reg: OwnedFd,
+        offer: <Active as Transport>::Offer,
+        to: SocketAddr,
+    },
 }
 
 /// A listener's registration that answered and is the listener's: the
@@ -155,19 +162,10 @@ pub(crate) fn kernel_connect(
     if !wait_for(fd, libc::POLLOUT, Instant::now() + patience) {
         return Ok(false);
     }
-    let mut err: c_int = 0;
-    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
-    // SAFETY: SO_ERROR into our own int.
-    unsafe {
-        real::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ERROR,
-            (&raw mut err).cast(),
-            &mut len,
-        )
-    };
-    if err != 0 { Err(err) } else { Ok(true) }
+    match real::so_error(fd) {
+        0 => Ok(true),
+        err => Err(err),
+    }
 }
 
 /// Wait until `fd` is ready for `events` or `deadline` passes.
@@ -190,23 +188,9 @@ fn wait_for(fd: c_int, events: i16, deadline: Instant) -> bool {
     }
 }
 
-/// The listener's answer, by `deadline`.
-fn await_answer(reg: BorrowedFd<'_>, deadline: Instant) -> Result<(Intro, Received), String> {
-    loop {
-        match recv_intro(reg, IntroKind::Answer, true) {
-            Err(e) if e.would_block() => {
-                if !wait_for(reg.as_raw_fd(), libc::POLLIN, deadline) {
-                    return Err("no answer in time".into());
-                }
-            }
-            r => return r.map_err(|e| e.to_string()),
-        }
-    }
-}
-
 /// Is the answer's socket the far end of our connection `fd`, as the
 /// kernel knows it?
-fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), String> {
+pub(crate) fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), String> {
     let Some(accepted) = answer.fds.first() else {
         return Err("the answer carries no socket".into());
     };
@@ -224,43 +208,6 @@ fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), String> {
         return Err("the answer's socket is not the far end of our connection".into());
     }
     Ok(())
-}
-
-/// Withdraw from the pair (the listener then stays on TCP too). False if
-/// the listener had already committed.
-fn withdraw(word: &AtomicU32) -> bool {
-    match word.compare_exchange(
-        Agreement::UNDECIDED,
-        Agreement::WITHDRAWN,
-        Ordering::AcqRel,
-        Ordering::Acquire,
-    ) {
-        Ok(_) => true,
-        Err(v) => v == Agreement::WITHDRAWN,
-    }
-}
-
-/// Wait until the listener commits (true) or `deadline` passes and we
-/// withdraw (false).
-fn await_commit(word: &AtomicU32, deadline: Instant) -> bool {
-    loop {
-        let v = word.load(Ordering::Acquire);
-        if v == Agreement::COMMITTED {
-            return true;
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if v != Agreement::UNDECIDED || left.is_zero() {
-            if withdraw(word) {
-                return false;
-            }
-            continue;
-        }
-        azsdp::futex::wait(
-            word,
-            Agreement::UNDECIDED,
-            left.min(Duration::from_millis(20)),
-        );
-    }
 }
 
 /// Where a connection to `dst` goes: Linux delivers one to the unspecified
@@ -294,6 +241,8 @@ pub fn connect(
             Err(e) => Outcome::Tcp(-1, e, None),
         }
     };
+    #[cfg(not(feature = "verbs"))]
+    let _ = nonblocking;
     if settings.use_ == Use::Tcp {
         return plain(TcpReason::Rule);
     }
@@ -328,12 +277,6 @@ pub fn connect(
         Err(None) => return plain(TcpReason::PeerNotAzsdp),
         Err(Some(_)) => return plain(TcpReason::PeerUnverified),
     };
-    if reg.pid == azsdp::process::pid() {
-        // Our own listener: its accept() may be ours to call, after this
-        // connect() returns, so waiting for it could only time out.
-        return plain(TcpReason::SameProcess);
-    }
-    let deadline = Instant::now() + settings.pair_timeout;
     let Some(port) = ensure_port(fd, family) else {
         return plain(TcpReason::SetupFailed);
     };
@@ -362,69 +305,27 @@ pub fn connect(
         debug!("connect {dst}: offer not sent: {e}");
         return plain(TcpReason::SetupFailed);
     }
-    // From here the listener may match us: a failure below withdraws by
-    // the word (or closes the side channel), and the listener keeps TCP too.
-    match kernel_connect(fd, dst, nonblocking, settings.pair_timeout) {
-        Ok(true) => {}
-        Ok(false) => return Outcome::Tcp(-1, libc::EINPROGRESS, Some(TcpReason::PairTimeout)),
-        Err(e) => return Outcome::Tcp(-1, e, None),
+    // From here the listener may match us. Nothing here waits for it:
+    // the connection is TCP until the pair completes at one of the
+    // program's calls (`crate::pending`), or stays TCP.
+    let (st, len) = net::to_storage(dst);
+    // SAFETY: connect to our own encoded address.
+    let r = unsafe { real::connect(fd, (&raw const st).cast(), len) };
+    let e = if r == 0 { 0 } else { real::errno() };
+    if r != 0 && e != libc::EINPROGRESS {
+        // (The listener matches nothing: no connection reaches it.)
+        crate::pending::withdraw(offer.agreement());
+        return Outcome::Tcp(-1, e, None);
     }
-    let local = net::local_of(fd).unwrap_or(SocketAddr::new(to.ip(), port));
-    let tcp_now = |reason: TcpReason| Outcome::Tcp(0, 0, Some(reason));
-    let word = offer.agreement();
-    let (answer_intro, answer) = match await_answer(reg.sock.as_fd(), deadline) {
-        Ok(a) => a,
-        Err(e) if withdraw(word) => {
-            debug!("connect {dst}: no upgrade ({e})");
-            return tcp_now(TcpReason::PairTimeout);
-        }
-        // The listener committed as we gave up: its answer came first.
-        Err(_) => match await_answer(reg.sock.as_fd(), Instant::now()) {
-            Ok(a) => a,
-            Err(_) => return broken(dst, offer),
-        },
-    };
-    if let Err(why) = answer_holds_our_peer(fd, &answer) {
-        warning!(
-            "connect {dst}: pid {} (uid {}) answered for the listener but {why}; staying on TCP",
-            answer.peer.pid(),
-            answer.peer.uid()
-        );
-        return if withdraw(word) {
-            tcp_now(TcpReason::PeerUnverified)
-        } else {
-            broken(dst, offer)
-        };
+    debug!(
+        "connect {dst}: offer sent to pid {}, pairing in the background",
+        reg.pid
+    );
+    Outcome::Pairing {
+        r,
+        e,
+        reg: reg.sock,
+        offer,
+        to,
     }
-    if !await_commit(word, deadline) {
-        return tcp_now(TcpReason::PairTimeout);
-    }
-    let peer_page = answer_intro.page_size;
-    // After the accepted socket (checked above): the transport's.
-    let fds = answer.fds.into_iter().skip(1).collect();
-    // The pairing stream has done its work: the connection holds no
-    // descriptor of its own from here.
-    drop(reg.sock);
-    match offer.into_endpoint(fds, answer.peer, peer_page) {
-        Ok(ep) => Outcome::Azsdp(Conn::start(
-            AnyEndpoint::Shm(ep),
-            fd,
-            Role::Client,
-            settings,
-            local,
-            dst,
-        )),
-        Err(e) => {
-            debug!("connect {dst}: {e}");
-            Outcome::Tcp(-1, libc::ECONNRESET, None)
-        }
-    }
-}
-
-/// The listener committed to a pair we cannot accept: end it on both sides
-/// (the listener's engine sees us leave) and fail the call.
-fn broken(dst: SocketAddr, offer: <Active as Transport>::Offer) -> Outcome {
-    warning!("connect {dst}: the listener committed to a pair we refused; the connection is reset");
-    offer.abandon();
-    Outcome::Tcp(-1, libc::ECONNREFUSED, None)
 }

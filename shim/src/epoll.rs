@@ -39,6 +39,11 @@ const BATCH: usize = 1024;
 /// pointer or small integer by accident is good enough: the entry is ours).
 const TAG: u64 = 0xa25d_b0e1_7e57_0000;
 
+/// The high half of the data of a TCP socket we watch in the kernel set
+/// for a connection still joining the fabric (the low half is its
+/// descriptor): its bytes arriving, or room made, wake a wait.
+const TCP_TAG: u64 = 0xa25d_b0e2;
+
 struct Interest {
     sock: Arc<Sock>,
     events: u32,
@@ -58,6 +63,9 @@ struct Set {
     /// Interests to look at again on the next wait: level-triggered ones
     /// reported ready, and those a full `events` array left unvisited.
     again: Vec<c_int>,
+    /// Sockets of joining connections watched in the kernel set (see
+    /// [`TCP_TAG`]).
+    tcp_watch: std::collections::BTreeSet<c_int>,
 }
 
 /// The descriptors of one set whose readiness may have changed since it
@@ -148,6 +156,7 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         interests: BTreeMap::new(),
         dirty: Arc::default(),
         again: Vec::new(),
+        tcp_watch: Default::default(),
     }));
     sets.insert(epfd, Arc::clone(&s));
     COUNT.store(sets.len(), Ordering::Relaxed);
@@ -182,11 +191,39 @@ pub fn forget_set(epfd: c_int) {
     drop(gone);
 }
 
-/// `fd` (upgraded) was closed: drop it from every set.
+/// `fd` (upgraded) was closed: drop it from every set (the kernel drops
+/// its own watch of the socket with the descriptor).
 pub fn forget_fd(fd: c_int) {
     let sets: Vec<_> = SETS.lock().values().cloned().collect();
     for s in sets {
-        s.lock().interests.remove(&fd);
+        let mut s = s.lock();
+        s.interests.remove(&fd);
+        s.tcp_watch.remove(&fd);
+    }
+}
+
+/// Watch (or stop watching) the TCP socket `fd` of a joining connection
+/// in the kernel set `epfd`.
+fn watch_tcp(set: &mut Set, epfd: c_int, fd: c_int, on: bool) {
+    if on == set.tcp_watch.contains(&fd) {
+        return;
+    }
+    let mut ev = epoll_event {
+        events: (EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET) as u32,
+        u64: (TCP_TAG << 32) | fd as u32 as u64,
+    };
+    let op = if on {
+        libc::EPOLL_CTL_ADD
+    } else {
+        libc::EPOLL_CTL_DEL
+    };
+    let _keep = real::KeepErrno::new();
+    // SAFETY: our own watch of the program's socket in the program's set.
+    let r = unsafe { real::epoll_ctl(epfd, op, fd, &mut ev) };
+    if on && r == 0 {
+        set.tcp_watch.insert(fd);
+    } else if !on {
+        set.tcp_watch.remove(&fd);
     }
 }
 
@@ -233,6 +270,7 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
                 real::set_errno(libc::ENOENT);
                 return -1;
             };
+            watch_tcp(&mut set, epfd, fd, false);
             if let Some(c) = it.sock.conn() {
                 c.watchers.remove(&set.dirty, fd);
             }
@@ -264,6 +302,9 @@ pub fn release(sock: &Arc<Sock>) {
                 .filter(|(_, it)| Arc::ptr_eq(&it.sock, sock))
                 .map(|(fd, _)| *fd)
                 .collect();
+            for fd in &fds {
+                watch_tcp(&mut set, epfd, *fd, false);
+            }
             fds.into_iter()
                 .filter_map(|fd| set.interests.remove(&fd).map(|it| (fd, it)))
                 .collect()
@@ -281,10 +322,14 @@ pub fn release(sock: &Arc<Sock>) {
     crate::ready::notify();
 }
 
-/// A socket in kernel epoll sets was upgraded: move it to ours.
+/// A socket in kernel epoll sets was upgraded: move it to ours. A thread
+/// asleep in such a set in the kernel is woken, to wait in ours.
 pub fn adopt(sock: &Arc<Sock>) {
     let regs = std::mem::take(&mut *sock.kernel_epolls.lock());
     for r in regs {
+        if let Some(set) = set_for(r.epfd) {
+            set.lock().wake.kick();
+        }
         // SAFETY: removing the descriptor from the program's set.
         unsafe { real::epoll_ctl(r.epfd, libc::EPOLL_CTL_DEL, r.fd, std::ptr::null_mut()) };
         let ev = epoll_event {
@@ -323,7 +368,7 @@ fn epoll_bits(r: &azsdp::conn::Readiness, wanted: u32) -> u32 {
 
 /// Collect ready upgraded sockets into `out`: those marked dirty, and
 /// those to look at again.
-fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
+fn collect(set: &mut Set, epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
     let mut look = set.dirty.take();
     look.append(&mut set.again);
     look.sort_unstable();
@@ -341,7 +386,12 @@ fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
             continue;
         }
         let Some(c) = it.sock.conn() else { continue };
-        let r = c.driver.readiness();
+        let joining = c.joining_now().is_some();
+        let r = c.readiness_on(*fd);
+        watch_tcp(set, epfd, *fd, joining);
+        let Some(it) = set.interests.get_mut(fd) else {
+            continue;
+        };
         let bits = epoll_bits(&r, it.events);
         // As the kernel's wake-ups: readers hear of arriving data, writers
         // of room made; nobody of other traffic (credits, acknowledgements).
@@ -380,6 +430,26 @@ fn collect(set: &mut Set, out: &mut Vec<epoll_event>, max: usize) {
     }
 }
 
+/// Drop our own entries (see [`TAG`], [`TCP_TAG`]) from the `n` events a
+/// wait in the kernel wrote into the program's array: a set that became
+/// partly ours while a thread slept in it. The count left.
+///
+/// # Safety
+/// `events` must be the program's array, with `n` entries filled.
+pub unsafe fn drop_ours(events: *mut epoll_event, n: c_int) -> c_int {
+    let Ok(got) = crate::user_mem::read(events.cast_const(), n as usize) else {
+        return n;
+    };
+    let kept: Vec<epoll_event> = got
+        .into_iter()
+        .filter(|e| e.u64 != TAG && e.u64 >> 32 != TCP_TAG)
+        .collect();
+    if kept.len() as c_int != n && crate::user_mem::write(events, &kept).is_err() {
+        return n;
+    }
+    kept.len() as c_int
+}
+
 /// `epoll_wait`/`epoll_pwait` on a set that holds upgraded sockets; `None`
 /// if it holds none (the caller goes straight to the kernel).
 ///
@@ -410,7 +480,7 @@ pub unsafe fn wait(
     loop {
         wake.arm();
         let mut out = Vec::new();
-        collect(&mut set.lock(), &mut out, max);
+        collect(&mut set.lock(), epfd, &mut out, max);
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let wait_ms: c_int = if !out.is_empty() {
             0
@@ -430,10 +500,18 @@ pub unsafe fn wait(
                 return Some(-1);
             }
         } else {
+            let mut looked = false;
             for ev in &kernel[..n as usize] {
-                if ev.u64 != TAG {
+                if ev.u64 >> 32 == TCP_TAG {
+                    // A joining connection's socket: look at it again.
+                    set.lock().dirty.mark(ev.u64 as u32 as c_int);
+                    looked = true;
+                } else if ev.u64 != TAG {
                     out.push(*ev);
                 }
+            }
+            if looked && out.is_empty() {
+                continue;
             }
         }
         if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {

@@ -143,7 +143,10 @@ fn park_then(
             .filter(|(_, fds)| !fds.iter().any(|&fd| (0..=2).contains(&fd)))
             .filter_map(|(sock, fds)| {
                 let c = sock.conn()?;
-                (c.driver.is_mine() || c.driver.claim()).then_some((sock, c, fds))
+                // One still joining keeps what went over TCP in this
+                // image's memory: it moves onto TCP instead.
+                let parkable = c.joining_now().is_none();
+                (parkable && (c.driver.is_mine() || c.driver.claim())).then_some((sock, c, fds))
             })
             .collect();
     let mut holds = Vec::new();

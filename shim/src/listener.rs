@@ -819,6 +819,9 @@ impl Listener {
             s,
             local,
             peer,
+            // Begun on TCP: the client may have sent on it already; we
+            // join once it has (`crate::join`).
+            Some(crate::join::Joining::new(true, 0)),
         ))
     }
 }

@@ -71,6 +71,15 @@ impl Wakeup {
         unsafe { real::read(self.fd(), (&raw mut v).cast(), 8) };
     }
 
+    /// Ring even if nobody is armed: a thread may sleep in a kernel set
+    /// that holds this eventfd without having armed it.
+    pub fn kick(&self) {
+        let _keep = real::KeepErrno::new();
+        let one = 1u64;
+        // SAFETY: write of 8 bytes from our own u64.
+        unsafe { real::write(self.fd(), (&raw const one).cast(), 8) };
+    }
+
     fn ring(&self) {
         let _keep = real::KeepErrno::new();
         if self.asleep.load(Ordering::SeqCst) {
@@ -107,7 +116,7 @@ thread_local! {
     static MINE: std::cell::OnceCell<Option<Arc<Wakeup>>> = const { std::cell::OnceCell::new() };
 }
 
-fn my_wakeup() -> Option<Arc<Wakeup>> {
+pub fn my_wakeup() -> Option<Arc<Wakeup>> {
     MINE.try_with(|m| m.get_or_init(Wakeup::new).clone())
         .ok()
         .flatten()
@@ -137,6 +146,9 @@ pub fn poll_bits(r: &Readiness, wanted: c_short) -> c_short {
 
 /// Longest sleep between looks, a safety net under the notifications.
 const SLICE: Duration = Duration::from_millis(100);
+/// How often a wait over a socket whose pair is under way looks for the
+/// listener's answer.
+const PAIRING_SLICE: Duration = Duration::from_millis(2);
 
 /// `poll`/`ppoll` over the program's `fds`; `None` if none of them is
 /// upgraded (the caller asks the kernel, which then checks everything
@@ -153,7 +165,7 @@ pub unsafe fn poll(
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> Option<c_int> {
-    if !azsdp::process::active() || azsdp::sandbox::marked() {
+    if !(azsdp::process::active() || crate::pending::any()) || azsdp::sandbox::marked() {
         // No upgraded socket in this process (a sandboxed one's all moved
         // onto TCP): nothing to look at.
         return None;
@@ -169,14 +181,11 @@ pub unsafe fn poll(
             return Some(-1);
         }
     };
-    let conns: Vec<Option<Arc<crate::conn::Conn>>> = copy
-        .iter()
-        .map(|p| crate::fdtable::get(p.fd).and_then(|s| crate::switch::driven_here(&s)))
-        .collect();
-    if conns.iter().all(Option::is_none) {
+    let (conns, pairing) = resolve(&copy);
+    if conns.iter().all(Option::is_none) && !pairing.contains(&true) {
         return None;
     }
-    let r = poll_upgraded(&mut copy, &conns, timeout, mask);
+    let r = poll_upgraded(&mut copy, &conns, &pairing, timeout, mask);
     if r >= 0
         && let Err(e) = crate::user_mem::write(fds, &copy)
     {
@@ -186,9 +195,35 @@ pub unsafe fn poll(
     Some(r)
 }
 
+/// The connection each entry's descriptor is (if upgraded), and whether
+/// its pair is under way: a pair completes here if it can, and one that
+/// cannot yet keeps the wait ours, so that it sees the pair complete (a
+/// thread asleep in the kernel on the socket alone would miss the bytes
+/// that come over the fabric from then on).
+fn resolve(fds: &[pollfd]) -> (Vec<Option<Arc<crate::conn::Conn>>>, Vec<bool>) {
+    let mut pairing = vec![false; fds.len()];
+    let conns = fds
+        .iter()
+        .zip(pairing.iter_mut())
+        .map(|(p, pairing)| {
+            let s = crate::fdtable::get(p.fd)?;
+            if let crate::sock::Role::Pairing(pp) = s.role() {
+                if let Some(c) = pp.try_complete(&s, p.fd) {
+                    return Some(c);
+                }
+                *pairing = matches!(s.role(), crate::sock::Role::Pairing(_));
+                return None;
+            }
+            crate::switch::driven_here(&s)
+        })
+        .collect();
+    (conns, pairing)
+}
+
 fn poll_upgraded(
     fds: &mut [pollfd],
     conns: &[Option<Arc<crate::conn::Conn>>],
+    pairing: &[bool],
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> c_int {
@@ -215,7 +250,28 @@ fn poll_upgraded(
         });
     }
     let mut conns = conns.to_vec();
+    let mut pairing = pairing.to_vec();
     loop {
+        // A pair that completed meanwhile (another thread's call): its
+        // connection's readiness from now on.
+        for ((p, c), pairing) in fds.iter().zip(conns.iter_mut()).zip(pairing.iter_mut()) {
+            if *pairing && c.is_none() {
+                let Some(s) = crate::fdtable::get(p.fd) else {
+                    *pairing = false;
+                    continue;
+                };
+                match s.role() {
+                    crate::sock::Role::Azsdp(x) => *c = Some(x),
+                    crate::sock::Role::Pairing(pp) => match pp.try_complete(&s, p.fd) {
+                        Some(x) => *c = Some(x),
+                        None if matches!(s.role(), crate::sock::Role::Pairing(_)) => continue,
+                        None => {}
+                    },
+                    _ => {}
+                }
+                *pairing = false;
+            }
+        }
         // A connection that moved onto its TCP socket meanwhile is the
         // kernel's to answer from now on (never a readiness of ours that
         // its socket would not confirm: ssh treats EAGAIN after a
@@ -229,13 +285,22 @@ fn poll_upgraded(
                 k.fd = p.fd;
             }
         }
+        // A connection still joining the fabric: its TCP socket's part
+        // wakes us too (only that part, or a ready socket would spin us).
+        for ((p, c), k) in fds.iter().zip(&conns).zip(kernel.iter_mut()) {
+            if let Some(c) = c {
+                let events = c.joining_now().map_or(0, |j| j.tcp_events(c)) & p.events;
+                k.fd = if events != 0 { p.fd } else { -1 };
+                k.events = events;
+            }
+        }
         if let Some(w) = &wake {
             w.arm();
         }
         let mut ready = 0;
         for ((p, c), k) in fds.iter_mut().zip(&conns).zip(kernel.iter_mut()) {
             if let Some(c) = c {
-                p.revents = poll_bits(&c.driver.readiness(), p.events);
+                p.revents = poll_bits(&c.readiness_on(p.fd), p.events);
                 k.revents = 0;
                 if p.revents != 0 {
                     ready += 1;
@@ -251,6 +316,12 @@ fn poll_upgraded(
             Duration::ZERO
         } else {
             left.map_or(SLICE, |l| l.min(SLICE))
+        };
+        // (While a pair is under way, look for its completion often.)
+        let wait = if pairing.contains(&true) {
+            wait.min(PAIRING_SLICE)
+        } else {
+            wait
         };
         let ts = libc::timespec {
             tv_sec: wait.as_secs() as libc::time_t,
@@ -426,7 +497,9 @@ impl Sets {
     pub fn involve_upgraded(&self) -> bool {
         (0..self.nfds).any(|fd| {
             (0..3).any(|w| self.has(w, fd))
-                && crate::fdtable::get(fd).is_some_and(|s| s.conn().is_some())
+                && crate::fdtable::get(fd).is_some_and(|s| {
+                    s.conn().is_some() || matches!(s.role(), crate::sock::Role::Pairing(_))
+                })
         })
     }
 }
@@ -460,12 +533,9 @@ pub fn select(
             });
         }
     }
-    let conns: Vec<Option<Arc<crate::conn::Conn>>> = fds
-        .iter()
-        .map(|p| crate::fdtable::get(p.fd).and_then(|s| crate::switch::driven_here(&s)))
-        .collect();
-    let n = if conns.iter().any(Option::is_some) {
-        poll_upgraded(&mut fds, &conns, timeout, mask)
+    let (conns, pairing) = resolve(&fds);
+    let n = if conns.iter().any(Option::is_some) || pairing.contains(&true) {
+        poll_upgraded(&mut fds, &conns, &pairing, timeout, mask)
     } else {
         // The upgraded socket is gone meanwhile: the kernel answers all.
         let ts = timeout.map(|t| libc::timespec {

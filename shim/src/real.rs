@@ -185,3 +185,51 @@ impl Drop for KeepErrno {
         set_errno(self.0);
     }
 }
+
+/// A send (`sent`) or receive on socket `fd` of the buffers, with `flags`,
+/// by libc's calls. Without flags, the plain calls the program itself
+/// makes: a seccomp sandbox (sshd's pre-auth child) may allow only those.
+///
+/// # Safety
+/// The buffers must be the program's, valid for the call as it passed them.
+pub unsafe fn io<T>(fd: c_int, sent: bool, bufs: &[(*const T, usize)], flags: c_int) -> ssize_t {
+    let iov: Vec<libc::iovec> = bufs
+        .iter()
+        .map(|&(p, l)| libc::iovec {
+            iov_base: p.cast_mut().cast(),
+            iov_len: l,
+        })
+        .collect();
+    // SAFETY: a msghdr of ours naming the program's buffers.
+    let mut m: msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = iov.as_ptr().cast_mut();
+    m.msg_iovlen = iov.len() as _;
+    // SAFETY: libc's calls on the program's descriptor and buffers.
+    unsafe {
+        match (sent, flags, iov.len()) {
+            (true, 0, 1) => write(fd, iov[0].iov_base, iov[0].iov_len),
+            (false, 0, 1) => read(fd, iov[0].iov_base, iov[0].iov_len),
+            (true, 0, n) => writev(fd, iov.as_ptr(), n as c_int),
+            (false, 0, n) => readv(fd, iov.as_ptr(), n as c_int),
+            (true, ..) => sendmsg(fd, &m, flags),
+            (false, ..) => recvmsg(fd, &mut m, flags),
+        }
+    }
+}
+
+/// The socket's pending error, taken (SO_ERROR), with libc's call.
+pub fn so_error(fd: c_int) -> c_int {
+    let mut err: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: SO_ERROR into our own int.
+    unsafe {
+        getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            (&raw mut err).cast(),
+            &mut len,
+        )
+    };
+    err
+}

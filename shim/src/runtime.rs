@@ -171,6 +171,7 @@ pub fn publish_all() {
             _ => {}
         }
     }
+    crate::pending::expire();
     // Finished connections are dropped after the lock is released: the
     // drop joins their threads, which may be waiting for a fork to end.
     let finished: Vec<Arc<Conn>> = {

@@ -25,6 +25,8 @@ pub enum Role {
     Azsdp(Arc<Conn>),
     /// Connected over plain TCP (counted for `azsdp stat`).
     Tcp(Arc<TcpConn>),
+    /// Connected over TCP while the pair is under way (`crate::pending`).
+    Pairing(Arc<crate::pending::Pending>),
 }
 
 /// A kernel epoll set this socket was added to while it was plain TCP.

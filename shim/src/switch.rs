@@ -22,12 +22,29 @@ use crate::{epoll, fdtable};
 /// `c`, upgraded on `sock`, left the fabric: make the descriptor plain TCP
 /// (idempotent). The TCP connection's counter, for the caller's call.
 pub fn moved(sock: &Arc<Sock>, c: &Arc<Conn>) -> Option<Arc<TcpConn>> {
+    // A connection with nothing joined either way stays, rather than
+    // moves: a fork, here or at the peer, ended the join (`before_fork`).
+    let unjoined = c.joining_now().is_some()
+        && !c.driver.tx_joined()
+        && c.driver.rx_route() == azsdp::conn::RxRoute::Tcp { left: None };
+    let reason = if unjoined {
+        TcpReason::Forked
+    } else {
+        TcpReason::Switched
+    };
     let server = c.role() == azsdp::conn::Role::Server;
-    let t = TcpConn::new(Some(c.local), Some(c.peer), TcpReason::Switched, server);
+    let t = TcpConn::new(Some(c.local), Some(c.peer), reason, server);
     if sock.replace_conn(c, Role::Tcp(Arc::clone(&t))) {
         epoll::release(sock);
         c.switched();
-        info!("{} -> {}: moved to its TCP socket", c.local, c.peer);
+        if reason == TcpReason::Forked {
+            info!(
+                "{} -> {}: tcp (forked): a fork shared it before it joined the fabric",
+                c.local, c.peer
+            );
+        } else {
+            info!("{} -> {}: moved to its TCP socket", c.local, c.peer);
+        }
     }
     match sock.role() {
         Role::Tcp(t) => Some(t),
@@ -50,6 +67,9 @@ pub fn driven_here(sock: &Arc<Sock>) -> Option<Arc<Conn>> {
 
 /// How long an `exec` waits for its connections to move.
 const EXEC_WAIT: Duration = Duration::from_secs(10);
+/// How long a call on a connection that must move onto TCP first (one a
+/// fork shares while it joins the fabric) waits for the move.
+pub const LEAVE_WAIT: Duration = EXEC_WAIT;
 
 /// This process is about to `exec`: move every connection it runs onto its
 /// TCP socket (what the peer has not consumed is written there, and the
@@ -66,6 +86,8 @@ pub fn before_exec() {
 /// [`before_exec`] for every connection but those in `parked` (carried
 /// to the new image instead: see `crate::exec_park`).
 pub fn before_exec_except(parked: &[Arc<Sock>]) {
+    // Pairs under way: the new image would not know of them.
+    crate::pending::give_up_all(TcpReason::Switched);
     for (sock, fds) in connections_on_descriptors(&[]) {
         if parked.iter().any(|p| Arc::ptr_eq(p, &sock)) {
             continue;
@@ -95,6 +117,21 @@ pub fn before_spawn(dup_sources: &[libc::c_int]) {
     for (sock, fds) in connections_on_descriptors(dup_sources) {
         if !fds.is_empty() {
             move_whoever_runs_it(&sock, "spawning a program");
+        }
+    }
+}
+
+/// This process is about to fork: a connection still joining the fabric
+/// with nothing joined either way goes onto its TCP socket now, with no
+/// SWITCH, so that both processes inherit a plain descriptor (a server
+/// that forks right after `accept()`, as PostgreSQL's and inetd's do, has
+/// not let its client join yet). One that joined in part moves later, at
+/// the first call on it (`hooks::data`).
+pub fn before_fork() {
+    for sock in fdtable::all() {
+        let Some(c) = sock.conn() else { continue };
+        if c.joining_now().is_some() && c.driver.stay_on_tcp_now() {
+            moved(&sock, &c);
         }
     }
 }

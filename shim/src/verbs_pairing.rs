@@ -165,6 +165,7 @@ pub fn connect(
         settings,
         local,
         dst,
+        None,
     ))
 }
 
@@ -371,6 +372,7 @@ impl VerbsAccepts {
                 s,
                 local,
                 peer,
+                None,
             ))),
             Ok(other) => {
                 warning!("{local} <- {peer}: the client answered {other:?}, not CONFIRM; TCP");

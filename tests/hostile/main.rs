@@ -494,6 +494,12 @@ fn client(port: u16, attack: &str, r: &mut Report) {
         r.note = "no HELLO_ACK".into();
         return;
     };
+    // The connection began on TCP: its stream moves onto the fabric by a
+    // JOIN (nothing sent on TCP), before anything of the stream.
+    if let Err(e) = post(&mut ep, &mut seq, Message::Join { tcp_sent: 0 }) {
+        r.note = e;
+        return;
+    }
     let me = adversary::side(&ep);
     let buf = vec![0x42u8; 64 << 10];
     let advertise = |ep: &mut ShmEndpoint, seq: &mut u32, addr: u64, key: u32| {
@@ -944,6 +950,7 @@ fn server(port: u16, attack: &str, secs: u64, r: &mut Report) {
                     if h.is_some() {
                         let ack = hello(&ep);
                         let _ = post(&mut ep, &mut seq, Message::HelloAck(ack));
+                        let _ = post(&mut ep, &mut seq, Message::Join { tcp_sent: 0 });
                     }
                     let me = adversary::side(&ep);
                     match attack.split(':').next() {

@@ -361,11 +361,19 @@ fn malicious_segments_and_rings_end_only_their_own_connection() {
         let st = c.wait(Duration::from_secs(30)).expect("the client ended");
         assert_eq!(st.code(), Some(2), "{a}: {st}; {}", s.log(&name));
         let log = s.log(&name);
-        assert!(log.contains(": azsdp (fabric shm, peer pid"), "{a}: {log}");
+        // The pair completes at a call of the client's: one that began
+        // before the answer came sleeps in the kernel on the silent TCP
+        // connection until its read timeout or the hostile peer's exit,
+        // as on TCP (no harm either).
+        let upgraded = log.contains(": azsdp (fabric shm, peer pid");
+        assert!(upgraded || log.contains("read at 0: "), "{a}: {log}");
         assert!(!log.contains("panicked"), "{a}: {log}");
         // Nothing was advertised to a peer of another user, whatever it
         // claimed to be able to read.
-        assert!(log.contains("sent azsdp 0 zsdp 0 "), "{a}: {log}");
+        assert!(
+            !upgraded || log.contains("sent azsdp 0 zsdp 0 "),
+            "{a}: {log}"
+        );
         bad.report().no_leak();
     }
 }

@@ -966,7 +966,7 @@ fn connect_from(fd: std::os::fd::OwnedFd, to: u16) -> std::net::TcpStream {
 /// SEQPACKET socket in the abstract namespace).
 fn registration(port: u16) -> std::os::fd::OwnedFd {
     use std::os::fd::FromRawFd;
-    let name = format!("azsdp/v2/tcp/0.0.0.0/{port}");
+    let name = format!("azsdp/v3/tcp/0.0.0.0/{port}");
     // SAFETY: plain socket calls on a descriptor we own from here on, with
     // a sockaddr_un of our own.
     unsafe {
@@ -1012,13 +1012,18 @@ fn garbage_on_the_pairing_channel_leaves_connections_on_tcp() {
     assert_eq!(redis_ping(p, Some(fd)), "+PONG");
     assert_eq!(redis_ping(p, None), "+PONG");
     drop(silent);
-    // A real client under azsdp still gets the upgrade.
-    let mut cli = s.under_azsdp("cli", "redis-cli", &["-p", &ps, "PING"]);
+    // A real client under azsdp still gets the upgrade (its connection
+    // joins at a call after the listener's answer: the second PING's).
+    let mut cli = s.under_azsdp(
+        "cli",
+        "redis-cli",
+        &["-p", &ps, "-r", "3", "-i", "0.2", "PING"],
+    );
     cli.stdout(Stdio::piped());
     let mut cli = Proc::start(cli, "redis-cli");
     let out = cli.stdout();
     cli.expect_success(Duration::from_secs(20), || s.log("cli"));
-    assert_eq!(out.trim(), "PONG");
+    assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["PONG"; 3]);
     assert!(
         s.log("cli").contains(": azsdp (fabric shm, peer pid"),
         "{}",

@@ -1171,6 +1171,72 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.lock().connection().orphaned()
     }
 
+    /// Our sending direction joins the fabric after `tcp_sent` bytes
+    /// went over TCP (a connection that began there, docs/protocol.md §8b).
+    /// Only the process that runs the connection joins.
+    pub fn join_tx(&self, tcp_sent: u64) {
+        if self.shared.make_mine() {
+            self.shared.lock().join_tx(tcp_sent);
+            self.shared.waiter.kick();
+            self.shared.wake_reactor();
+        }
+    }
+
+    /// The listener's side: the client may join (only the process that
+    /// runs the connection allows it).
+    pub fn allow_join(&self) {
+        if self.shared.make_mine() {
+            self.shared.lock().allow_join();
+            self.shared.waiter.kick();
+            self.shared.wake_reactor();
+        }
+    }
+
+    /// On TCP at once, with no SWITCH, if this process runs the connection
+    /// and nothing joined the fabric either way, nor can
+    /// (`Driver::stay_on_tcp_now`). Whether it is.
+    pub fn stay_on_tcp_now(&self) -> bool {
+        if !self.shared.make_mine() || !self.shared.lock().stay_on_tcp_now() {
+            return false;
+        }
+        self.shared.end_standby();
+        self.shared.waiter.kick();
+        true
+    }
+
+    /// The TCP socket beneath was reset, and the program told.
+    pub fn tcp_reset(&self) {
+        if self.shared.make_mine() {
+            self.shared.lock().tcp_reset();
+            self.shared.waiter.kick();
+        }
+    }
+
+    /// Is the engine's handshake done?
+    pub fn established(&self) -> bool {
+        self.shared.lock().connection().established()
+    }
+
+    /// Has our sending direction joined the fabric (or begun there)?
+    pub fn tx_joined(&self) -> bool {
+        self.shared.lock().connection().tx_joined()
+    }
+
+    /// Where a receive reads from (`conn::RxRoute`).
+    pub fn rx_route(&self) -> crate::conn::RxRoute {
+        let mut d = self.shared.lock();
+        self.shared.turn_all(&mut d, 0);
+        d.rx_route()
+    }
+
+    /// The program took `n` bytes from TCP while the route said so.
+    pub fn took_from_tcp(&self, n: u64) -> Result<(), CallError> {
+        let r = self.shared.lock().took_from_tcp(n);
+        self.shared.waiter.kick();
+        self.shared.wake_reactor();
+        r
+    }
+
     /// Has the connection left the fabric for the TCP socket beneath?
     pub fn is_switched(&self) -> bool {
         self.shared.switched.load(Ordering::SeqCst)

@@ -68,10 +68,14 @@ pub unsafe extern "C" fn sendmmsg(fd: c_int, v: *mut mmsghdr, n: c_uint, flags: 
         }),
         Target::Plain(t) => {
             // SAFETY: libc's sendmmsg with the program's arguments.
-            let r = unsafe { real::sendmmsg(fd, v, n, flags) };
-            if let Some(t) = t {
-                t.count(moved(v, r), 0);
-            }
+            let call = || unsafe { real::sendmmsg(fd, v, n, flags) };
+            let Some(t) = t else { return call() };
+            // (Counted by what the messages moved.)
+            let mut r = 0;
+            t.call(true, false, || {
+                r = call();
+                moved(v, r) as isize
+            });
             r
         }
     })
@@ -156,10 +160,13 @@ pub unsafe extern "C" fn recvmmsg(
         }),
         Target::Plain(t) => {
             // SAFETY: libc's recvmmsg with the program's arguments.
-            let r = unsafe { real::recvmmsg(fd, v, n, flags, timeout) };
-            if let Some(t) = t {
-                t.count(0, moved(v, r));
-            }
+            let call = || unsafe { real::recvmmsg(fd, v, n, flags, timeout) };
+            let Some(t) = t else { return call() };
+            let mut r = 0;
+            t.call(false, flags & libc::MSG_PEEK != 0, || {
+                r = call();
+                moved(v, r) as isize
+            });
             r
         }
     })

@@ -48,6 +48,18 @@ pub(super) fn send_bufs(
     }
     let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
     let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    if let Some(j) = c.joining_now() {
+        if c.driver.on_tcp() {
+            // The peer said it stays on TCP (it forked before the join).
+            return on_tcp(fd, sock, c, true, bufs, flags);
+        }
+        if j.forked() || c.driver.shared_by_fork() {
+            return after_fork_on_tcp(fd, sock, c, true, bufs, flags);
+        }
+        if let Some(r) = j.send(c, fd, bufs, flags) {
+            return r;
+        }
+    }
     let mut total: usize = 0;
     for &(p, len) in bufs {
         if len == 0 {
@@ -98,6 +110,30 @@ pub(super) fn send_bufs(
     total as ssize_t
 }
 
+/// A call on a connection still joining the fabric that a fork shares:
+/// the processes that hold it cannot agree on what went over TCP, so the
+/// connection moves onto its TCP socket (asking the process that runs it,
+/// if another does), and the call is made there.
+fn after_fork_on_tcp<T>(
+    fd: c_int,
+    sock: &Arc<Sock>,
+    c: &Arc<Conn>,
+    sent: bool,
+    bufs: &[(*const T, usize)],
+    flags: c_int,
+) -> ssize_t {
+    // (This process runs it, or takes it over from one that let go.)
+    let moved = if c.driver.claim() {
+        c.driver.leave_fabric(crate::switch::LEAVE_WAIT)
+    } else {
+        c.driver.ask_runner_to_leave()
+    };
+    if !moved && !c.driver.on_tcp() {
+        return fail(CallError::ConnReset, true);
+    }
+    on_tcp(fd, sock, c, sent, bufs, flags)
+}
+
 /// A call the connection ended because it moved onto its TCP socket, made
 /// there (the descriptor is plain from now on).
 fn on_tcp<T>(
@@ -115,32 +151,9 @@ fn on_tcp<T>(
     } else {
         crate::switch::moved(sock, c)
     };
-    let iov: Vec<libc::iovec> = bufs
-        .iter()
-        .map(|&(p, l)| libc::iovec {
-            iov_base: p.cast_mut().cast(),
-            iov_len: l,
-        })
-        .collect();
-    // SAFETY: a msghdr of ours naming the program's buffers, as it passed
-    // them.
-    let mut m: msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = iov.as_ptr().cast_mut();
-    m.msg_iovlen = iov.len() as _;
-    plain(t, sent, || {
-        // Without flags, the plain calls the program itself makes: a
-        // seccomp sandbox (sshd's pre-auth child) may allow only those.
-        // SAFETY: libc's calls on the program's descriptor and buffers.
-        unsafe {
-            match (sent, flags, iov.len()) {
-                (true, 0, 1) => real::write(fd, iov[0].iov_base, iov[0].iov_len),
-                (false, 0, 1) => real::read(fd, iov[0].iov_base, iov[0].iov_len),
-                (true, 0, n) => real::writev(fd, iov.as_ptr(), n as c_int),
-                (false, 0, n) => real::readv(fd, iov.as_ptr(), n as c_int),
-                (true, ..) => real::sendmsg(fd, &m, flags),
-                (false, ..) => real::recvmsg(fd, &mut m, flags),
-            }
-        }
+    // SAFETY: the program's buffers, as it passed them.
+    plain_flags(t, sent, flags, || unsafe {
+        real::io(fd, sent, bufs, flags)
     })
 }
 
@@ -185,6 +198,92 @@ pub(super) fn recv_bufs(
         return r.min(0);
     }
     let nonblocking = sock.is_nonblocking() || flags & libc::MSG_DONTWAIT != 0;
+    let Some(j) = c.joining_now() else {
+        let r = recv_engine(fd, sock, c, bufs, flags, nonblocking);
+        if r == 0 && c.joining.is_some() && crate::join::reset_beneath(fd) {
+            // The peer's end came over the fabric, but our TCP part died
+            // unread with it (its kernel reset the socket): as TCP.
+            c.driver.tcp_reset();
+            real::set_errno(libc::ECONNRESET);
+            return -1;
+        }
+        return r;
+    };
+    let on_tcp_now = c.driver.on_tcp();
+    if on_tcp_now || j.forked() || c.driver.shared_by_fork() {
+        let bufs: Vec<(*const u8, usize)> =
+            bufs.iter().map(|&(p, l)| (p.cast_const(), l)).collect();
+        if on_tcp_now {
+            // (As in send_bufs.)
+            return on_tcp(fd, sock, c, false, &bufs, flags);
+        }
+        return after_fork_on_tcp(fd, sock, c, false, &bufs, flags);
+    }
+    // The TCP part first; MSG_WAITALL goes on into the fabric's.
+    let waitall = flags & libc::MSG_WAITALL != 0 && flags & libc::MSG_PEEK == 0;
+    let deadline = sock.opts().rcvtimeo.map(|t| Instant::now() + t);
+    let mut got: usize = 0;
+    loop {
+        let rest = advance(bufs, got);
+        let nb = nonblocking || (got > 0 && !waitall);
+        match j.recv(c, fd, &rest, flags, nb, deadline) {
+            crate::join::Received::Done(r) if r > 0 => {
+                got += r as usize;
+                // (A peek looks again from the start: one part only.)
+                if got == want || flags & libc::MSG_PEEK != 0 {
+                    return got as ssize_t;
+                }
+                // Else on, without waiting: the kernel's receive takes all
+                // that is there, across the end of the TCP part too.
+            }
+            crate::join::Received::Done(r) => return if got > 0 { got as ssize_t } else { r },
+            crate::join::Received::Fabric => {
+                if got > 0 && !waitall {
+                    let _errno = real::KeepErrno::new();
+                    let r = recv_engine(fd, sock, c, &rest, flags, true);
+                    return (got + r.max(0) as usize) as ssize_t;
+                }
+                let r = recv_engine(fd, sock, c, &rest, flags, nonblocking);
+                if r == 0 && got == 0 && crate::join::reset_beneath(fd) {
+                    // (As above.)
+                    c.driver.tcp_reset();
+                    real::set_errno(libc::ECONNRESET);
+                    return -1;
+                }
+                return if got == 0 {
+                    r
+                } else {
+                    (got + r.max(0) as usize) as ssize_t
+                };
+            }
+        }
+    }
+}
+
+/// The buffers past their first `n` bytes.
+fn advance(bufs: &[(*mut u8, usize)], mut n: usize) -> Vec<(*mut u8, usize)> {
+    let mut out = Vec::with_capacity(bufs.len());
+    for &(p, l) in bufs {
+        if n >= l {
+            n -= l;
+            continue;
+        }
+        // SAFETY: within the program's buffer of `l` bytes.
+        out.push((unsafe { p.add(n) }, l - n));
+        n = 0;
+    }
+    out
+}
+
+/// The engine's part of a receive (see [`recv_bufs`]).
+fn recv_engine(
+    fd: c_int,
+    sock: &Arc<Sock>,
+    c: &Arc<Conn>,
+    bufs: &[(*mut u8, usize)],
+    flags: c_int,
+    nonblocking: bool,
+) -> ssize_t {
     let mut total: usize = 0;
     for &(p, len) in bufs {
         if len == 0 {
@@ -253,6 +352,15 @@ pub(super) fn target(fd: c_int) -> Target {
             Role::Azsdp(c) if c.driver.is_switched() => Target::Plain(crate::switch::moved(&s, &c)),
             Role::Azsdp(c) => Target::Azsdp(s, c),
             Role::Tcp(t) => Target::Plain(Some(t)),
+            // A pair under way completes here if it can (no other call
+            // of ours is on the socket), else the call is TCP's, counted.
+            Role::Pairing(p) => match p.try_complete(&s, fd) {
+                Some(c) => Target::Azsdp(s, c),
+                None => match s.role() {
+                    Role::Tcp(t) => Target::Plain(Some(t)),
+                    _ => Target::Plain(Some(Arc::clone(&p.tcp))),
+                },
+            },
             _ => Target::Plain(None),
         },
     }
@@ -264,15 +372,20 @@ pub(super) fn plain(
     sent: bool,
     call: impl FnOnce() -> ssize_t,
 ) -> ssize_t {
-    let r = call();
-    if let (Some(t), true) = (t, r > 0) {
-        if sent {
-            t.count(r as u64, 0);
-        } else {
-            t.count(0, r as u64);
-        }
+    plain_flags(t, sent, 0, call)
+}
+
+/// [`plain`] for a call with `flags` (a peek takes nothing).
+pub(super) fn plain_flags(
+    t: Option<Arc<crate::conn::TcpConn>>,
+    sent: bool,
+    flags: c_int,
+    call: impl FnOnce() -> ssize_t,
+) -> ssize_t {
+    match t {
+        Some(t) => t.call(sent, flags & libc::MSG_PEEK != 0, call),
+        None => call(),
     }
-    r
 }
 
 #[unsafe(no_mangle)]
@@ -396,7 +509,9 @@ pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, len: size_t, flags: c
         match target(fd) {
             Target::Azsdp(s, c) => guard(-1, || recv_bufs(fd, &s, &c, &[(buf.cast(), len)], flags)),
             // SAFETY: libc's recv with the program's arguments.
-            Target::Plain(t) => plain(t, false, || unsafe { real::recv(fd, buf, len, flags) }),
+            Target::Plain(t) => plain_flags(t, false, flags, || unsafe {
+                real::recv(fd, buf, len, flags)
+            }),
         }
     })
 }
@@ -422,7 +537,7 @@ pub unsafe extern "C" fn recvfrom(
                 recv_bufs(fd, &s, &c, &[(buf.cast(), len)], flags)
             }),
             // SAFETY: libc's recvfrom with the program's arguments.
-            Target::Plain(t) => plain(t, false, || unsafe {
+            Target::Plain(t) => plain_flags(t, false, flags, || unsafe {
                 real::recvfrom(fd, buf, len, flags, addr, alen)
             }),
         }
@@ -452,8 +567,10 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
                 }
                 recv_bufs(fd, &s, &c, &bufs, flags)
             }),
-            // SAFETY: libc's recvmsg with the program's arguments.
-            Target::Plain(t) => plain(t, false, || unsafe { real::recvmsg(fd, msg, flags) }),
+            Target::Plain(t) => plain_flags(t, false, flags, || {
+                // SAFETY: libc's recvmsg with the program's arguments.
+                unsafe { real::recvmsg(fd, msg, flags) }
+            }),
         }
     })
 }

@@ -67,6 +67,8 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
         if let Some(sock) = fdtable::get(fd) {
             if req == libc::FIONREAD as c_ulong
                 && let Some(c) = sock.conn()
+                // (While the peer's TCP part is read, the socket's count.)
+                && c.joining_now().is_none_or(|j| !j.rx_on_socket(&c))
             {
                 let n = guard(0, || c.driver.readable_bytes());
                 let n = n.min(c_int::MAX as u64) as c_int;
@@ -259,6 +261,9 @@ pub unsafe extern "C" fn getsockopt(
             let err = match c.driver.take_error() {
                 Some(CallError::TimedOut) => libc::ETIMEDOUT,
                 Some(_) => libc::ECONNRESET,
+                // A connection still joining: the socket's own (a reset
+                // of its TCP part), taken from it as the kernel does.
+                None if c.joining_now().is_some() => real::so_error(fd),
                 None => 0,
             };
             // As the kernel: at most `*len` bytes of the int, and the

@@ -24,7 +24,8 @@ fn chk(len: usize, buflen: usize) {
 }
 
 pub(super) fn upgraded(fd: c_int) -> bool {
-    fdtable::get(fd).is_some_and(|s| s.conn().is_some())
+    fdtable::get(fd)
+        .is_some_and(|s| s.conn().is_some() || matches!(s.role(), crate::sock::Role::Pairing(_)))
 }
 
 #[unsafe(no_mangle)]

@@ -17,6 +17,10 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
         // The core's pthread_atfork handlers settle in-flight pages and freeze
         // every connection; whichever process uses one first takes it (see
         // docs/shim.md).
+        // Pairs under way stay on TCP (both processes see the count), and
+        // so do connections with nothing on the fabric yet.
+        crate::pending::forking();
+        quietly(crate::switch::before_fork);
         // SAFETY: libc's fork.
         let pid = unsafe { real::fork() };
         if pid == 0 {

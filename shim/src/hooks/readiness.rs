@@ -38,7 +38,7 @@ pub unsafe extern "C" fn ppoll(
     mask: *const sigset_t,
 ) -> c_int {
     hook(|| {
-        let timeout = if azsdp::process::active() {
+        let timeout = if azsdp::process::active() || crate::pending::any() {
             match ready::ts_timeout(ts) {
                 Ok(t) => t,
                 Err(e) => return fail_with(e),
@@ -97,7 +97,7 @@ pub unsafe extern "C" fn select(
 /// The program's fd_sets if they involve an upgraded socket (`None`: let
 /// the kernel do it all), or `select`'s error for them.
 fn upgraded_sets(n: c_int, ptrs: [*mut fd_set; 3]) -> Result<Option<ready::Sets>, c_int> {
-    if !azsdp::process::active() {
+    if !(azsdp::process::active() || crate::pending::any()) {
         return Ok(None);
     }
     let sets = ready::Sets::read(n, ptrs)?;
@@ -180,7 +180,7 @@ pub unsafe extern "C" fn epoll_ctl(
             }
             // SAFETY: libc's epoll_ctl.
             let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
-            if r == 0 && matches!(sock.role(), Role::Fresh) {
+            if r == 0 && matches!(sock.role(), Role::Fresh | Role::Pairing(_)) {
                 // Remember it: if the socket is upgraded, it moves to our
                 // part. (The kernel took the event: it is readable.)
                 let event = if op == libc::EPOLL_CTL_DEL {
@@ -236,6 +236,19 @@ pub unsafe extern "C" fn epoll_pwait(
             }
         }
         // SAFETY: libc's epoll_pwait.
-        unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) }
+        let r = unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) };
+        if r <= 0 || !epoll::has_sets() {
+            return r;
+        }
+        // A socket of this set was upgraded while we slept in the kernel
+        // (a pair that completed): the wake-up was ours, not the program's.
+        // SAFETY: the program's array, as the kernel filled it.
+        match unsafe { epoll::drop_ours(ev, r) } {
+            0 => guard(-1, || {
+                // SAFETY: the program's array of max entries.
+                unsafe { epoll::wait(epfd, ev, max, ready::ms_timeout(timeout), mask) }.unwrap_or(0)
+            }),
+            n => n,
+        }
     })
 }

@@ -241,6 +241,25 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     epoll::adopt(&sock);
                     (0, 0)
                 }
+                Outcome::Pairing {
+                    r,
+                    e,
+                    reg,
+                    offer,
+                    to,
+                } => {
+                    let p = crate::pending::Pending::start(
+                        &sock,
+                        fd,
+                        reg,
+                        offer,
+                        to,
+                        net::local_of(fd),
+                        &s,
+                    );
+                    sock.set_role(Role::Pairing(p));
+                    (r, e)
+                }
                 Outcome::Tcp(r, e, reason) => {
                     if let Some(reason) = reason {
                         info!("-> {dst}: tcp ({})", reason.name());
@@ -266,6 +285,11 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 
 /// The last descriptor of `sock` in this process is gone.
 pub(super) fn release(fd: c_int, sock: Arc<Sock>) {
+    if let Role::Pairing(p) = sock.role()
+        && sock.fds.load(Ordering::SeqCst) == 1
+    {
+        p.give_up(&sock, TcpReason::ShortLived);
+    }
     if let Some(c) = sock.conn() {
         // The socket beneath may still be needed after the program's
         // descriptor is gone (`fd` is out of the table already).
@@ -284,6 +308,14 @@ pub(super) fn release(fd: c_int, sock: Arc<Sock>) {
     }
     if let Role::Azsdp(c) = sock.role() {
         epoll::forget_fd(fd);
+        if let Some(j) = c.joining_now()
+            && !j.forked()
+            && !c.driver.shared_by_fork()
+            && !sock.opts().linger_abort
+        {
+            // The end of our stream goes after its TCP part.
+            j.end_stream(&c, fd);
+        }
         c.close_with(sock.opts().linger_abort);
     }
 }
@@ -304,6 +336,12 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     hook(|| {
+        if let Some(s) = fdtable::get(fd)
+            && let Role::Pairing(p) = s.role()
+        {
+            // The stream ends on TCP: the pair will not be.
+            guard((), || p.give_up(&s, TcpReason::ShortLived));
+        }
         if let Some(c) = fdtable::get(fd).and_then(|s| s.conn()) {
             let how = match how {
                 libc::SHUT_RD => Shutdown::Read,
@@ -315,6 +353,20 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
                 }
             };
             return guard(-1, || {
+                if let Some(j) = c.joining_now()
+                    && !j.forked()
+                    && !c.driver.shared_by_fork()
+                {
+                    if how != Shutdown::Write && j.rx_on_socket(&c) {
+                        // Receives still read the socket: it says EOF now,
+                        // as the kernel's would.
+                        // SAFETY: shutdown of the program's socket, as asked.
+                        unsafe { real::shutdown(fd, libc::SHUT_RD) };
+                    }
+                    if how != Shutdown::Read {
+                        j.end_stream(&c, fd);
+                    }
+                }
                 c.driver.shutdown(how);
                 c.touched();
                 0
