@@ -132,6 +132,8 @@ pub struct Pending {
     /// The program's descriptor when it connected, and its socket: the
     /// reactor checks the answer against them (`intake`).
     fd: c_int,
+    /// Our end's address, for the log.
+    local: Option<SocketAddr>,
     sock: Weak<Sock>,
     /// The reactor's watch of the registration, while the answer is due.
     watch: Lock<Option<Registration>>,
@@ -150,6 +152,7 @@ impl Pending {
         settings: &Settings,
     ) -> Arc<Pending> {
         let tcp = TcpConn::pairing(local, Some(dst));
+        let connected_from = local;
         let reg_fd = reg.as_raw_fd();
         let p = Arc::new(Pending {
             parts: Lock::new(Some(Parts {
@@ -166,6 +169,7 @@ impl Pending {
             pid: azsdp::process::pid(),
             decided: AtomicBool::new(false),
             fd,
+            local: connected_from,
             sock: Arc::downgrade(sock),
             watch: Lock::new(None),
         });
@@ -412,7 +416,10 @@ impl Pending {
     }
 
     fn stay_tcp(&self, sock: &Arc<Sock>, reason: TcpReason) {
-        info!("-> {}: tcp ({})", self.dst, reason.name());
+        match self.local {
+            Some(l) => info!("{l} -> {}: tcp ({})", self.dst, reason.name()),
+            None => info!("-> {}: tcp ({})", self.dst, reason.name()),
+        }
         self.tcp.set_reason(reason);
         if matches!(sock.role(), Role::Pairing(p) if std::ptr::eq(Arc::as_ptr(&p), self)) {
             sock.set_role(Role::Tcp(Arc::clone(&self.tcp)));

@@ -221,8 +221,13 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             let e = real::errno();
             if r == 0 || e == libc::EINPROGRESS {
                 guard((), || {
-                    info!("-> {dst}: tcp ({})", TcpReason::BadConfig.name());
-                    sock.stay_tcp(net::local_of(fd), Some(dst), TcpReason::BadConfig, false);
+                    let local = net::local_of(fd);
+                    info!(
+                        "{}-> {dst}: tcp ({})",
+                        from(local),
+                        TcpReason::BadConfig.name()
+                    );
+                    sock.stay_tcp(local, Some(dst), TcpReason::BadConfig, false);
                 });
             }
             real::set_errno(e);
@@ -262,8 +267,9 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 }
                 Outcome::Tcp(r, e, reason) => {
                     if let Some(reason) = reason {
-                        info!("-> {dst}: tcp ({})", reason.name());
-                        sock.stay_tcp(net::local_of(fd), Some(dst), reason, false);
+                        let local = net::local_of(fd);
+                        info!("{}-> {dst}: tcp ({})", from(local), reason.name());
+                        sock.stay_tcp(local, Some(dst), reason, false);
                         sock.kernel_epolls.lock().clear();
                     }
                     (r, e)
@@ -375,4 +381,9 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
         // SAFETY: libc's shutdown.
         unsafe { real::shutdown(fd, how) }
     })
+}
+
+/// A log line's "LOCAL " before "-> PEER", when the local address is known.
+fn from(local: Option<std::net::SocketAddr>) -> String {
+    local.map_or_else(String::new, |l| format!("{l} "))
 }
