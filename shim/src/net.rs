@@ -147,3 +147,8 @@ pub fn is_local(ip: IpAddr) -> bool {
     // Only a local address can be bound (without IP_FREEBIND).
     std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
+
+/// A log line's "LOCAL " before "-> PEER", when the local address is known.
+pub fn log_from(local: Option<SocketAddr>) -> String {
+    local.map_or_else(String::new, |l| format!("{l} "))
+}

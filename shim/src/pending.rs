@@ -152,7 +152,6 @@ impl Pending {
         settings: &Settings,
     ) -> Arc<Pending> {
         let tcp = TcpConn::pairing(local, Some(dst));
-        let connected_from = local;
         let reg_fd = reg.as_raw_fd();
         let p = Arc::new(Pending {
             parts: Lock::new(Some(Parts {
@@ -169,7 +168,7 @@ impl Pending {
             pid: azsdp::process::pid(),
             decided: AtomicBool::new(false),
             fd,
-            local: connected_from,
+            local,
             sock: Arc::downgrade(sock),
             watch: Lock::new(None),
         });
@@ -416,10 +415,12 @@ impl Pending {
     }
 
     fn stay_tcp(&self, sock: &Arc<Sock>, reason: TcpReason) {
-        match self.local {
-            Some(l) => info!("{l} -> {}: tcp ({})", self.dst, reason.name()),
-            None => info!("-> {}: tcp ({})", self.dst, reason.name()),
-        }
+        info!(
+            "{}-> {}: tcp ({})",
+            crate::net::log_from(self.local),
+            self.dst,
+            reason.name()
+        );
         self.tcp.set_reason(reason);
         if matches!(sock.role(), Role::Pairing(p) if std::ptr::eq(Arc::as_ptr(&p), self)) {
             sock.set_role(Role::Tcp(Arc::clone(&self.tcp)));

@@ -224,7 +224,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     let local = net::local_of(fd);
                     info!(
                         "{}-> {dst}: tcp ({})",
-                        from(local),
+                        net::log_from(local),
                         TcpReason::BadConfig.name()
                     );
                     sock.stay_tcp(local, Some(dst), TcpReason::BadConfig, false);
@@ -268,7 +268,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 Outcome::Tcp(r, e, reason) => {
                     if let Some(reason) = reason {
                         let local = net::local_of(fd);
-                        info!("{}-> {dst}: tcp ({})", from(local), reason.name());
+                        info!("{}-> {dst}: tcp ({})", net::log_from(local), reason.name());
                         sock.stay_tcp(local, Some(dst), reason, false);
                         sock.kernel_epolls.lock().clear();
                     }
@@ -381,9 +381,4 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
         // SAFETY: libc's shutdown.
         unsafe { real::shutdown(fd, how) }
     })
-}
-
-/// A log line's "LOCAL " before "-> PEER", when the local address is known.
-fn from(local: Option<std::net::SocketAddr>) -> String {
-    local.map_or_else(String::new, |l| format!("{l} "))
 }
