@@ -260,6 +260,25 @@ fn shim_code_calls_libc_not_its_own_hooks() {
     );
 }
 
+/// In the preloaded shim, the core's `libc::poll` is the shim's own hook,
+/// which reads the array through the kernel and looks every descriptor up:
+/// a pidfd check under a connection's lock cost four system calls, on
+/// every request of an event loop. The core waits on its own descriptors
+/// with `azsdp::poll_fd` (one raw `ppoll`).
+#[test]
+fn core_code_polls_its_own_descriptors_by_system_call() {
+    let found = flagged_lines(&["azsdp/src"], "azsdp/src/poll_fd.rs", |code| {
+        ["poll", "ppoll", "select", "pselect"]
+            .iter()
+            .any(|name| code.contains(&format!("libc::{name}(")))
+    });
+    assert!(
+        found.is_empty(),
+        "use azsdp::poll_fd, not the shim's readiness hooks:\n{}",
+        found.join("\n")
+    );
+}
+
 /// The lines of code (outside `#[cfg(test)]`, comments cut) under `dirs`
 /// that `bad` flags, but in the file ending with `except`; each as
 /// "file:line: text".

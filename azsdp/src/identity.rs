@@ -152,14 +152,8 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
 
 /// Has the process behind pidfd `fd` exited?
 pub fn pidfd_exited(fd: BorrowedFd<'_>) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd on our stack, zero timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+    let got = crate::poll_fd::poll_fd(fd, libc::POLLIN, Some(std::time::Duration::ZERO));
+    got & (libc::POLLIN | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
 }
 
 /// The pid a pidfd names, in our pid namespace (`-1`: it has exited),

@@ -36,6 +36,7 @@ pub mod notes;
 pub mod pages;
 pub mod pairing;
 pub mod pinned;
+pub mod poll_fd;
 pub mod process;
 pub mod protect;
 pub mod released_memory;

@@ -64,7 +64,16 @@ pub fn read<T: Plain>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
     };
     // SAFETY: our own buffer of `len` bytes; the remote range is the
     // program's, which the kernel checks.
-    let got = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    let got = unsafe {
+        libc::process_vm_readv(
+            azsdp::process::pid() as libc::pid_t,
+            &local,
+            1,
+            &remote,
+            1,
+            0,
+        )
+    };
     if got != len as isize {
         return Err(libc::EFAULT);
     }
@@ -91,7 +100,16 @@ pub fn write<T: Plain>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
     };
     // SAFETY: our own buffer of `len` bytes, only read; the remote range is
     // the program's, which the kernel checks.
-    let put = unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) };
+    let put = unsafe {
+        libc::process_vm_writev(
+            azsdp::process::pid() as libc::pid_t,
+            &local,
+            1,
+            &remote,
+            1,
+            0,
+        )
+    };
     if put != len as isize {
         return Err(libc::EFAULT);
     }

@@ -419,14 +419,12 @@ impl Drop for MprotectProtect {
 impl SignalFaults {
     /// Wait up to `timeout` (0: only look) for a record, and read it.
     fn read(&self, timeout: Duration) -> Option<Fault> {
-        let mut p = libc::pollfd {
-            fd: self.read_end.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
+        if crate::poll_fd::poll_fd(
+            std::os::fd::AsFd::as_fd(&*self.read_end),
+            libc::POLLIN,
+            Some(timeout),
+        ) == 0
+        {
             return None;
         }
         let mut rec = [0u8; RECORD];

@@ -173,14 +173,11 @@ impl Process {
     /// The dispatcher: read faults, hand each to whoever holds its page.
     fn dispatch(&self) {
         loop {
-            let mut p = libc::pollfd {
-                fd: self.uffd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd for the duration of the call.
-            let n = unsafe { libc::poll(&mut p, 1, 1000) };
-            if n <= 0 {
+            // SAFETY: the userfaultfd lives as long as `self`.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.uffd.as_raw_fd()) };
+            let got =
+                crate::poll_fd::poll_fd(fd, libc::POLLIN, Some(std::time::Duration::from_secs(1)));
+            if got == 0 {
                 if crate::process::pid() != self.pid {
                     return;
                 }

@@ -1624,13 +1624,9 @@ impl VerbsEndpoint {
     /// Has rdma_cm an event for this connection (after it was
     /// established: the peer or the device left)?
     fn cm_event_waiting(&self) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.events.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one pollfd of ours, no wait.
-        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+        // SAFETY: the channel's descriptor lives as long as `self`.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.events.fd()) };
+        crate::poll_fd::poll_fd(fd, libc::POLLIN, Some(Duration::ZERO)) != 0
     }
 }
 

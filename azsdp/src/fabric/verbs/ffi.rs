@@ -214,14 +214,9 @@ impl EventChannel {
             if left.is_zero() {
                 return None;
             }
-            let mut p = libc::pollfd {
-                fd: self.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: one pollfd of ours.
-            unsafe { libc::poll(&mut p, 1, ms) };
+            // SAFETY: the channel's descriptor lives as long as `self`.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd()) };
+            crate::poll_fd::poll_fd(fd, libc::POLLIN, Some(left.max(Duration::from_millis(1))));
         }
     }
 }
