@@ -24,6 +24,7 @@ pub use azsdp_proto::{conn, id_map, sim, time, wire};
 
 pub mod anonymize;
 pub mod beneath;
+pub mod busy_poll;
 pub mod config;
 pub mod driver;
 pub mod fabric;

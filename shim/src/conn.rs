@@ -277,6 +277,12 @@ impl Conn {
         self.joining.as_ref().filter(|j| !j.settled())
     }
 
+    /// Changes when a message may have arrived (see
+    /// `ThreadedDriver::ticket`): what a busy-poller watches.
+    pub fn ticket(&self) -> u32 {
+        self.driver.ticket()
+    }
+
     /// The program changed the connection's state itself (a shutdown, a
     /// close): whoever waits for its readiness looks again.
     pub fn touched(&self) {

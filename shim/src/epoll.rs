@@ -28,12 +28,23 @@ use libc::{
     EPOLLERR, EPOLLET, EPOLLHUP, EPOLLIN, EPOLLONESHOT, EPOLLOUT, EPOLLRDHUP, c_int, epoll_event,
 };
 
+use azsdp::busy_poll::Budget;
+
 use crate::ready::Wakeup;
 use crate::real;
 use crate::sock::Sock;
 
 /// Most events one wait reports (and the most it allocates room for).
 const BATCH: usize = 1024;
+
+/// The default busy-poll budget of a wait (the config's `poll` sets it).
+const SPIN_MOST: Duration = Duration::from_micros(20);
+/// A wait spins only over sets of at most this many upgraded connections
+/// (a look at each costs a load; a big server's set has work queued anyway).
+const SPIN_CONNS: usize = 256;
+/// Spin rounds (a look at every connection) between looks at the kernel's
+/// part of the set.
+const SPIN_KERNEL_EVERY: u32 = 32;
 
 /// The eventfd's data in the kernel set (a value no program uses as a
 /// pointer or small integer by accident is good enough: the entry is ours).
@@ -66,6 +77,8 @@ struct Set {
     /// Sockets of joining connections watched in the kernel set (see
     /// [`TCP_TAG`]).
     tcp_watch: std::collections::BTreeSet<c_int>,
+    /// How long a wait busy-polls its connections before it sleeps.
+    spin: Budget,
 }
 
 /// The descriptors of one set whose readiness may have changed since it
@@ -157,6 +170,7 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         dirty: Arc::default(),
         again: Vec::new(),
         tcp_watch: Default::default(),
+        spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
     }));
     sets.insert(epfd, Arc::clone(&s));
     COUNT.store(sets.len(), Ordering::Relaxed);
@@ -477,6 +491,47 @@ pub unsafe fn wait(
     let mask = window.wait_mask(mask);
     let wake = Arc::clone(&set.lock().wake);
     let mut kernel: Vec<epoll_event> = vec![epoll_event { events: 0, u64: 0 }; max];
+    let done = |out: &[epoll_event]| -> c_int {
+        // Through the kernel: a bad array is EFAULT, not a crash.
+        if let Err(e) = crate::user_mem::write(events, out) {
+            real::set_errno(e);
+            return -1;
+        }
+        out.len() as c_int
+    };
+    // What is ready now, or comes within a short spin, needs no wake-up of
+    // this thread or of the reactor (and no `standby::end`, which sends
+    // the reactor back to watching the connections the program drives).
+    let mut out = Vec::new();
+    let n = look(&set, epfd, &mut kernel, &mut out, max, mask);
+    if n < 0 && out.is_empty() {
+        return Some(-1);
+    }
+    if !out.is_empty() {
+        return Some(done(&out));
+    }
+    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    if !left.is_some_and(|l| l.is_zero()) {
+        let budget = set.lock().spin.spin();
+        let budget = left.map_or(budget, |l| l.min(budget));
+        if !budget.is_zero() {
+            let n = spin(&set, epfd, &mut kernel, &mut out, max, mask, budget);
+            let mut s = set.lock();
+            if out.is_empty() {
+                s.spin.missed();
+            } else {
+                s.spin.found();
+            }
+            drop(s);
+            if n < 0 && out.is_empty() {
+                return Some(-1);
+            }
+            if !out.is_empty() {
+                return Some(done(&out));
+            }
+        }
+    }
+    let slept_at = Instant::now();
     loop {
         wake.arm();
         let mut out = Vec::new();
@@ -500,27 +555,113 @@ pub unsafe fn wait(
                 return Some(-1);
             }
         } else {
-            let mut looked = false;
-            for ev in &kernel[..n as usize] {
-                if ev.u64 >> 32 == TCP_TAG {
-                    // A joining connection's socket: look at it again.
-                    set.lock().dirty.mark(ev.u64 as u32 as c_int);
-                    looked = true;
-                } else if ev.u64 != TAG {
-                    out.push(*ev);
-                }
-            }
+            let upgraded = out.len();
+            let looked = take_kernel(&set, &kernel[..n as usize], &mut out);
             if looked && out.is_empty() {
                 continue;
             }
+            if upgraded > 0 || looked {
+                set.lock().spin.woke(slept_at.elapsed());
+            }
         }
         if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {
-            // Through the kernel: a bad array is EFAULT, not a crash.
-            if let Err(e) = crate::user_mem::write(events, &out) {
-                real::set_errno(e);
-                return Some(-1);
-            }
-            return Some(out.len() as c_int);
+            return Some(done(&out));
         }
+    }
+}
+
+/// One look without sleeping: ready upgraded sockets, then the kernel's
+/// part of the set, into `out`. Returns the kernel's answer (-1 with errno
+/// set on its error).
+fn look(
+    set: &Lock<Set>,
+    epfd: c_int,
+    kernel: &mut [epoll_event],
+    out: &mut Vec<epoll_event>,
+    max: usize,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    collect(&mut set.lock(), epfd, out, max);
+    let room = max - out.len();
+    if room == 0 {
+        return 0;
+    }
+    // SAFETY: our own array of at least `max` entries (room <= max).
+    let n = unsafe { real::epoll_pwait(epfd, kernel.as_mut_ptr(), room as c_int, 0, mask) };
+    if n > 0 && take_kernel(set, &kernel[..n as usize], out) {
+        // A joining connection's socket woke: look at it now.
+        collect(&mut set.lock(), epfd, out, max);
+    }
+    n
+}
+
+/// Sort the kernel's events into `out`: the program's own descriptors go
+/// through, our eventfd is dropped, and a joining connection's socket
+/// marks it to be looked at (true if any did).
+fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Vec<epoll_event>) -> bool {
+    let mut looked = false;
+    for ev in got {
+        if ev.u64 >> 32 == TCP_TAG {
+            set.lock().dirty.mark(ev.u64 as u32 as c_int);
+            looked = true;
+        } else if ev.u64 != TAG {
+            out.push(*ev);
+        }
+    }
+    looked
+}
+
+/// Busy-poll the set's connections for up to `budget` before the wait
+/// sleeps: a message that arrives meanwhile is seen by a load of its
+/// ring's counter ([`crate::conn::Conn::ticket`]), so the peer posts it
+/// without ringing anyone, and the reactor stays parked. The kernel's part
+/// of the set is looked at now and then. Returns as [`look`].
+fn spin(
+    set: &Lock<Set>,
+    epfd: c_int,
+    kernel: &mut [epoll_event],
+    out: &mut Vec<epoll_event>,
+    max: usize,
+    mask: *const libc::sigset_t,
+    budget: Duration,
+) -> c_int {
+    let conns: Vec<(c_int, Arc<crate::conn::Conn>)> = {
+        let s = set.lock();
+        if s.interests.len() > SPIN_CONNS {
+            return 0;
+        }
+        s.interests
+            .iter()
+            .filter(|(_, it)| !it.spent)
+            .filter_map(|(fd, it)| Some((*fd, it.sock.conn()?)))
+            .collect()
+    };
+    if conns.is_empty() {
+        return 0;
+    }
+    let mut tickets: Vec<u32> = conns.iter().map(|(_, c)| c.ticket()).collect();
+    let start = Instant::now();
+    let mut round = 0u32;
+    loop {
+        let mut moved = false;
+        for ((fd, c), t) in conns.iter().zip(tickets.iter_mut()) {
+            let now = c.ticket();
+            if now != *t {
+                *t = now;
+                set.lock().dirty.mark(*fd);
+                moved = true;
+            }
+        }
+        round += 1;
+        if moved || round.is_multiple_of(SPIN_KERNEL_EVERY) {
+            let n = look(set, epfd, kernel, out, max, mask);
+            if n < 0 || !out.is_empty() {
+                return n;
+            }
+        }
+        if start.elapsed() >= budget {
+            return 0;
+        }
+        std::hint::spin_loop();
     }
 }

@@ -1152,6 +1152,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         !self.shared.make_mine() && self.shared.share_by_tcp()
     }
 
+    /// A number that changes when a message may have arrived (or a
+    /// thread kicked the connection's waiters): a busy-poller over many
+    /// connections compares it, one load each, instead of turning them.
+    pub fn ticket(&self) -> u32 {
+        self.shared.waiter.prepare()
+    }
+
     /// Is the connection on its TCP socket now: moved there by this
     /// process, or by the one that runs it at this one's request?
     pub fn on_tcp(&self) -> bool {

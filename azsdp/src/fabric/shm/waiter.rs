@@ -63,7 +63,7 @@ pub(super) fn wait_ring(
         return;
     }
     let start = Instant::now();
-    let spin = if spinning_pays() {
+    let spin = if crate::busy_poll::spinning_pays() {
         poll.min(timeout)
     } else {
         Duration::ZERO
@@ -86,51 +86,6 @@ pub(super) fn wait_ring(
         crate::futex::wait(published, ticket, timeout.saturating_sub(start.elapsed()));
     }
     sleeping.fetch_sub(1, Ordering::SeqCst);
-}
-
-/// Does busy-polling before a sleep pay now? Not when more threads are
-/// runnable than there are CPUs: a spinner then takes the CPU the thread it
-/// waits for needs (four clients and a server ping-ponging on two cores
-/// waited 3x longer than on TCP). Looked up in `/proc/loadavg` at most
-/// every few milliseconds, process-wide.
-fn spinning_pays() -> bool {
-    use std::sync::atomic::{AtomicBool, AtomicU64};
-    static CHECKED_AT: AtomicU64 = AtomicU64::new(0);
-    static PAYS: AtomicBool = AtomicBool::new(true);
-    const EVERY_NS: u64 = 5_000_000;
-    let now = crate::driver::standby::now_ns().max(1);
-    let at = CHECKED_AT.load(Ordering::Relaxed);
-    if at != 0 && now.saturating_sub(at) < EVERY_NS {
-        return PAYS.load(Ordering::Relaxed);
-    }
-    if CHECKED_AT
-        .compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed)
-        .is_err()
-    {
-        return PAYS.load(Ordering::Relaxed);
-    }
-    // The CPU count, asked once (it reads cgroup files); 0: not yet.
-    static CPUS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let cpus = match CPUS.load(Ordering::Relaxed) {
-        0 => {
-            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-            CPUS.store(n, Ordering::Relaxed);
-            n
-        }
-        n => n,
-    };
-    // "0.50 0.40 0.30 RUNNABLE/TOTAL LASTPID"
-    let runnable = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| {
-        l.split_whitespace()
-            .nth(3)?
-            .split('/')
-            .next()?
-            .parse::<usize>()
-            .ok()
-    });
-    let pays = runnable.is_none_or(|r| r <= cpus);
-    PAYS.store(pays, Ordering::Relaxed);
-    pays
 }
 
 /// Waits for messages to one endpoint without borrowing it, for a progress
