@@ -106,6 +106,8 @@ pub fn have(programs: &[&str]) -> bool {
             "redis-server" => "redis-server",
             p if p.starts_with("redis-") => "redis-tools",
             "setpriv" => "util-linux",
+            "postgres" => "postgresql",
+            "psql" => "postgresql-client",
             "sshd" => "openssh-server",
             "ssh" | "scp" | "ssh-keygen" => "openssh-client",
             p => p,
