@@ -67,14 +67,7 @@ pub fn program(name: &str) -> Result<PathBuf, String> {
     if beside.is_file() {
         return Ok(beside);
     }
-    let on_path = || {
-        std::env::var_os("PATH").and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join(name))
-                .find(|c| c.is_file())
-        })
-    };
-    if let Some(p) = on_path() {
+    if let Some(p) = on_path(name) {
         return Ok(p);
     }
     build_sibling_for_cargo_run(dir, &["-p", "azsdp-daemon", "--bin", name]);
@@ -85,6 +78,16 @@ pub fn program(name: &str) -> Result<PathBuf, String> {
         "{name} not found beside {} or on PATH (it installs with azsdp)",
         exe.display()
     ))
+}
+
+/// `name` in a directory of PATH (daemons' sbin directories too, which a
+/// user's PATH may leave out).
+pub fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/sbin".into()])
+        .map(|d| d.join(name))
+        .find(|c| c.is_file())
 }
 
 /// The user's cache directory for azsdp, made (0700) if missing, and

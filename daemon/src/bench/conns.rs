@@ -9,7 +9,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 /// The figures of one mode.
@@ -35,24 +35,9 @@ pub struct Runner<'a> {
 
 impl Runner<'_> {
     fn command(&self, args: &[&str]) -> Command {
-        let mut c = match &self.azsdp {
-            None => Command::new(self.echo),
-            Some((exe, cfg)) => {
-                let mut c = Command::new(exe);
-                c.arg("run")
-                    .arg("--config")
-                    .arg(cfg)
-                    .arg("--")
-                    .arg(self.echo);
-                c
-            }
-        };
-        c.args(args)
-            .env("AZSDP_LOG", &self.log)
-            .env("AZSDP_LOG_LEVEL", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+        let mut c = super::preloaded(self.azsdp.as_ref(), self.echo, &self.log);
+        // (Thousands of connections: a debug line each would be the cost.)
+        c.args(args).env("AZSDP_LOG_LEVEL", "warn");
         c
     }
 

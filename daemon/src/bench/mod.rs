@@ -12,6 +12,7 @@
 mod conns;
 mod plots;
 mod progress;
+mod redis;
 mod report;
 
 use std::borrow::Cow;
@@ -135,27 +136,94 @@ fn wait_child(c: &mut Child, t: Duration) -> Result<String, String> {
     }
 }
 
+/// `program` on kernel TCP (`azsdp` `None`), or under `azsdp run` with the
+/// configuration file given; the shim logs to `log`, stdout is piped.
+fn preloaded(azsdp: Option<&(&Path, PathBuf)>, program: &Path, log: &Path) -> Command {
+    let mut c = match azsdp {
+        None => Command::new(program),
+        Some((exe, config)) => {
+            let mut c = Command::new(exe);
+            c.arg("run")
+                .arg("--config")
+                .arg(config)
+                .arg("--")
+                .arg(program);
+            c
+        }
+    };
+    c.env("AZSDP_LOG", log)
+        .env("AZSDP_LOG_LEVEL", "debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    c
+}
+
 impl Bench {
     fn command(&self, mode: &Mode, args: &[String]) -> Command {
-        let mut c = match mode.config {
-            None => Command::new(&self.ttcp),
-            Some(_) => {
-                let mut c = Command::new(&self.exe);
-                c.arg("run")
-                    .arg("--config")
-                    .arg(self.out.join(format!("{}.toml", mode.name)))
-                    .arg("--")
-                    .arg(&self.ttcp);
-                c
-            }
-        };
-        c.args(args)
-            .env("AZSDP_LOG", self.log_of(mode))
-            .env("AZSDP_LOG_LEVEL", "debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+        let config = self.out.join(format!("{}.toml", mode.name));
+        let azsdp = mode.config.as_ref().map(|_| (self.exe.as_path(), config));
+        let mut c = preloaded(azsdp.as_ref(), &self.ttcp, &self.log_of(mode));
+        c.args(args);
         c
+    }
+
+    /// redis-benchmark against redis-server in each shape, TCP and azsdp
+    /// as configured in turn (`rounds` each); nothing if redis is missing.
+    fn redis(&mut self, quick: bool) -> Option<redis::Rates> {
+        if !self
+            .progress
+            .step("redis: redis-benchmark GET, tcp and azsdp")
+        {
+            return None;
+        }
+        let Some((server, benchmark)) = redis::programs() else {
+            self.progress
+                .say("redis: skipped (install redis-server and redis-tools)");
+            return None;
+        };
+        let rounds = if quick { 3 } else { 5 };
+        let exe = self.exe.clone();
+        let runners = ["tcp", "azsdp"].map(|mode| redis::Runner {
+            server: &server,
+            benchmark: &benchmark,
+            azsdp: (mode == "azsdp").then(|| (exe.as_path(), self.out.join("azsdp.toml"))),
+            log: self.out.join(format!("redis-{mode}.log")),
+        });
+        let mut rates = Vec::new();
+        for shape in redis::SHAPES {
+            let mut got = [Vec::new(), Vec::new()];
+            for _ in 0..rounds {
+                for (i, r) in runners.iter().enumerate() {
+                    match r.rate(shape, redis::requests(shape, quick)) {
+                        Ok(v) => got[i].push(v),
+                        Err(e) => {
+                            self.failures += 1;
+                            eprintln!(
+                                "azsdp bench: redis {shape:?} under {}: {e} (the shim's log: {})",
+                                ["tcp", "azsdp"][i],
+                                r.log.display()
+                            );
+                        }
+                    }
+                }
+            }
+            let [t, a] = got.map(|mut v| redis::median(&mut v));
+            for (mode, v) in [("tcp", t), ("azsdp", a)] {
+                if let Some(value) = v {
+                    self.record(Row {
+                        test: "redis",
+                        mode,
+                        size: shape.0,
+                        parameter: shape.1,
+                        value,
+                        unit: "req/s",
+                    });
+                }
+            }
+            rates.push((shape, t, a));
+        }
+        Some(rates)
     }
 
     /// One ttcp pair: the receiver serving `clients`, `senders` transmitter
@@ -565,7 +633,7 @@ fn schedule(
     modes: &[Mode],
     quick: bool,
     budget: u64,
-) -> (Option<conns::Scale>, Option<conns::Scale>) {
+) -> (Option<conns::Scale>, Option<conns::Scale>, Option<String>) {
     let lat_sizes = if quick {
         vec![64, 4096, 65536, 1 << 20]
     } else {
@@ -670,7 +738,10 @@ fn schedule(
         b.check_upgraded(modes);
     }
     let (at_once, in_turn) = connection_counts(quick);
-    b.connections(at_once, in_turn)
+    let scale = b.connections(at_once, in_turn);
+    let started = Instant::now();
+    let redis = b.redis(quick).map(|r| redis::table(&r, started));
+    (scale.0, scale.1, redis)
 }
 
 /// Connections held at once and made in turn for the cost table.
@@ -748,6 +819,7 @@ pub fn run(quick: bool, out: PathBuf, config: Option<PathBuf>) -> ExitCode {
         (load_at_start, load_average()),
     );
     summary += &conns::table(scale.0, scale.1, at_once, in_turn);
+    summary += scale.2.as_deref().unwrap_or_default();
     if !figures.is_empty() {
         let _ = writeln!(summary, "\n## Figures\n");
         for f in &figures {
