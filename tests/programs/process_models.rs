@@ -466,9 +466,26 @@ fn postgresql_serves_pgbench_forked_backends_on_a_loaded_host() {
             "65534",
             "--clear-groups",
             "--",
-        ])
-        .arg(inner.get_program())
-        .args(inner.get_args());
+        ]);
+        if azsdp {
+            // Copies uid 65534 may run (the build's own may sit in a
+            // directory only root can enter, as a CI checkout under /root).
+            let tools = s.path("tools");
+            if std::fs::create_dir(&tools).is_ok() {
+                use std::os::unix::fs::PermissionsExt;
+                let built = crate::harness::azsdp();
+                let dir = built.parent().expect("target dir");
+                for f in ["azsdp", "libazsdp.so"] {
+                    std::fs::copy(dir.join(f), tools.join(f)).expect("copy");
+                    std::fs::set_permissions(tools.join(f), std::fs::Permissions::from_mode(0o755))
+                        .expect("chmod");
+                }
+            }
+            c.arg(tools.join("azsdp"));
+        } else {
+            c.arg(inner.get_program());
+        }
+        c.args(inner.get_args());
         for (k, v) in inner.get_envs() {
             match v {
                 Some(v) => c.env(k, v),
