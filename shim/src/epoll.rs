@@ -507,28 +507,28 @@ pub unsafe fn wait(
     if n < 0 && out.is_empty() {
         return Some(-1);
     }
-    if !out.is_empty() {
+    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {
+        // (A wait that may not wait has had its look: arming and looking
+        // again would only wake the reactor.)
         return Some(done(&out));
     }
-    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-    if !left.is_some_and(|l| l.is_zero()) {
-        let budget = set.lock().spin.spin();
-        let budget = left.map_or(budget, |l| l.min(budget));
-        if !budget.is_zero() {
-            let n = spin(&set, epfd, &mut kernel, &mut out, max, mask, budget);
-            let mut s = set.lock();
-            if out.is_empty() {
-                s.spin.missed();
-            } else {
-                s.spin.found();
-            }
-            drop(s);
-            if n < 0 && out.is_empty() {
-                return Some(-1);
-            }
-            if !out.is_empty() {
-                return Some(done(&out));
-            }
+    let budget = set.lock().spin.spin();
+    let budget = left.map_or(budget, |l| l.min(budget));
+    if !budget.is_zero() {
+        let n = spin(&set, epfd, &mut kernel, &mut out, max, mask, budget);
+        let mut s = set.lock();
+        if out.is_empty() {
+            s.spin.missed();
+        } else {
+            s.spin.found();
+        }
+        drop(s);
+        if n < 0 && out.is_empty() {
+            return Some(-1);
+        }
+        if !out.is_empty() {
+            return Some(done(&out));
         }
     }
     let slept_at = Instant::now();
