@@ -64,16 +64,10 @@ pub fn read<T: Plain>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
     };
     // SAFETY: our own buffer of `len` bytes; the remote range is the
     // program's, which the kernel checks.
-    let got = unsafe {
-        libc::process_vm_readv(
-            azsdp::process::pid() as libc::pid_t,
-            &local,
-            1,
-            &remote,
-            1,
-            0,
-        )
-    };
+    // (getpid, not the cached pid: a child forked without the fork
+    // handlers, by `_Fork` or a raw clone, would name its parent, and read
+    // or write that process's memory.)
+    let got = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
     if got != len as isize {
         return Err(libc::EFAULT);
     }
@@ -100,16 +94,10 @@ pub fn write<T: Plain>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
     };
     // SAFETY: our own buffer of `len` bytes, only read; the remote range is
     // the program's, which the kernel checks.
-    let put = unsafe {
-        libc::process_vm_writev(
-            azsdp::process::pid() as libc::pid_t,
-            &local,
-            1,
-            &remote,
-            1,
-            0,
-        )
-    };
+    // (getpid, not the cached pid: a child forked without the fork
+    // handlers, by `_Fork` or a raw clone, would name its parent, and read
+    // or write that process's memory.)
+    let put = unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) };
     if put != len as isize {
         return Err(libc::EFAULT);
     }
