@@ -124,6 +124,17 @@ pub fn have(programs: &[&str]) -> bool {
     false
 }
 
+/// Copy `from` into `dir` as `name`, executable by every user: a test that
+/// runs a program as another uid (65534) cannot reach the build's own
+/// where only its owner may enter (a CI checkout under /root).
+pub fn copy_for_anyone(from: &Path, dir: &Path, name: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let to = dir.join(name);
+    std::fs::copy(from, &to).expect("copy");
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    to
+}
+
 /// A scratch directory for one test, removed at the end.
 pub struct Scratch(pub PathBuf);
 

@@ -35,9 +35,7 @@ impl NobodyRun {
             ("libazsdp.so", target.join("libazsdp.so")),
             ("azsdp-echo", echo()),
         ] {
-            std::fs::copy(from, dir.join(name)).expect("copy");
-            std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o755))
-                .expect("chmod");
+            copy_for_anyone(&from, &dir, name);
         }
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
         let stat = dir.join("stat");

@@ -472,13 +472,9 @@ fn postgresql_serves_pgbench_forked_backends_on_a_loaded_host() {
             // directory only root can enter, as a CI checkout under /root).
             let tools = s.path("tools");
             if std::fs::create_dir(&tools).is_ok() {
-                use std::os::unix::fs::PermissionsExt;
-                let built = crate::harness::azsdp();
-                let dir = built.parent().expect("target dir");
+                let dir = crate::harness::azsdp().parent().expect("target dir");
                 for f in ["azsdp", "libazsdp.so"] {
-                    std::fs::copy(dir.join(f), tools.join(f)).expect("copy");
-                    std::fs::set_permissions(tools.join(f), std::fs::Permissions::from_mode(0o755))
-                        .expect("chmod");
+                    copy_for_anyone(&dir.join(f), &tools, f);
                 }
             }
             c.arg(tools.join("azsdp"));
