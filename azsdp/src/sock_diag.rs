@@ -219,7 +219,11 @@ fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
 }
 
 /// The socket whose local address is `local` and remote address is
-/// `remote` (an established connection, or one the kernel is setting up).
+/// `remote` (an established connection, or one the kernel is setting up,
+/// or the last of the four-tuple, lingering in TIME_WAIT). Never the
+/// listener on `local`, which the kernel answers with when it finds no
+/// connection: a caller asking whether a connection was accepted would
+/// read the listener's inode as a yes.
 pub fn socket(local: SocketAddr, remote: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
     let (family, src) = addr_bytes(local.ip());
     let (f2, dst) = addr_bytes(remote.ip());
@@ -241,7 +245,9 @@ pub fn socket(local: SocketAddr, remote: SocketAddr) -> std::io::Result<Option<T
         ..ReqV2::default()
     };
     match query(req, false) {
-        Ok(v) => Ok(v.into_iter().next()),
+        Ok(v) => Ok(v
+            .into_iter()
+            .find(|t| t.state != TCP_LISTEN as u8 && t.remote.port() == remote.port())),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(e) => Err(e),
     }
@@ -359,6 +365,11 @@ mod tests {
         // No such connection.
         let nobody: SocketAddr = "127.0.0.1:1".parse().unwrap();
         assert_eq!(far_end(cl, nobody).unwrap(), None);
+        // Nor a connection to the listener from a port with none: the
+        // kernel's lookup falls back to the listener, which is no answer.
+        assert_eq!(socket(addr, nobody).unwrap(), None);
+        let own = socket(sl, cl).unwrap().unwrap();
+        assert_eq!(own.cookie, cookie_of(s.as_fd()).unwrap());
     }
 
     #[test]

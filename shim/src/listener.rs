@@ -65,6 +65,12 @@ const FLOOD_WASTE: usize = 16;
 
 /// Refused descriptors kept for the stats thread to close, at most.
 const DOOMED_MOST: usize = 128;
+/// How long an offer must have waited, and then how long after its
+/// connection was seen accepted, before it counts as another process's
+/// (see `Pending::drop_accepted_elsewhere`).
+const FOREIGN_AFTER: Duration = Duration::from_millis(100);
+/// Offers looked up in the kernel per round of the stats thread.
+const FOREIGN_LOOKS: usize = 8;
 
 /// How long a flood found by one round counts.
 const FLOODED_FOR: Duration = Duration::from_secs(1);
@@ -107,6 +113,9 @@ struct Offer {
     client_port: u16,
     cookie: u64,
     since: Instant,
+    /// When a look found its connection accepted (by a process that is not
+    /// this one, unless its `accept()` was about to take it).
+    accepted_at: Option<Instant>,
 }
 
 impl Batch {
@@ -231,6 +240,67 @@ impl Pending {
         }
         self.on_tcp
             .retain(|_, since| now.duration_since(*since) < expiry);
+    }
+
+    /// Close the offers whose connections another process accepted: a
+    /// listener shared after a fork (a server whose children accept) may
+    /// have taken in the offer of a connection its child accepts, and
+    /// that child, not finding it, keeps the connection on TCP; without
+    /// this, the client would wait out `pair_timeout` for an answer that
+    /// cannot come. An offer held [`FOREIGN_AFTER`] after a look found its
+    /// connection accepted (the kernel gave it an inode) was not this
+    /// process's to take: its own `accept()` matches within microseconds.
+    /// At most [`FOREIGN_LOOKS`] offers are looked up per round.
+    fn drop_accepted_elsewhere(&mut self, addr: SocketAddr) {
+        let now = Instant::now();
+        let mut looks = 0;
+        let mut gone = Vec::new();
+        for (cookie, v) in self.offers.iter_mut() {
+            for (i, o) in v.iter_mut().enumerate() {
+                if let Some(at) = o.accepted_at {
+                    if now.duration_since(at) >= FOREIGN_AFTER {
+                        gone.push((*cookie, i));
+                    }
+                    continue;
+                }
+                if now.duration_since(o.since) < FOREIGN_AFTER || looks >= FOREIGN_LOOKS {
+                    continue;
+                }
+                looks += 1;
+                // (A client on this host connects from the address it
+                // connects to, the kernel's pick for a local route.)
+                let client = SocketAddr::new(o.dst.ip(), o.client_port);
+                // Accepted: it has an inode (a file), or this end is
+                // closing it (FIN_WAIT1/2, LAST_ACK, CLOSING), which only a
+                // process that accepted it can do. Not TIME_WAIT: an
+                // earlier connection of the same four-tuple lingers there
+                // (ten thousand connections in a row reuse client ports).
+                let accepted = sock_diag::socket(o.dst, client).is_ok_and(|t| {
+                    t.is_some_and(|t| t.inode != 0 || matches!(t.state, 4 | 5 | 9 | 11))
+                });
+                if accepted {
+                    o.accepted_at = Some(now);
+                }
+            }
+        }
+        // Highest index first, so that the others stay where they are.
+        gone.sort_unstable_by_key(|g| std::cmp::Reverse(g.1));
+        for (cookie, i) in gone {
+            let Some(v) = self.offers.get_mut(&cookie) else {
+                continue;
+            };
+            let o = v.remove(i);
+            if v.is_empty() {
+                self.offers.remove(&cookie);
+            }
+            debug!(
+                "listener {addr}: the connection from port {} was accepted by another process; \
+                 its offer closed",
+                o.client_port
+            );
+            self.unclaim(o.client_port);
+            self.doomed.extend(o.into_fds());
+        }
     }
 
     /// Take the waiting connections out for [`Listener::take_in`], with
@@ -599,6 +669,7 @@ impl Listener {
                                 client_port: target.client_port,
                                 cookie: target.cookie,
                                 since: w.since,
+                                accepted_at: None,
                             });
                             continue;
                         }
@@ -652,6 +723,7 @@ impl Listener {
             let b = self.take_in(waiting, counts, held, budget, false);
             p.note_round(&b);
             p.merge(b, self.addr);
+            p.drop_accepted_elsewhere(self.addr);
             let doomed = std::mem::take(&mut p.doomed);
             drop(p);
             drop(doomed);

@@ -606,3 +606,42 @@ fn postgresql_serves_pgbench_forked_backends_on_a_loaded_host() {
         }
     }
 }
+
+/// A listener shared after a fork, whose child accepts a connection whose
+/// offer the parent's shim took in (its stats thread takes offers in for
+/// a process that accepted lately): the child finds no offer and keeps the
+/// connection on TCP, and the parent, seeing the connection accepted
+/// elsewhere, closes the offer, so that the client hears at once
+/// (`peer-not-azsdp`) instead of waiting out `pair_timeout` (5 s in these
+/// tests: the client, done after 1.5 s, would log `short-lived`).
+#[test]
+fn an_offer_for_a_connection_another_process_accepted_is_closed() {
+    if !have(&["python3"]) {
+        return;
+    }
+    let script = workspace().join("tests/programs/child_accepts.py");
+    let script = script.display().to_string();
+    let s = Scratch::new("child-accepts");
+    let p = port(182).to_string();
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "python3", &[&script, "server", &p]),
+        "python3 server",
+    );
+    wait_listening(p.parse().expect("port"), LISTEN);
+    let mut cli = Proc::start(
+        s.under_azsdp("client", "python3", &[&script, "client", &p]),
+        "python3 client",
+    );
+    cli.expect_success(Duration::from_secs(60), || s.client_and_server_logs());
+    srv.wait(Duration::from_secs(10));
+    srv.kill();
+    let (client, server) = (s.log("client"), s.log("server"));
+    assert!(
+        server.contains("accepted by another process; its offer closed"),
+        "{server}\nthe client's log:\n{client}"
+    );
+    assert!(
+        client.contains(": tcp (peer-not-azsdp)"),
+        "told at once: {client}\nthe server's log:\n{server}"
+    );
+}
