@@ -159,10 +159,7 @@ impl Conn {
         let waiter = Endpoint::waiter(d.fabric());
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);
-        let notify: azsdp::driver::threaded::Notify = Arc::new(move || {
-            w.touched();
-            crate::ready::notify();
-        });
+        let notify: azsdp::driver::threaded::Notify = Arc::new(move || w.touched());
         let driver = ThreadedDriver::start_with_notify(d, waiter, faults, Some(notify));
         // A forked child that takes the connection over protects its own
         // memory with its own userfaultfd.
@@ -287,7 +284,6 @@ impl Conn {
     /// close): whoever waits for its readiness looks again.
     pub fn touched(&self) {
         self.watchers.touched();
-        crate::ready::notify();
     }
 
     pub fn close(self: &Arc<Self>) {

@@ -2,8 +2,8 @@
 //!
 //! The kernel's epoll set keeps every descriptor the shim does not own.
 //! Upgraded sockets are kept here instead, with their events and data,
-//! and the set holds one eventfd (tagged with [`TAG`]) that
-//! [`crate::ready::notify`] rings while a thread waits in the set.
+//! and the set holds one eventfd (tagged with [`TAG`]) that a connection's
+//! change rings while a thread waits in the set ([`Watchers`]).
 //! `epoll_wait` reports upgraded sockets from their engines' readiness:
 //! level-triggered ones whenever ready; edge-triggered ones when their
 //! readiness gained a bit or their engine took something in since the last
@@ -83,16 +83,28 @@ struct Set {
 
 /// The descriptors of one set whose readiness may have changed since it
 /// last looked. A leaf lock: marked from under a driver's lock.
-#[derive(Default)]
 pub struct Dirty {
     fds: Lock<Vec<c_int>>,
     any: AtomicBool,
+    /// The set's wakeup: a mark rings it while a thread sleeps in the set.
+    wake: Weak<Wakeup>,
 }
 
 impl Dirty {
+    fn new(wake: &Arc<Wakeup>) -> Dirty {
+        Dirty {
+            fds: Lock::new(Vec::new()),
+            any: AtomicBool::new(false),
+            wake: Arc::downgrade(wake),
+        }
+    }
+
     fn mark(&self, fd: c_int) {
         self.fds.lock().push(fd);
         self.any.store(true, Ordering::Release);
+        if let Some(w) = self.wake.upgrade() {
+            w.ring();
+        }
     }
 
     fn take(&self) -> Vec<c_int> {
@@ -103,15 +115,22 @@ impl Dirty {
     }
 }
 
-/// The epoll sets that watch one connection, and under which descriptor.
+/// Who waits for one connection's readiness: the epoll sets that watch it
+/// (and under which descriptor), and the threads asleep in `poll` or
+/// `select` over it, or in a blocking call on its TCP part. A change wakes
+/// these and nobody else: ringing every sleeper of the process woke each
+/// of ten thousand threads of a thread-per-connection server for every
+/// message that any of them got.
 #[derive(Default)]
 pub struct Watchers {
     sets: Lock<Vec<(Weak<Dirty>, c_int)>>,
+    sleepers: Lock<Vec<Arc<Wakeup>>>,
 }
 
 impl Watchers {
     /// The connection's readiness may have changed: every set watching it
-    /// looks at it on its next wait. (Leaf locks only: the caller may hold
+    /// looks at it on its next wait, and a thread asleep in one, or on
+    /// this connection alone, wakes. (Leaf locks only: the caller may hold
     /// the connection's driver.)
     pub fn touched(&self) {
         let sets = self.sets.lock();
@@ -119,6 +138,23 @@ impl Watchers {
             if let Some(d) = d.upgrade() {
                 d.mark(*fd);
             }
+        }
+        drop(sets);
+        for w in self.sleepers.lock().iter() {
+            w.ring();
+        }
+    }
+
+    /// `w` is rung on every change from now on, until [`Watchers::unlisten`]
+    /// (as often as it listened).
+    pub fn listen(&self, w: &Arc<Wakeup>) {
+        self.sleepers.lock().push(Arc::clone(w));
+    }
+
+    pub fn unlisten(&self, w: &Arc<Wakeup>) {
+        let mut v = self.sleepers.lock();
+        if let Some(i) = v.iter().position(|x| Arc::ptr_eq(x, w)) {
+            v.swap_remove(i);
         }
     }
 
@@ -164,10 +200,11 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
     if unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, wake.fd(), &mut ev) } != 0 {
         return None;
     }
+    let dirty = Arc::new(Dirty::new(&wake));
     let s = Arc::new(Lock::new(Set {
         wake,
         interests: BTreeMap::new(),
-        dirty: Arc::default(),
+        dirty,
         again: Vec::new(),
         tcp_watch: Default::default(),
         spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
@@ -294,8 +331,8 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
             return -1;
         }
     }
+    // (A thread asleep in the set woke at the mark above.)
     drop(set);
-    crate::ready::notify();
     0
 }
 

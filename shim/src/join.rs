@@ -24,9 +24,12 @@ use crate::conn::Conn;
 use crate::log::info;
 use crate::real;
 
-/// The longest a wait sleeps before it looks at signals again (as the
-/// engine's own waits).
+/// The first sleep of a wait before it looks again (a safety net under
+/// the notifications); it doubles while nothing comes, up to
+/// [`LONGEST_SLICE`], so that ten thousand threads blocked on idle
+/// connections leave the CPUs alone.
 const SLICE: Duration = Duration::from_millis(20);
+const LONGEST_SLICE: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 struct Tx {
@@ -232,6 +235,7 @@ impl Joining {
     ) -> Received {
         self.allow(c);
         let signals = crate::signals::CallSignals::default();
+        let mut slice = SLICE;
         loop {
             // (Joining needs no send of ours: a program that only reads
             // gets the peer's stream on the fabric too.)
@@ -290,8 +294,9 @@ impl Joining {
                 c,
                 fd,
                 libc::POLLIN,
-                left_time.map_or(SLICE, |l| l.min(SLICE)),
+                left_time.map_or(slice, |l| l.min(slice)),
             );
+            slice = (slice * 2).min(LONGEST_SLICE);
         }
     }
 
@@ -376,7 +381,9 @@ fn wait(c: &Conn, fd: c_int, events: i16, most: Duration) {
         std::thread::sleep(most.min(Duration::from_millis(1)));
         return;
     };
-    w.arm();
+    w.arm_alone();
+    let mut listening = crate::ready::Listening::new(Some(&w));
+    listening.add(&c.watchers);
     // Looked at after arming: a change from now on rings us.
     let route = c.driver.rx_route();
     let mut fds = [

@@ -3,10 +3,11 @@
 //! An upgraded socket's kernel TCP socket is idle: its readiness is the
 //! engine's. A thread that waits on a mix of upgraded and other
 //! descriptors sleeps in the kernel on the others plus an eventfd of its
-//! own ([`Wakeup`]); engines call [`notify`] whenever they took something
-//! in, which writes the eventfds of the threads that sleep. A thread
-//! registers before it looks at the engines, so a notification between the
-//! look and the sleep is not lost.
+//! own ([`Wakeup`]), which it lists with each of those connections
+//! ([`crate::epoll::Watchers`]); a connection whose engine took something
+//! in writes the eventfds of the threads listed with it. A thread arms and
+//! lists its wakeup before it looks at the engines, so a notification
+//! between the look and the sleep is not lost.
 //!
 //! `unsafe` here: the program's `pollfd` arrays and fd_sets.
 
@@ -50,13 +51,22 @@ impl Wakeup {
 
     /// About to look, then sleep: notifications from now on wake us.
     pub fn arm(&self) {
-        if !self.asleep.swap(true, Ordering::SeqCst) {
-            ARMED.fetch_add(1, Ordering::SeqCst);
-        }
+        self.arm_alone();
         // Only the reactor sees data arrive while we sleep: connections it
         // left on standby (the application was just calling) go back to
         // its watch.
         azsdp::driver::standby::end();
+    }
+
+    /// [`Wakeup::arm`] for a sleep on one connection outside its calls:
+    /// the reactor's standby of that connection ends by itself within
+    /// milliseconds (no call is in it), and every other stays as it is
+    /// (ending them all at each of ten thousand threads' waits requeued
+    /// ten thousand connections each time).
+    pub fn arm_alone(&self) {
+        if !self.asleep.swap(true, Ordering::SeqCst) {
+            ARMED.fetch_add(1, Ordering::SeqCst);
+        }
     }
 
     /// Awake again: drop what notifications came (errno untouched: this
@@ -80,7 +90,8 @@ impl Wakeup {
         unsafe { real::write(self.fd(), (&raw const one).cast(), 8) };
     }
 
-    fn ring(&self) {
+    /// Wake the thread if it is armed (asleep, or about to be).
+    pub fn ring(&self) {
         let _keep = real::KeepErrno::new();
         if self.asleep.load(Ordering::SeqCst) {
             let one = 1u64;
@@ -97,7 +108,9 @@ static SLEEPERS: Lock<Vec<std::sync::Weak<Wakeup>>> = Lock::new(Vec::new());
 /// notification found the count at zero.)
 static ARMED: AtomicUsize = AtomicUsize::new(0);
 
-/// Readiness of some upgraded socket may have changed.
+/// Readiness of any upgraded socket may have changed (one moved back
+/// into the kernel's sets): every armed sleeper looks again. A change of
+/// one connection wakes only its own ([`crate::epoll::Watchers`]).
 pub fn notify() {
     if ARMED.load(Ordering::SeqCst) == 0 {
         return;
@@ -110,6 +123,40 @@ pub fn notify() {
         }
         None => false,
     });
+}
+
+/// A thread's wakeup, listed with connections until dropped: their changes
+/// ring it.
+pub struct Listening {
+    wake: Option<Arc<Wakeup>>,
+    lists: Vec<Arc<crate::epoll::Watchers>>,
+}
+
+impl Listening {
+    pub fn new(wake: Option<&Arc<Wakeup>>) -> Listening {
+        Listening {
+            wake: wake.cloned(),
+            lists: Vec::new(),
+        }
+    }
+
+    /// Listed with the connection that `watchers` are of.
+    pub fn add(&mut self, watchers: &Arc<crate::epoll::Watchers>) {
+        if let Some(w) = &self.wake {
+            watchers.listen(w);
+            self.lists.push(Arc::clone(watchers));
+        }
+    }
+}
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        if let Some(w) = &self.wake {
+            for l in &self.lists {
+                l.unlisten(w);
+            }
+        }
+    }
 }
 
 thread_local! {
@@ -147,8 +194,11 @@ pub fn poll_bits(r: &Readiness, wanted: c_short) -> c_short {
 /// Arrays this short pass any descriptor limit a program runs under.
 const FEW_FDS: usize = 64;
 
-/// Longest sleep between looks, a safety net under the notifications.
+/// First sleep between looks, a safety net under the notifications; it
+/// doubles while nothing comes, up to [`LONGEST_SLICE`], so that ten
+/// thousand idle threads do not keep the host's CPUs busy.
 const SLICE: Duration = Duration::from_millis(100);
+const LONGEST_SLICE: Duration = Duration::from_secs(1);
 /// How often a wait over a socket whose pair is under way looks for the
 /// listener's answer.
 const PAIRING_SLICE: Duration = Duration::from_millis(2);
@@ -255,8 +305,13 @@ fn poll_upgraded(
             revents: 0,
         });
     }
+    let mut listening = Listening::new(wake.as_ref());
+    for c in conns.iter().flatten() {
+        listening.add(&c.watchers);
+    }
     let mut conns = conns.to_vec();
     let mut pairing = pairing.to_vec();
+    let mut slice = SLICE;
     loop {
         // A pair that completed meanwhile (another thread's call): its
         // connection's readiness from now on.
@@ -267,9 +322,15 @@ fn poll_upgraded(
                     continue;
                 };
                 match s.role() {
-                    crate::sock::Role::Azsdp(x) => *c = Some(x),
+                    crate::sock::Role::Azsdp(x) => {
+                        listening.add(&x.watchers);
+                        *c = Some(x);
+                    }
                     crate::sock::Role::Pairing(pp) => match pp.try_complete(&s, p.fd) {
-                        Some(x) => *c = Some(x),
+                        Some(x) => {
+                            listening.add(&x.watchers);
+                            *c = Some(x);
+                        }
                         None if matches!(s.role(), crate::sock::Role::Pairing(_)) => continue,
                         None => {}
                     },
@@ -321,8 +382,9 @@ fn poll_upgraded(
         let wait = if ready > 0 {
             Duration::ZERO
         } else {
-            left.map_or(SLICE, |l| l.min(SLICE))
+            left.map_or(slice, |l| l.min(slice))
         };
+        slice = (slice * 2).min(LONGEST_SLICE);
         // (While a pair is under way, look for its completion often.)
         let wait = if pairing.contains(&true) {
             wait.min(PAIRING_SLICE)

@@ -36,9 +36,13 @@ use crate::fabric::{Armed, FabricWaiter, Watched as Fabric};
 use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
 
-/// Longest sleep of a caller's thread between looks (bounds how long a
-/// blocked call takes to see its peer die without a word).
+/// First sleep of a caller's thread between looks, a safety net under the
+/// wake-ups (the peer's ring, the reactor's kick when the peer's process
+/// dies); it doubles while nothing comes, up to [`LONGEST_CALL_NAP`], so that
+/// ten thousand threads blocked on idle connections leave the CPUs alone
+/// (at a fixed 20 ms they made the load average pass 1,000).
 const MAX_NAP: Duration = Duration::from_millis(20);
+const LONGEST_CALL_NAP: Duration = Duration::from_secs(1);
 
 struct Shared<F: Fabric, P: Protector> {
     /// The connection's place in the reactor; dropped (its descriptors no
@@ -58,6 +62,9 @@ struct Shared<F: Fabric, P: Protector> {
     last_exit: AtomicU64,
     /// The reactor left the connection to callers: its next look backs off.
     standby_nap: Lock<Duration>,
+    /// The reactor parked the connection longer than a quick call's
+    /// standby, for a caller blocked in it: that call's end wakes it.
+    parked_long: AtomicBool,
     /// The reactor found the lock taken: whoever holds it wakes it.
     wanted: AtomicBool,
     /// Who runs the connection after a fork (see [`ownership`]).
@@ -394,6 +401,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         InCall {
             in_calls: &self.in_calls,
             last_exit: &self.last_exit,
+            parked_long: &self.parked_long,
+            registration: &self.registration,
         }
     }
 
@@ -403,6 +412,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         deadline: Option<Instant>,
         mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
     ) -> Option<T> {
+        let mut longest = MAX_NAP;
         loop {
             if self.own.frozen() && !self.make_mine() {
                 break None;
@@ -427,13 +437,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 if deadline.is_some_and(|t| t <= now) {
                     return None;
                 }
-                let mut nap = d.next_timeout().unwrap_or(MAX_NAP).min(MAX_NAP);
+                let mut nap = d.next_timeout().unwrap_or(longest).min(longest);
                 if let Some(t) = deadline {
                     nap = nap.min(t - now);
                 }
                 nap
             };
             self.waiter.wait(ticket, nap, true);
+            longest = (longest * 2).min(LONGEST_CALL_NAP);
         }
     }
 
@@ -803,6 +814,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             in_calls: AtomicUsize::new(0),
             last_exit: AtomicU64::new(0),
             standby_nap: Lock::new(standby::RECENT),
+            parked_long: AtomicBool::new(false),
             wanted: AtomicBool::new(false),
             own: ForkOwnership::default(),
             refresh: Lock::new(None),
@@ -1465,6 +1477,8 @@ struct ForkHold<F: Fabric + Send + 'static, P: Protector + Send + 'static> {
 struct InCall<'a> {
     in_calls: &'a AtomicUsize,
     last_exit: &'a AtomicU64,
+    parked_long: &'a AtomicBool,
+    registration: &'a Lock<Option<reactor::Registration>>,
 }
 
 impl Drop for InCall<'_> {
@@ -1472,6 +1486,15 @@ impl Drop for InCall<'_> {
         self.last_exit
             .store(standby::now_ns().max(1), Ordering::SeqCst);
         self.in_calls.fetch_sub(1, Ordering::SeqCst);
+        // The reactor parked the connection for long while this call
+        // blocked: it looks again now (once per long wait, never per
+        // quick call).
+        if self.parked_long.load(Ordering::SeqCst)
+            && self.parked_long.swap(false, Ordering::SeqCst)
+            && let Some(r) = self.registration.lock().as_ref()
+        {
+            r.wake();
+        }
     }
 }
 
@@ -1502,14 +1525,31 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Sha
         let urgent = woken && self.in_calls.load(Ordering::SeqCst) == 0;
         if !urgent && standby::wanted(self.in_calls.load(Ordering::SeqCst), &self.last_exit) {
             let mut nap = self.standby_nap.lock();
-            let at = now + *nap;
-            *nap = (*nap * 2).min(standby::LONGEST_NAP);
+            // A call blocked this long has its own wake-ups: the reactor
+            // looks rarely (ten thousand threads blocked in calls kept it
+            // busy at a look every 2 ms each), and the call's end brings
+            // it back. Flagged before the second look at the calls, so
+            // that an end between the two sees the flag.
+            let longest = if *nap >= standby::LONGEST_NAP {
+                self.parked_long.store(true, Ordering::SeqCst);
+                if self.in_calls.load(Ordering::SeqCst) > 0 {
+                    LONGEST_CALL_NAP
+                } else {
+                    self.parked_long.store(false, Ordering::SeqCst);
+                    standby::LONGEST_NAP
+                }
+            } else {
+                standby::LONGEST_NAP
+            };
+            let at = now + (*nap).min(longest);
+            *nap = (*nap * 2).min(longest);
             return Next {
                 at: Some(at),
                 parked: true,
                 ..Next::default()
             };
         }
+        self.parked_long.store(false, Ordering::SeqCst);
         *self.standby_nap.lock() = standby::RECENT;
         let Some(d) = self.try_lock() else {
             // Whoever holds it wakes us when it lets go (or, if it let go
