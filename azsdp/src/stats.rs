@@ -179,10 +179,13 @@ pub enum TcpReason {
     /// The program shut the connection down or closed it before its pair
     /// completed.
     ShortLived,
+    /// The listener refused the offer: it held as many pending offers as
+    /// its limits allow (a burst the server had not accepted yet).
+    ListenerBusy,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 19] = [
+    pub const ALL: [TcpReason; 20] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -202,6 +205,7 @@ impl TcpReason {
         TcpReason::Pairing,
         TcpReason::Forked,
         TcpReason::ShortLived,
+        TcpReason::ListenerBusy,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -232,6 +236,7 @@ impl TcpReason {
             TcpReason::Pairing => "pairing",
             TcpReason::Forked => "forked",
             TcpReason::ShortLived => "short-lived",
+            TcpReason::ListenerBusy => "listener-busy",
         }
     }
 }

@@ -303,7 +303,14 @@ pub fn connect(
     };
     if let Err(e) = send_intro(reg.sock.as_fd(), &intro, &offer.fds(), true) {
         debug!("connect {dst}: offer not sent: {e}");
-        return plain(TcpReason::SetupFailed);
+        // The listener closed our registry connection unread: it held all
+        // the pending offers its limits allow.
+        let refused = matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET));
+        return plain(if refused {
+            TcpReason::ListenerBusy
+        } else {
+            TcpReason::SetupFailed
+        });
     }
     // From here the listener may match us. Nothing here waits for it:
     // the connection is TCP until the pair completes at one of the
