@@ -1,13 +1,18 @@
-//! azsdp-echo: an ordinary socket program (blocking clients, an epoll
-//! server) for the connection-scale benchmark (`azsdp bench`, section
-//! "connections") and as the victim of the trust tests. It knows nothing of
-//! azsdp: run it plain for kernel TCP, or under `azsdp run`.
+//! azsdp-echo: an ordinary socket program (blocking clients, echo servers
+//! in the three shapes real servers take) for the connection-scale
+//! benchmark (`azsdp bench`, section "connections") and as the victim of
+//! the trust tests. It knows nothing of azsdp: run it plain for kernel
+//! TCP, or under `azsdp run`.
 //!
 //! ```text
 //! azsdp-echo serve PORT            epoll echo server on 127.0.0.1:PORT
+//! azsdp-echo serve-threads PORT    a thread per connection, blocking
+//! azsdp-echo serve-prefork PORT N  N forked workers, each an epoll server
+//!                                  accepting on the one listener
 //! azsdp-echo hold                  a process holding the secret, not serving
 //! azsdp-echo send PORT BYTES       connect, send a pattern, check the echo
 //! azsdp-echo many PORT N BYTES     hold N connections at once, each checked
+//!                                  (connect all, echo on each, close all)
 //! azsdp-echo cycle PORT N BYTES    N connections one after another, each checked
 //! ```
 //!
@@ -46,6 +51,8 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("serve") => serve(arg(&args, 2, "port")),
+        Some("serve-threads") => serve_threads(arg(&args, 2, "port")),
+        Some("serve-prefork") => serve_prefork(arg(&args, 2, "port"), arg(&args, 3, "workers")),
         Some("hold") => hold(),
         Some("send") => {
             let (port, bytes) = (arg(&args, 2, "port"), arg(&args, 3, "bytes"));
@@ -71,7 +78,9 @@ fn main() {
             arg(&args, 3, "count"),
             arg(&args, 4, "bytes"),
         ),
-        _ => die("usage: azsdp-echo serve|hold|send|many|cycle ...".into()),
+        _ => die(
+            "usage: azsdp-echo serve|serve-threads|serve-prefork|hold|send|many|cycle ...".into(),
+        ),
     }
 }
 
@@ -146,6 +155,10 @@ fn own_counts() -> (u64, u64, u64) {
     (field("VmRSS:"), field("Threads:"), fds)
 }
 
+/// Room for ten thousand connections and their threads, as servers ask
+/// (nginx's `worker_rlimit_nofile`, systemd's `LimitNOFILE`): the hard
+/// limit raised to 65,536 where we may (root), else the soft limit to the
+/// hard one.
 fn raise_fd_limit() {
     let mut r = libc::rlimit {
         rlim_cur: 0,
@@ -154,8 +167,15 @@ fn raise_fd_limit() {
     // SAFETY: getrlimit/setrlimit with our own struct.
     unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur = r.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        let want = r.rlim_max.max(65_536);
+        let raised = libc::rlimit {
+            rlim_cur: want,
+            rlim_max: want,
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) != 0 {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
     }
 }
 
@@ -196,14 +216,16 @@ fn many(port: u16, n: usize, bytes: u64) {
         close_us.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let close_all = t1.elapsed();
+    let total = t0.elapsed();
     let (c50, c99, cmax) = quantiles(connect_us);
     let (d50, d99, dmax) = quantiles(close_us);
     let per = |a: u64, b: u64| (b as f64 - a as f64) / n as f64;
     println!(
-        "{{\"ok\":true,\"connections\":{n},\"connect_all_ms\":{:.1},\"connect_us\":[{c50:.0},{c99:.0},{cmax:.0}],\
+        "{{\"ok\":true,\"connections\":{n},\"total_ms\":{:.1},\"connect_all_ms\":{:.1},\"connect_us\":[{c50:.0},{c99:.0},{cmax:.0}],\
          \"close_all_ms\":{:.1},\"close_us\":[{d50:.0},{d99:.0},{dmax:.0}],\
          \"rss_kb_per_conn\":{:.1},\"threads_per_conn\":{:.2},\"fds_per_conn\":{:.2},\
          \"rss_kb\":{},\"threads\":{},\"fds\":{}}}",
+        total.as_secs_f64() * 1e3,
         connect_all.as_secs_f64() * 1e3,
         close_all.as_secs_f64() * 1e3,
         per(before.0, during.0),
@@ -244,13 +266,102 @@ struct Client {
     pending: Vec<u8>,
 }
 
-/// An epoll echo server (non-blocking sockets, level-triggered), single
-/// threaded, as event-driven servers are.
-fn serve(port: u16) {
+fn listen(port: u16) -> std::net::TcpListener {
     raise_fd_limit();
-    let secret = secret_page();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let l = std::net::TcpListener::bind(addr).unwrap_or_else(|e| die(format!("bind: {e}")));
+    // A deep backlog, as real servers ask (nginx and redis 511): with
+    // std's 128, a client connecting in a tight loop overflows it whenever
+    // the server's vCPU stalls, and each dropped SYN costs a second.
+    // SAFETY: listen on our own bound socket.
+    unsafe { libc::listen(l.as_raw_fd(), 4096) };
+    l
+}
+
+/// An epoll echo server (non-blocking sockets, level-triggered), single
+/// threaded, as event-driven servers are (redis, nginx's worker).
+fn serve(port: u16) {
+    let l = listen(port);
+    let secret = secret_page();
+    ready(&secret);
+    serve_epoll(&l, &secret);
+}
+
+/// A thread per connection, each blocking in read and write, as a classic
+/// threaded server is (MySQL's default, Java's old I/O).
+fn serve_threads(port: u16) {
+    let l = listen(port);
+    let secret = secret_page();
+    ready(&secret);
+    loop {
+        let s = match l.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(_) => continue,
+        };
+        // (Small stacks: ten thousand threads.)
+        let spawned = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || {
+                let mut buf = vec![0u8; 16 << 10];
+                loop {
+                    match (&s).read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => {
+                            if (&s).write_all(&buf[..k]).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            die(format!("thread: {e}"));
+        }
+        std::hint::black_box(&secret);
+    }
+}
+
+/// `workers` processes forked after the listener is bound, each an epoll
+/// server accepting on it, as nginx's workers or a pre-fork gunicorn's
+/// are. The parent only waits; its workers die with it.
+fn serve_prefork(port: u16, workers: usize) {
+    let l = listen(port);
+    let secret = secret_page();
+    for _ in 0..workers.max(1) {
+        // SAFETY: fork from a single-threaded process; the child runs its
+        // own loop and never returns here.
+        match unsafe { libc::fork() } {
+            0 => {
+                // SAFETY: prctl on ourselves, a signal number.
+                unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                serve_epoll(&l, &secret);
+            }
+            pid if pid < 0 => die("fork".into()),
+            _ => {}
+        }
+    }
+    ready(&secret);
+    loop {
+        let mut status = 0;
+        // SAFETY: wait for any child, into our own status word.
+        let pid = unsafe { libc::wait(&mut status) };
+        if pid > 0 {
+            die(format!("worker {pid} ended (status {status:#x})"));
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            die("no workers left".into());
+        }
+    }
+}
+
+/// The event loop of [`serve`] and of each pre-forked worker: `l` becomes
+/// non-blocking; a worker that loses the race for a connection (another
+/// took it) sees `WouldBlock` and goes on.
+fn serve_epoll(l: &std::net::TcpListener, secret: &[u8]) -> ! {
     l.set_nonblocking(true).expect("nonblocking");
     // SAFETY: epoll_create1 with no flags of note.
     let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -274,7 +385,6 @@ fn serve(port: u16) {
         unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut ev) };
     };
     add(l.as_raw_fd(), libc::EPOLLIN as u32);
-    ready(&secret);
     let mut clients: std::collections::HashMap<i32, Client> = Default::default();
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
     let mut buf = vec![0u8; 256 << 10];
@@ -333,6 +443,6 @@ fn serve(port: u16) {
                 modify(fd, libc::EPOLLOUT as u32);
             }
         }
-        std::hint::black_box(&secret);
+        std::hint::black_box(secret);
     }
 }

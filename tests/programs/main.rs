@@ -32,8 +32,9 @@ const LISTEN: Duration = Duration::from_secs(15);
 /// redis (it shared 2 with execl before); 137-140 exit-after-send and
 /// _exit-after-send (plain, azsdp); 141-142 fork-idle-holder; 143-144
 /// close-range; 145 stopped peers; 146 malformed messages with
-/// descriptors; 147 a registry flood's cost to accept; 160-161
-/// exec-late-close; 148-159 and 162-255 free.
+/// descriptors; 147 a registry flood's cost to accept; 148-149 the
+/// scale tests' server shapes; 160-161 exec-late-close; 182 a child that
+/// accepts; 150-159, 162-181 and 183-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's

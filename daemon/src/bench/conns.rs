@@ -5,7 +5,9 @@
 //! connections at once, each checked end to end (connect time, close time,
 //! and the memory, threads and descriptors each costs the client), then
 //! makes M connections one after another (the time per connection,
-//! connect, a 1 KiB exchange and close).
+//! connect, a 1 KiB exchange and close). Then the N at once again, end to
+//! end, against each server shape real servers take: one epoll loop, a
+//! thread per connection, and pre-forked epoll workers.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -23,7 +25,18 @@ pub struct Scale {
     pub fds_per_conn: f64,
     /// One connection of the one-after-another run, end to end.
     pub cycle_us: f64,
+    /// The N at once, end to end (connect all, an echo on each, close
+    /// all), by server shape ([`SHAPES`]).
+    pub at_once_ms: [f64; 3],
 }
+
+/// The server shapes: `azsdp-echo` mode and its arguments after the port,
+/// and what to call it.
+pub const SHAPES: [(&str, &[&str], &str); 3] = [
+    ("serve", &[], "epoll server"),
+    ("serve-threads", &[], "thread-per-connection server"),
+    ("serve-prefork", &["4"], "4 pre-forked epoll workers"),
+];
 
 /// How to run `azsdp-echo` in one mode.
 pub struct Runner<'a> {
@@ -61,21 +74,16 @@ impl Drop for Server {
     }
 }
 
-fn quantile(v: &serde_json::Value, key: &str, i: usize) -> f64 {
-    v[key][i].as_f64().unwrap_or(0.0)
-}
-
-/// Measure one mode: `at_once` connections held together, `in_turn` one
-/// after another.
-pub fn measure(r: &Runner<'_>, at_once: usize, in_turn: usize) -> Result<Scale, String> {
+/// `azsdp-echo MODE PORT ARGS` on a free port, once it says it is ready.
+fn start_server(r: &Runner<'_>, mode: &str, args: &[&str]) -> Result<(Server, String), String> {
     let port = std::net::TcpListener::bind(("127.0.0.1", 0))
         .and_then(|l| l.local_addr())
         .map(|a| a.port().to_string())
         .map_err(|e| format!("no free port: {e}"))?;
     let mut child = r
-        .command(&["serve", &port])
+        .command(&[&[mode, port.as_str()], args].concat())
         .spawn()
-        .map_err(|e| format!("azsdp-echo serve: {e}"))?;
+        .map_err(|e| format!("azsdp-echo {mode}: {e}"))?;
     let stdout = child.stdout.take();
     let server = Server(child);
     let mut line = String::new();
@@ -83,14 +91,36 @@ pub fn measure(r: &Runner<'_>, at_once: usize, in_turn: usize) -> Result<Scale, 
         let _ = BufReader::new(o).read_line(&mut line);
     }
     if !line.starts_with("ready") {
-        return Err("the echo server did not start".into());
+        return Err(format!("the echo server ({mode}) did not start"));
     }
+    Ok((server, port))
+}
+
+fn quantile(v: &serde_json::Value, key: &str, i: usize) -> f64 {
+    v[key][i].as_f64().unwrap_or(0.0)
+}
+
+/// Measure one mode: `at_once` connections held together, `in_turn` one
+/// after another.
+pub fn measure(r: &Runner<'_>, at_once: usize, in_turn: usize) -> Result<Scale, String> {
+    let (server, port) = start_server(r, SHAPES[0].0, SHAPES[0].1)?;
     r.report(&["send", &port, "1000"])?;
     let many = r.report(&["many", &port, &at_once.to_string(), "4096"])?;
     let cycle = r.report(&["cycle", &port, &in_turn.to_string(), "1024"])?;
     drop(server);
     let n = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    let mut at_once_ms = [n(&many, "total_ms"), 0.0, 0.0];
+    for (i, (mode, args, _)) in SHAPES.iter().enumerate().skip(1) {
+        let (server, port) = start_server(r, mode, args)?;
+        r.report(&["send", &port, "1000"])?;
+        at_once_ms[i] = n(
+            &r.report(&["many", &port, &at_once.to_string(), "4096"])?,
+            "total_ms",
+        );
+        drop(server);
+    }
     Ok(Scale {
+        at_once_ms,
         connect_us: quantile(&many, "connect_us", 0),
         connect_p99_us: quantile(&many, "connect_us", 1),
         close_us: quantile(&many, "close_us", 0),
@@ -114,7 +144,7 @@ pub fn table(tcp: Option<Scale>, azsdp: Option<Scale>, at_once: usize, in_turn: 
     let _ = writeln!(s, "| | kernel TCP | azsdp | ratio |");
     let _ = writeln!(s, "|---|---|---|---|");
     let (t, a) = (tcp.unwrap_or_default(), azsdp.unwrap_or_default());
-    let rows: [(&str, f64, f64, &str); 7] = [
+    let mut rows: Vec<(String, f64, f64, &str)> = [
         ("connect (median)", t.connect_us, a.connect_us, "us"),
         ("connect (p99)", t.connect_p99_us, a.connect_p99_us, "us"),
         ("close (median)", t.close_us, a.close_us, "us"),
@@ -137,7 +167,18 @@ pub fn table(tcp: Option<Scale>, azsdp: Option<Scale>, at_once: usize, in_turn: 
             "",
         ),
         ("one connection, in turn", t.cycle_us, a.cycle_us, "us"),
-    ];
+    ]
+    .into_iter()
+    .map(|(w, tv, av, u)| (w.to_string(), tv, av, u))
+    .collect();
+    for (i, (_, _, name)) in SHAPES.iter().enumerate() {
+        rows.push((
+            format!("{at_once} at once, end to end: {name}"),
+            t.at_once_ms[i],
+            a.at_once_ms[i],
+            "ms",
+        ));
+    }
     for (what, tv, av, unit) in rows {
         let cell = |v: f64, have: bool| {
             if have {

@@ -555,6 +555,9 @@ impl Bench {
                         ("threads-per-connection", v.threads_per_conn, "threads"),
                         ("fds-per-connection", v.fds_per_conn, "fds"),
                         ("connection-in-turn", v.cycle_us, "us"),
+                        ("at-once-epoll", v.at_once_ms[0], "ms"),
+                        ("at-once-threads", v.at_once_ms[1], "ms"),
+                        ("at-once-prefork", v.at_once_ms[2], "ms"),
                     ] {
                         self.record(Row {
                             test,
