@@ -33,29 +33,36 @@ fn fd_hard_limit() -> u64 {
 
 /// Run `azsdp-echo args` under azsdp to its end; its JSON report.
 fn client(s: &Scratch, name: &str, args: &[&str]) -> serde_json::Value {
+    client_within(s, name, args, Duration::from_secs(300))
+}
+
+/// [`client`], given `within` to finish.
+fn client_within(s: &Scratch, name: &str, args: &[&str], within: Duration) -> serde_json::Value {
     let echo = echo();
     let mut c = s.under_azsdp(name, echo.to_str().expect("path"), args);
     c.env("AZSDP_LOG_LEVEL", "info").stdout(Stdio::piped());
     let mut p = Proc::start(c, name);
     let out = p.stdout();
-    p.expect_success(Duration::from_secs(300), || s.log(name));
+    p.expect_success(within, || s.log(name));
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
 }
 
-/// `azsdp-echo serve` under azsdp on `port`, ready, and warmed up by one
-/// connection: what it opens once, on its first connection (its stat file
-/// and directory, userfaultfd, the epoll set's eventfd, the reactor), is
-/// not counted per connection.
-fn echo_server(s: &Scratch, port: &str, level: &str) -> Proc {
+/// `azsdp-echo SHAPE PORT ARGS` under azsdp (`serve`: the epoll server),
+/// ready, and warmed up by `warm` connections at once: what a process
+/// opens once, on its first connection (its stat file and directory,
+/// userfaultfd, the epoll set's eventfd, the reactor), is not counted per
+/// connection. (A hundred reach every pre-forked worker.)
+fn echo_server(s: &Scratch, shape: &[&str], port: &str, level: &str, warm: &str) -> Proc {
     let echo = echo();
-    let mut srv = s.under_azsdp("server", echo.to_str().expect("path"), &["serve", port]);
+    let args: Vec<&str> = [&[shape[0], port], &shape[1..]].concat();
+    let mut srv = s.under_azsdp("server", echo.to_str().expect("path"), &args);
     srv.env("AZSDP_LOG_LEVEL", level).stdout(Stdio::piped());
     let mut srv = Proc::start(srv, "server");
     let mut line = String::new();
     BufReader::new(srv.child.stdout.as_mut().expect("stdout"))
         .read_line(&mut line)
         .expect("server ready");
-    client(s, "warm-up", &["send", port, "1000"]);
+    client(s, "warm-up", &["many", port, warm, "1000"]);
     std::thread::sleep(Duration::from_millis(500));
     srv
 }
@@ -69,7 +76,7 @@ fn a_thousand_connections_at_once_then_ten_thousand_one_after_another() {
     }
     let s = Scratch::new("scale");
     let p = port(82).to_string();
-    let mut srv = echo_server(&s, &p, "info");
+    let mut srv = echo_server(&s, &["serve"], &p, "info", "1");
     let base = family_fd_kinds(srv.pid());
 
     let many = client(&s, "many", &["many", &p, "1000", "4096"]);
@@ -138,8 +145,7 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
     }
     let s = Scratch::new("scale10k");
     let p = port(83).to_string();
-    let echo = echo();
-    let mut srv = echo_server(&s, &p, "warn");
+    let mut srv = echo_server(&s, &["serve"], &p, "warn", "1");
     let server_base = threads_of(srv.pid());
 
     // The server's threads, sampled while the client holds its connections.
@@ -156,17 +162,15 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
             most
         })
     };
-    let echo_s = echo.to_str().expect("path").to_string();
     let n = N.to_string();
-    let mut c = s.under_azsdp("many", &echo_s, &["many", &p, &n, "1024"]);
-    c.env("AZSDP_LOG_LEVEL", "info").stdout(Stdio::piped());
-    let mut cp = Proc::start(c, "many");
-    let out = cp.stdout();
-    cp.expect_success(Duration::from_secs(600), || s.log("many"));
+    let many = client_within(
+        &s,
+        "many",
+        &["many", &p, &n, "1024"],
+        Duration::from_secs(600),
+    );
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let server_most = watch.join().expect("watcher");
-    let many: serde_json::Value =
-        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
     eprintln!("{N} at once: {many}; server threads {server_base} -> at most {server_most}");
     assert_eq!(many["connections"], N);
     let log = s.log("many");
@@ -310,29 +314,15 @@ fn many_against(
 ) -> (String, serde_json::Value) {
     let s = Scratch::new(&format!("scale-{shape}"));
     let p = port(offset).to_string();
-    let echo = echo();
-    let echo_s = echo.to_str().expect("path");
-    let srv_args: Vec<&str> = [&[shape, p.as_str()], args].concat();
-    let mut srv = s.under_azsdp("server", echo_s, &srv_args);
-    srv.env("AZSDP_LOG_LEVEL", "warn").stdout(Stdio::piped());
-    let mut srv = Proc::start(srv, "server");
-    let mut line = String::new();
-    BufReader::new(srv.child.stdout.as_mut().expect("stdout"))
-        .read_line(&mut line)
-        .expect("server ready");
-    // A hundred at once reach every worker: what each process opens once,
-    // at its first connection, is not counted.
-    client(&s, "warm-up", &["many", &p, "100", "1000"]);
-    std::thread::sleep(Duration::from_millis(500));
+    let mut srv = echo_server(&s, &[&[shape], args].concat(), &p, "warn", "100");
     let base = family_fd_kinds(srv.pid());
     let count = n.to_string();
-    let mut c = s.under_azsdp("many", echo_s, &["many", &p, &count, "1024"]);
-    c.env("AZSDP_LOG_LEVEL", "info").stdout(Stdio::piped());
-    let mut cp = Proc::start(c, "many");
-    let out = cp.stdout();
-    cp.expect_success(Duration::from_secs(600), || s.log("many"));
-    let many: serde_json::Value =
-        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let many = client_within(
+        &s,
+        "many",
+        &["many", &p, &count, "1024"],
+        Duration::from_secs(600),
+    );
     eprintln!("{n} at once against {shape} {args:?}: {many}");
     assert_eq!(many["connections"], n);
     let fds_per_conn = many["fds_per_conn"].as_f64().expect("fds_per_conn");
@@ -353,7 +343,7 @@ fn many_against(
 fn five_thousand_connections_at_once_against_a_thread_per_connection_server() {
     let _one = one_at_a_time();
     if fd_hard_limit() < 12_000 {
-        eprintln!("skipped: ten thousand connections need 12000 descriptors");
+        eprintln!("skipped: five thousand connections need 12000 descriptors");
         return;
     }
     // (Five thousand: under this harness, and only there, the ten
