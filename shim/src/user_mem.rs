@@ -46,6 +46,14 @@ unsafe impl Plain for libc::timespec {}
 // SAFETY: as above.
 unsafe impl Plain for libc::timeval {}
 
+/// This process, by `getpid` and not the cached pid: a child forked without
+/// the fork handlers (`_Fork`, a raw clone) would name its parent, and
+/// read or write that process's memory.
+fn own_pid() -> libc::pid_t {
+    // SAFETY: getpid has no preconditions.
+    unsafe { libc::getpid() }
+}
+
 /// Copy `n` values of `T` from the program's `src`; `Err(EFAULT)` if the
 /// kernel cannot read them all.
 pub fn read<T: Plain>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
@@ -64,10 +72,7 @@ pub fn read<T: Plain>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
     };
     // SAFETY: our own buffer of `len` bytes; the remote range is the
     // program's, which the kernel checks.
-    // (getpid, not the cached pid: a child forked without the fork
-    // handlers, by `_Fork` or a raw clone, would name its parent, and read
-    // or write that process's memory.)
-    let got = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    let got = unsafe { libc::process_vm_readv(own_pid(), &local, 1, &remote, 1, 0) };
     if got != len as isize {
         return Err(libc::EFAULT);
     }
@@ -94,10 +99,7 @@ pub fn write<T: Plain>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
     };
     // SAFETY: our own buffer of `len` bytes, only read; the remote range is
     // the program's, which the kernel checks.
-    // (getpid, not the cached pid: a child forked without the fork
-    // handlers, by `_Fork` or a raw clone, would name its parent, and read
-    // or write that process's memory.)
-    let put = unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) };
+    let put = unsafe { libc::process_vm_writev(own_pid(), &local, 1, &remote, 1, 0) };
     if put != len as isize {
         return Err(libc::EFAULT);
     }

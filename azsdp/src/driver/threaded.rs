@@ -1525,19 +1525,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Sha
         let urgent = woken && self.in_calls.load(Ordering::SeqCst) == 0;
         if !urgent && standby::wanted(self.in_calls.load(Ordering::SeqCst), &self.last_exit) {
             let mut nap = self.standby_nap.lock();
-            // A call blocked this long has its own wake-ups: the reactor
-            // looks rarely (ten thousand threads blocked in calls kept it
-            // busy at a look every 2 ms each), and the call's end brings
-            // it back. Flagged before the second look at the calls, so
-            // that an end between the two sees the flag.
-            let longest = if *nap >= standby::LONGEST_NAP {
-                self.parked_long.store(true, Ordering::SeqCst);
-                if self.in_calls.load(Ordering::SeqCst) > 0 {
-                    LONGEST_CALL_NAP
-                } else {
-                    self.parked_long.store(false, Ordering::SeqCst);
-                    standby::LONGEST_NAP
-                }
+            let longest = if *nap >= standby::LONGEST_NAP && self.park_for_blocked_call() {
+                LONGEST_CALL_NAP
             } else {
                 standby::LONGEST_NAP
             };
@@ -1583,6 +1572,21 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Sha
 }
 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
+    /// Is a call blocked in the connection, so that the reactor may look
+    /// rarely? Such a call has its own wake-ups, and its end brings the
+    /// reactor back (`parked_long`); ten thousand threads blocked in calls
+    /// kept the reactor busy at a look every 2 ms each. The flag goes up
+    /// before the look at the calls, so that a call ending between the two
+    /// sees it.
+    fn park_for_blocked_call(&self) -> bool {
+        self.parked_long.store(true, Ordering::SeqCst);
+        let blocked = self.in_calls.load(Ordering::SeqCst) > 0;
+        if !blocked {
+            self.parked_long.store(false, Ordering::SeqCst);
+        }
+        blocked
+    }
+
     fn keep_mail(&self, mail: Vec<reactor::Mail>, shared_fired: bool) {
         if mail.is_empty() && !shared_fired {
             return;

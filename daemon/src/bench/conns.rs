@@ -31,11 +31,21 @@ pub struct Scale {
 }
 
 /// The server shapes: `azsdp-echo` mode and its arguments after the port,
-/// and what to call it.
-pub const SHAPES: [(&str, &[&str], &str); 3] = [
-    ("serve", &[], "epoll server"),
-    ("serve-threads", &[], "thread-per-connection server"),
-    ("serve-prefork", &["4"], "4 pre-forked epoll workers"),
+/// what to call it, and its test name in `results.csv`.
+pub const SHAPES: [(&str, &[&str], &str, &str); 3] = [
+    ("serve", &[], "epoll server", "at-once-epoll"),
+    (
+        "serve-threads",
+        &[],
+        "thread-per-connection server",
+        "at-once-threads",
+    ),
+    (
+        "serve-prefork",
+        &["4"],
+        "4 pre-forked epoll workers",
+        "at-once-prefork",
+    ),
 ];
 
 /// How to run `azsdp-echo` in one mode.
@@ -110,7 +120,7 @@ pub fn measure(r: &Runner<'_>, at_once: usize, in_turn: usize) -> Result<Scale, 
     drop(server);
     let n = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
     let mut at_once_ms = [n(&many, "total_ms"), 0.0, 0.0];
-    for (i, (mode, args, _)) in SHAPES.iter().enumerate().skip(1) {
+    for (i, (mode, args, _, _)) in SHAPES.iter().enumerate().skip(1) {
         let (server, port) = start_server(r, mode, args)?;
         r.report(&["send", &port, "1000"])?;
         at_once_ms[i] = n(
@@ -171,7 +181,7 @@ pub fn table(tcp: Option<Scale>, azsdp: Option<Scale>, at_once: usize, in_turn: 
     .into_iter()
     .map(|(w, tv, av, u)| (w.to_string(), tv, av, u))
     .collect();
-    for (i, (_, _, name)) in SHAPES.iter().enumerate() {
+    for (i, (_, _, name, _)) in SHAPES.iter().enumerate() {
         rows.push((
             format!("{at_once} at once, end to end: {name}"),
             t.at_once_ms[i],

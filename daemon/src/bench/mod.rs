@@ -547,6 +547,10 @@ impl Bench {
             };
             match conns::measure(&runner, at_once, in_turn) {
                 Ok(v) => {
+                    let shapes = conns::SHAPES
+                        .iter()
+                        .zip(v.at_once_ms)
+                        .map(|(shape, ms)| (shape.3, ms, "ms"));
                     for (test, value, unit) in [
                         ("connect", v.connect_us, "us"),
                         ("connect-p99", v.connect_p99_us, "us"),
@@ -555,10 +559,10 @@ impl Bench {
                         ("threads-per-connection", v.threads_per_conn, "threads"),
                         ("fds-per-connection", v.fds_per_conn, "fds"),
                         ("connection-in-turn", v.cycle_us, "us"),
-                        ("at-once-epoll", v.at_once_ms[0], "ms"),
-                        ("at-once-threads", v.at_once_ms[1], "ms"),
-                        ("at-once-prefork", v.at_once_ms[2], "ms"),
-                    ] {
+                    ]
+                    .into_iter()
+                    .chain(shapes)
+                    {
                         self.record(Row {
                             test,
                             mode,
