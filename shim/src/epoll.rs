@@ -63,6 +63,12 @@ struct Interest {
     /// arrived for readers, room made for writers).
     last_bits: u32,
     last_progress: (u64, u64),
+    /// What the kernel's edge-triggered watch of a joining connection's
+    /// TCP socket said since the last look: bytes arrived there, or room
+    /// made. The engine's progress does not count them, and the bits may
+    /// read as before (the program has not drained the socket to EAGAIN
+    /// in our sight), so each is an edge of its own, as it is on TCP.
+    tcp_woke: u32,
     /// A one-shot interest that fired, until EPOLL_CTL_MOD.
     spent: bool,
 }
@@ -311,6 +317,7 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
                     data: ev.u64,
                     last_bits: 0,
                     last_progress: (u64::MAX, u64::MAX),
+                    tcp_woke: 0,
                     spent: false,
                 },
             );
@@ -459,8 +466,12 @@ fn collect(set: &mut Set, epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
             },
         );
         let edge = it.events & EPOLLET as u32 != 0;
+        let tcp_woke = std::mem::take(&mut it.tcp_woke);
         let report = if edge {
-            bits != 0 && (bits & !it.last_bits != 0 || progress != it.last_progress)
+            bits != 0
+                && (bits & !it.last_bits != 0
+                    || progress != it.last_progress
+                    || bits & tcp_woke != 0)
         } else {
             bits != 0
         };
@@ -639,7 +650,12 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Vec<epoll_event>)
     let mut looked = false;
     for ev in got {
         if ev.u64 >> 32 == TCP_TAG {
-            set.lock().dirty.mark(ev.u64 as u32 as c_int);
+            let fd = ev.u64 as u32 as c_int;
+            let mut s = set.lock();
+            if let Some(it) = s.interests.get_mut(&fd) {
+                it.tcp_woke |= ev.events;
+            }
+            s.dirty.mark(fd);
             looked = true;
         } else if ev.u64 != TAG {
             out.push(*ev);
