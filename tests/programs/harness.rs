@@ -109,6 +109,7 @@ pub fn have(programs: &[&str]) -> bool {
             "postgres" => "postgresql",
             "psql" => "postgresql-client",
             "sshd" => "openssh-server",
+            "ab" => "apache2-utils",
             "ssh" | "scp" | "ssh-keygen" => "openssh-client",
             p => p,
         })

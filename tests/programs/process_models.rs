@@ -5,7 +5,7 @@
 //! when the second one uses it).
 
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::harness::*;
 use crate::{LISTEN, closing_line, port};
@@ -419,6 +419,150 @@ fn a_forking_python_server_echoes_every_client_on_a_loaded_host() {
             }
         }
     }
+}
+
+/// nginx reloaded (SIGHUP) six times while `ab -k` keeps ten keep-alive
+/// connections busy, beside a hog on both cores, on kernel TCP and then
+/// with both ends under azsdp. Each reload forks new workers from the
+/// master and lets the old ones close their idle connections, so ab
+/// reconnects: a request that meets such a close fails on TCP as well
+/// (ab's `-r` counts it and goes on). Under azsdp every request must
+/// be answered too (a new connection's second request once went unheard,
+/// and ab timed out), and no more may fail than on TCP, within what
+/// reload timing varies by (tens of requests: 126-150 in five TCP runs).
+#[test]
+fn nginx_reloads_under_ab_keepalive_lose_no_more_than_on_tcp() {
+    if !have(&["nginx", "ab"]) {
+        return;
+    }
+    const RELOADS: u32 = 6;
+    let _hog = CpuHog::start(2);
+    let mut failed = Vec::new();
+    for azsdp in [false, true] {
+        let s = Scratch::new(&format!("nginx-{azsdp}"));
+        let p = port(152 + u16::from(azsdp));
+        let html = s.path("html");
+        std::fs::create_dir(&html).unwrap();
+        let page: String = (0..2048u32)
+            .map(|i| char::from(b'a' + (i.wrapping_mul(2_654_435_761) >> 27) as u8 % 26))
+            .collect();
+        std::fs::write(html.join("index.html"), &page).unwrap();
+        // (The workers run as nobody: they read the page.)
+        for d in [&s.0, &html] {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let dir = s.0.display();
+        let conf = format!(
+            "worker_processes 2;\n\
+             daemon off;\n\
+             pid {dir}/nginx.pid;\n\
+             error_log {dir}/error.log notice;\n\
+             events {{ worker_connections 1024; }}\n\
+             http {{\n\
+               access_log off;\n\
+               client_body_temp_path {dir}/tmp; proxy_temp_path {dir}/tmp;\n\
+               fastcgi_temp_path {dir}/tmp; uwsgi_temp_path {dir}/tmp; scgi_temp_path {dir}/tmp;\n\
+               keepalive_requests 1000000;\n\
+               server {{ listen 127.0.0.1:{p}; root {dir}/html; }}\n\
+             }}\n"
+        );
+        std::fs::write(s.path("nginx.conf"), conf).unwrap();
+        let conf_arg = s.path("nginx.conf").display().to_string();
+        let prefix = dir.to_string();
+        let mut srv = Proc::start(
+            s.command(azsdp, "server", "nginx", &["-c", &conf_arg, "-p", &prefix]),
+            "nginx",
+        );
+        wait_listening(p, LISTEN);
+        // For 4 s (a reload each 0.5 s from 0.4 s on), whatever the
+        // rate: both runs see every reload. A response that does not come
+        // within 10 s fails ab.
+        let url = format!("http://127.0.0.1:{p}/index.html");
+        let mut c = s.command(
+            azsdp,
+            "client",
+            "ab",
+            &[
+                "-r",
+                "-k",
+                "-q",
+                "-s",
+                "10",
+                "-t",
+                "4",
+                "-n",
+                "100000000",
+                "-c",
+                "10",
+                &url,
+            ],
+        );
+        c.stdout(Stdio::piped());
+        let started = Instant::now();
+        let mut ab = Proc::start(c, "ab");
+        // The reloads, while ab runs.
+        let master = || -> i32 {
+            let pid = std::fs::read_to_string(s.path("nginx.pid")).unwrap_or_default();
+            pid.trim().parse().unwrap_or(0)
+        };
+        let mut reloads = 0;
+        std::thread::sleep(Duration::from_millis(400));
+        while reloads < RELOADS && ab.child.try_wait().expect("try_wait").is_none() {
+            let pid = master();
+            assert!(pid > 0, "no nginx.pid");
+            // SAFETY: a signal to nginx's master, which reloads on SIGHUP.
+            unsafe { libc::kill(pid, libc::SIGHUP) };
+            reloads += 1;
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let out = ab.stdout();
+        let st = ab.wait(Duration::from_secs(300)).expect("ab finished");
+        let took = started.elapsed();
+        let logs = || {
+            format!(
+                "{out}\n{}\nnginx's error log:\n{}",
+                s.client_and_server_logs(),
+                std::fs::read_to_string(s.path("error.log")).unwrap_or_default()
+            )
+        };
+        assert!(st.success(), "ab (azsdp: {azsdp}) failed: {st}\n{}", logs());
+        let field = |name: &str| -> u32 {
+            out.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no `{name}` in ab's output:\n{out}"))
+        };
+        assert_eq!(reloads, RELOADS, "ab finished early: {}", logs());
+        // (Its 4 s, and the last responses: not 10 s waiting for one.)
+        assert!(
+            took < Duration::from_secs(12),
+            "ab took {took:?} (azsdp: {azsdp}): a response did not come\n{}",
+            logs()
+        );
+        failed.push((field("Failed requests:"), field("Complete requests:")));
+        if azsdp {
+            let client = s.log("client");
+            assert!(
+                client.contains(": azsdp (fabric shm, peer pid"),
+                "{}",
+                logs()
+            );
+        }
+        // SAFETY: a signal to nginx's master: stop at once.
+        unsafe { libc::kill(master(), libc::SIGTERM) };
+        srv.wait(Duration::from_secs(10));
+        srv.kill();
+    }
+    let (tcp, azsdp) = (failed[0].0, failed[1].0);
+    eprintln!(
+        "failed and complete requests: kernel TCP {:?}, azsdp {:?}",
+        failed[0], failed[1]
+    );
+    assert!(
+        azsdp <= tcp + tcp / 2 + 30,
+        "under azsdp {azsdp} requests failed, on kernel TCP {tcp}"
+    );
 }
 
 /// PostgreSQL's binaries (`/usr/lib/postgresql/VERSION/bin`), newest first.
