@@ -211,6 +211,9 @@ pub struct VerbsEndpoint {
     revoked_at: Option<Instant>,
     /// The queue pair was moved to the error state ([`VerbsEndpoint::flush_if_over`]).
     flushed: bool,
+    /// A receive came back flushed: every message that arrived before
+    /// the end has been taken (see [`VerbsEndpoint::take_until_flushed`]).
+    rq_flushed: bool,
     /// Shared with the processes forked from this one.
     fork: super::fork_words::ForkWords,
 }
@@ -388,6 +391,7 @@ impl VerbsEndpoint {
             probing: None,
             revoked_at: None,
             flushed: false,
+            rq_flushed: false,
             fork: super::fork_words::ForkWords::new()?,
         };
         for i in 0..params.ring {
@@ -712,7 +716,8 @@ impl VerbsEndpoint {
                 1
             }
             // A receive flushed: the queue pair is in error.
-            _ => {
+            kind => {
+                self.rq_flushed |= kind == WR_RECV;
                 self.break_with(format!("receive: {}", wc.describe()));
                 0
             }
@@ -1237,8 +1242,8 @@ impl Fabric for VerbsEndpoint {
         self.probe_if_quiet();
         self.flush_if_over();
         if self.broken.is_some() && !self.gone_reported {
-            // What arrived before the end was delivered above.
-            n += self.take_completions(on_event);
+            // What arrived before the end is delivered first.
+            n += self.take_until_flushed(on_event);
             // Lock requests no answer will come for fail, as the NIC's
             // own operations do (flushed).
             for (tag, op) in std::mem::take(&mut self.cas_by_tag) {
@@ -1621,6 +1626,27 @@ impl VerbsEndpoint {
         }
     }
 
+    /// The connection is over: move the queue pair to the error state
+    /// (`rdma_disconnect`) and take completions until a receive comes back
+    /// flushed, at most [`RQ_FLUSH_WAIT`]. Receives complete in order, so
+    /// every message that arrived before the end is delivered then. The
+    /// peer's DISCONNECTED can come before the completions of its last
+    /// messages, whose SENDs it saw complete: a bsdp transfer over rxe on
+    /// 6.17 lost its last 15 KiB and its SHUTDOWN, and the receiver got
+    /// ECONNRESET (CI, 2026-11-27).
+    fn take_until_flushed(&mut self, on_event: &mut dyn FnMut(FabricEvent<'_>)) -> usize {
+        if !self.rq_flushed {
+            self.id.disconnect();
+        }
+        let until = Instant::now() + RQ_FLUSH_WAIT;
+        let mut n = self.take_completions(on_event);
+        while !self.rq_flushed && Instant::now() < until {
+            std::thread::sleep(Duration::from_micros(100));
+            n += self.take_completions(on_event);
+        }
+        n
+    }
+
     /// Has rdma_cm an event for this connection (after it was
     /// established: the peer or the device left)?
     fn cm_event_waiting(&self) -> bool {
@@ -1644,6 +1670,11 @@ const PROBE_GIVE_UP: Duration = Duration::from_secs(15);
 
 /// How long operations may stay in flight after the connection ended.
 const REVOKED_FLUSH: Duration = Duration::from_secs(2);
+
+/// How long the end of a connection waits for its receive queue to come
+/// back flushed (in microseconds on rxe and hardware; a queue with no
+/// receive posted never does).
+const RQ_FLUSH_WAIT: Duration = Duration::from_secs(1);
 
 /// How long leaving waits for the last SENDs to be taken.
 const DEPART_WAIT: Duration = Duration::from_secs(5);
