@@ -32,10 +32,10 @@ use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 use crate::net;
 
-/// The registry's queue in the kernel. Today a client waits inside its
-/// `connect()` until its offer is read, so a short queue bounds that wait
-/// behind a flood (at [`IN_BACKGROUND`]'s pace, under half a second); a
-/// client that finds it full waits a moment for room, then stays on TCP.
+/// The registry's queue in the kernel. A client that finds it full waits
+/// a moment for room (`connect::find_listener`), then stays on TCP; a
+/// short queue bounds that wait behind a flood (at [`IN_BACKGROUND`]'s
+/// pace, under half a second).
 /// Honest clients queue one connection each while they connect, so only
 /// hundreds of clients connecting at the same instant find it full.
 const REGISTRY_BACKLOG: c_int = 256;
@@ -48,13 +48,17 @@ struct Budget {
     reads: usize,
 }
 
-/// Within the program's `accept()`: more than the one pairing connection
-/// each client makes, so that honest clients' offers keep ahead of their
-/// TCP connections, and few enough that a flood of pairing connections
-/// costs `accept()` tens of microseconds (the rest waits in the kernel's
-/// queue for the stats thread).
+/// One round within the program's `accept()`: more than the one pairing
+/// connection each client makes, so that honest clients' offers keep
+/// ahead of their TCP connections; the round stops at the offer of the
+/// connection being accepted. In a pre-fork server each worker's
+/// `accept()` takes from the one registry queue, which is in the order
+/// the clients connected: offers taken in past one's own landed in the
+/// worker that did not accept their connections, which stayed on TCP. A
+/// flood of pairing connections costs `accept()` tens of microseconds (the
+/// rest waits in the kernel's queue for the stats thread).
 const IN_ACCEPT: Budget = Budget {
-    accepts: 4,
+    accepts: 8,
     reads: 4,
 };
 
@@ -77,7 +81,7 @@ const FLOODED_FOR: Duration = Duration::from_secs(1);
 
 /// Rounds of [`IN_ACCEPT`] one `accept()` may take while the queue is not
 /// flooded and this connection's offer is not in yet.
-const IN_ACCEPT_ROUNDS: usize = 16;
+const IN_ACCEPT_ROUNDS: usize = 8;
 
 /// From the stats thread, ten times a second, whether or not the program
 /// accepts: it keeps the queue moving and the offers bounded in time. Each
@@ -594,6 +598,7 @@ impl Listener {
         held: usize,
         budget: Budget,
         close_now: bool,
+        until: Option<u16>,
     ) -> Batch {
         let now = Instant::now();
         let mut b = Batch {
@@ -640,60 +645,77 @@ impl Listener {
                 continue;
             }
             *mine += 1;
-            fresh.push(Waiting {
+            let w = Waiting {
                 stream,
                 uid,
                 since: now,
-            });
+            };
+            let Some(port) = until else {
+                fresh.push(w);
+                continue;
+            };
+            // Read at once, and stop at the offer of the connection being
+            // accepted: the ones behind it are for other `accept()`s,
+            // perhaps in other processes (see [`IN_ACCEPT`]).
+            self.read_offer(w, &mut b);
+            if b.offers.last().is_some_and(|o| o.client_port == port) {
+                break;
+            }
         }
         // A new connection's offer is usually queued already (a client
         // sends it right after connecting): read those at once; of the
         // older ones, only what poll says is readable.
         let (readable, idle) = readable_first(waiting, budget.reads);
-        b.waiting = idle;
+        b.waiting.extend(idle);
         for w in fresh.into_iter().chain(readable) {
-            match recv_intro(w.stream.as_fd(), IntroKind::Offer, true) {
-                Ok((intro, r)) => {
-                    let why = match intro.pair {
-                        _ if r.fds.is_empty() => "carries no segment",
-                        None => "names no connection",
-                        Some(t) if t.dst.port() != self.addr.port() => "is for another port",
-                        Some(target) => {
-                            b.offers.push(Offer {
-                                stream: w.stream,
-                                peer: r.peer,
-                                uid: w.uid,
-                                fds: r.fds,
-                                page_size: intro.page_size,
-                                dst: target.dst,
-                                client_port: target.client_port,
-                                cookie: target.cookie,
-                                since: w.since,
-                                accepted_at: None,
-                            });
-                            continue;
-                        }
-                    };
-                    debug!("listener {}: an offer that {why}; closed", self.addr);
-                    b.discard(std::iter::once(w.stream).chain(r.fds));
-                }
-                Err(e) if e.would_block() => b.waiting.push(w),
-                Err(e) => {
-                    debug!("listener {}: dropped a pairing message: {e}", self.addr);
-                    b.discard([w.stream]);
-                }
-            }
+            self.read_offer(w, &mut b);
         }
         b
+    }
+
+    /// Read the offer of registry connection `w` into `b` (or keep `w`
+    /// waiting for it, or refuse it).
+    fn read_offer(&self, w: Waiting, b: &mut Batch) {
+        match recv_intro(w.stream.as_fd(), IntroKind::Offer, true) {
+            Ok((intro, r)) => {
+                let why = match intro.pair {
+                    _ if r.fds.is_empty() => "carries no segment",
+                    None => "names no connection",
+                    Some(t) if t.dst.port() != self.addr.port() => "is for another port",
+                    Some(target) => {
+                        b.offers.push(Offer {
+                            stream: w.stream,
+                            peer: r.peer,
+                            uid: w.uid,
+                            fds: r.fds,
+                            page_size: intro.page_size,
+                            dst: target.dst,
+                            client_port: target.client_port,
+                            cookie: target.cookie,
+                            since: w.since,
+                            accepted_at: None,
+                        });
+                        return;
+                    }
+                };
+                debug!("listener {}: an offer that {why}; closed", self.addr);
+                b.discard(std::iter::once(w.stream).chain(r.fds));
+            }
+            Err(e) if e.would_block() => b.waiting.push(w),
+            Err(e) => {
+                debug!("listener {}: dropped a pairing message: {e}", self.addr);
+                b.discard([w.stream]);
+            }
+        }
     }
 
     /// [`Listener::take_in`] with the lock held throughout (the program's
     /// `accept()`, which must see what it takes in). Whether the registry's
     /// queue may hold more.
-    fn pump(&self, p: &mut Pending, budget: Budget) -> bool {
-        p.expire(self.expiry);
+    /// Stops at the offer for client port `until`.
+    fn pump(&self, p: &mut Pending, budget: Budget, until: u16) -> bool {
         let (waiting, counts, held) = p.take_waiting();
-        let b = self.take_in(waiting, counts, held, budget, false);
+        let b = self.take_in(waiting, counts, held, budget, false, Some(until));
         let saturated = b.saturated;
         p.merge(b, self.addr);
         saturated
@@ -720,7 +742,7 @@ impl Listener {
         };
         if !p.flooded() {
             let (waiting, counts, held) = p.take_waiting();
-            let b = self.take_in(waiting, counts, held, budget, false);
+            let b = self.take_in(waiting, counts, held, budget, false, None);
             p.note_round(&b);
             p.merge(b, self.addr);
             p.drop_accepted_elsewhere(self.addr);
@@ -734,7 +756,7 @@ impl Listener {
         let doomed = std::mem::take(&mut p.doomed);
         drop(p);
         drop(doomed);
-        let b = self.take_in(waiting, counts, held, budget, true);
+        let b = self.take_in(waiting, counts, held, budget, true, None);
         let mut p = self.pending.lock();
         p.note_round(&b);
         p.taking_in = None;
@@ -799,12 +821,13 @@ impl Listener {
             // comes in, so that its client stops waiting.
             let mut more = false;
             let flooded = p.flooded();
-            if !flooded {
+            p.expire(self.expiry);
+            if !flooded && !p.ports.contains_key(&peer.port()) {
                 // In an honest burst the queue may hold many offers ahead
                 // of this one, each wanted by a later accept(): take them
-                // in, a few at a time, while this one is not among them.
+                // in until this one is among them.
                 for _ in 0..IN_ACCEPT_ROUNDS {
-                    more = self.pump(&mut p, IN_ACCEPT);
+                    more = self.pump(&mut p, IN_ACCEPT, peer.port());
                     if !more || p.ports.contains_key(&peer.port()) {
                         break;
                     }

@@ -430,6 +430,7 @@ fn a_forking_python_server_echoes_every_client_on_a_loaded_host() {
 /// be answered too (a new connection's second request once went unheard,
 /// and ab timed out), and no more may fail than on TCP, within what
 /// reload timing varies by (tens of requests: 126-150 in five TCP runs).
+/// Most of ab's connections must pair, with whichever worker accepts.
 #[test]
 fn nginx_reloads_under_ab_keepalive_lose_no_more_than_on_tcp() {
     if !have(&["nginx", "ab"]) {
@@ -542,10 +543,16 @@ fn nginx_reloads_under_ab_keepalive_lose_no_more_than_on_tcp() {
         );
         failed.push((field("Failed requests:"), field("Complete requests:")));
         if azsdp {
+            // ab's connections pair with whichever worker accepts them
+            // (an offer taken by the other worker leaves its connection
+            // on TCP: 16-29 of 70 did, before an accept() stopped taking
+            // offers in at its own).
             let client = s.log("client");
+            let paired = client.matches(": azsdp (fabric shm, peer pid").count();
+            let on_tcp = client.matches(": tcp (").count();
             assert!(
-                client.contains(": azsdp (fabric shm, peer pid"),
-                "{}",
+                paired > 0 && on_tcp * 5 <= paired,
+                "{paired} connections paired, {on_tcp} stayed on TCP\n{}",
                 logs()
             );
         }
