@@ -419,3 +419,33 @@ pub fn num(v: &serde_json::Value, path: &[&str]) -> u64 {
 pub fn text<'a>(v: &'a serde_json::Value, key: &str) -> &'a str {
     v[key].as_str().unwrap_or("")
 }
+
+/// `python3 tests/programs/SCRIPT server PORT`, then `SCRIPT client PORT
+/// ARGS...`, both under azsdp, in scratch directory `name`: the client must
+/// succeed within `t`; the server then has `grace` to finish before it is
+/// killed. Returns the scratch, for the logs (`client`, `server`).
+pub fn python_pair(
+    name: &str,
+    script: &str,
+    port: u16,
+    client_args: &[&str],
+    t: Duration,
+    grace: Duration,
+) -> Scratch {
+    let script = workspace().join("tests/programs").join(script);
+    let script = script.display().to_string();
+    let s = Scratch::new(name);
+    let p = port.to_string();
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "python3", &[&script, "server", &p]),
+        "python3 server",
+    );
+    wait_listening(port, crate::LISTEN);
+    let mut args = vec![script.as_str(), "client", &p];
+    args.extend_from_slice(client_args);
+    let mut cli = Proc::start(s.under_azsdp("client", "python3", &args), "python3 client");
+    cli.expect_success(t, || s.client_and_server_logs());
+    srv.wait(grace);
+    srv.kill();
+    s
+}

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use azsdp_test_support::loopback;
 use harness::*;
 
-const LISTEN: Duration = Duration::from_secs(15);
+pub(crate) const LISTEN: Duration = Duration::from_secs(15);
 
 /// Ports for this test binary's run (a different range per run, so runs
 /// on one host, or a test whose server lingers, do not collide). Offsets
@@ -709,28 +709,18 @@ fn an_edge_triggered_server_hears_requests_while_connections_join() {
     if !have(&["python3"]) {
         return;
     }
-    let script = workspace().join("tests/programs/keepalive_edges.py");
-    let script = script.display().to_string();
-    let s = Scratch::new("keepalive-edges");
-    let p = port(150).to_string();
-    let mut srv = Proc::start(
-        s.under_azsdp("server", "python3", &[&script, "server", &p]),
-        "python3 server",
+    let s = python_pair(
+        "keepalive-edges",
+        "keepalive_edges.py",
+        port(150),
+        &["400", "5", "10"],
+        Duration::from_secs(120),
+        Duration::ZERO,
     );
-    wait_listening(p.parse().expect("port"), LISTEN);
-    let mut cli = Proc::start(
-        s.under_azsdp(
-            "client",
-            "python3",
-            &[&script, "client", &p, "400", "5", "10"],
-        ),
-        "python3 client",
-    );
-    cli.expect_success(Duration::from_secs(120), || s.client_and_server_logs());
-    srv.kill();
     let (client, server) = (s.log("client"), s.log("server"));
     assert!(client.contains("ok 2000"), "{client}");
-    // Most connections paired after their first request went on TCP.
+    // The case under test happened: connections joined after two
+    // requests had gone on TCP.
     let joined = client.matches("joined the fabric after 234 bytes").count();
     assert!(
         joined > 0,

@@ -770,22 +770,14 @@ fn an_offer_for_a_connection_another_process_accepted_is_closed() {
     if !have(&["python3"]) {
         return;
     }
-    let script = workspace().join("tests/programs/child_accepts.py");
-    let script = script.display().to_string();
-    let s = Scratch::new("child-accepts");
-    let p = port(182).to_string();
-    let mut srv = Proc::start(
-        s.under_azsdp("server", "python3", &[&script, "server", &p]),
-        "python3 server",
+    let s = python_pair(
+        "child-accepts",
+        "child_accepts.py",
+        port(182),
+        &[],
+        Duration::from_secs(60),
+        Duration::from_secs(10),
     );
-    wait_listening(p.parse().expect("port"), LISTEN);
-    let mut cli = Proc::start(
-        s.under_azsdp("client", "python3", &[&script, "client", &p]),
-        "python3 client",
-    );
-    cli.expect_success(Duration::from_secs(60), || s.client_and_server_logs());
-    srv.wait(Duration::from_secs(10));
-    srv.kill();
     let (client, server) = (s.log("client"), s.log("server"));
     assert!(
         server.contains("accepted by another process; its offer closed"),
