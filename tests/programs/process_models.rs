@@ -702,6 +702,21 @@ fn postgresql_serves_pgbench_forked_backends_on_a_loaded_host() {
             "postgres",
         );
         wait_listening(p, LISTEN);
+        // It listens before it takes connections ("the database system is
+        // starting up", which failed `pgbench -i` beside the hog).
+        let ready = Instant::now();
+        while !std::process::Command::new(bin.join("pg_isready"))
+            .args(["-q", "-h", "127.0.0.1", "-p", &port_arg, "-U", "bench"])
+            .status()
+            .is_ok_and(|st| st.success())
+        {
+            assert!(
+                ready.elapsed() < Duration::from_secs(60),
+                "PostgreSQL not ready within 60 s: {}",
+                s.log("server")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let bench = |name: &str, args: &[&str]| -> String {
             let mut all = vec!["-h", "127.0.0.1", "-p", &port_arg, "-U", "bench"];
             all.extend_from_slice(args);
