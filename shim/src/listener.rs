@@ -710,9 +710,8 @@ impl Listener {
     }
 
     /// [`Listener::take_in`] with the lock held throughout (the program's
-    /// `accept()`, which must see what it takes in). Whether the registry's
-    /// queue may hold more.
-    /// Stops at the offer for client port `until`.
+    /// `accept()`, which must see what it takes in), stopping at the offer
+    /// for client port `until`. Whether the registry's queue may hold more.
     fn pump(&self, p: &mut Pending, budget: Budget, until: u16) -> bool {
         let (waiting, counts, held) = p.take_waiting();
         let b = self.take_in(waiting, counts, held, budget, false, Some(until));
@@ -821,7 +820,9 @@ impl Listener {
             // comes in, so that its client stops waiting.
             let mut more = false;
             let flooded = p.flooded();
-            p.expire(self.expiry);
+            if !flooded {
+                p.expire(self.expiry);
+            }
             if !flooded && !p.ports.contains_key(&peer.port()) {
                 // In an honest burst the queue may hold many offers ahead
                 // of this one, each wanted by a later accept(): take them
