@@ -424,15 +424,52 @@ fn epoll_bits(r: &azsdp::conn::Readiness, wanted: u32) -> u32 {
     b & (wanted | (EPOLLHUP | EPOLLERR) as u32)
 }
 
+/// The events one wait reports, at most one per descriptor, as the
+/// kernel's: an upgraded socket looked at twice in one wait (its joining
+/// TCP socket woke after the first look) merges into its first event.
+#[derive(Default)]
+struct Batch {
+    events: Vec<epoll_event>,
+    /// The upgraded descriptors reported, beside their events' indices.
+    upgraded: Vec<(c_int, usize)>,
+}
+
+impl Batch {
+    fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    fn reported(&self, fd: c_int) -> Option<usize> {
+        self.upgraded
+            .iter()
+            .find(|(f, _)| *f == fd)
+            .map(|(_, i)| *i)
+    }
+
+    fn push_upgraded(&mut self, fd: c_int, ev: epoll_event) {
+        match self.reported(fd) {
+            Some(i) => self.events[i].events |= ev.events,
+            None => {
+                self.upgraded.push((fd, self.events.len()));
+                self.events.push(ev);
+            }
+        }
+    }
+}
+
 /// Collect ready upgraded sockets into `out`: those marked dirty, and
 /// those to look at again.
-fn collect(set: &mut Set, epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
+fn collect(set: &mut Set, epfd: c_int, out: &mut Batch, max: usize) {
     let mut look = set.dirty.take();
     look.append(&mut set.again);
     look.sort_unstable();
     look.dedup();
     for (i, fd) in look.iter().enumerate() {
-        if out.len() >= max {
+        if out.len() >= max && out.reported(*fd).is_none() {
             // No room this time: next time.
             set.again.extend_from_slice(&look[i..]);
             break;
@@ -484,10 +521,13 @@ fn collect(set: &mut Set, epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
                 // Still ready next time? Level-triggered: look again.
                 set.again.push(*fd);
             }
-            out.push(epoll_event {
-                events: bits,
-                u64: it.data,
-            });
+            out.push_upgraded(
+                *fd,
+                epoll_event {
+                    events: bits,
+                    u64: it.data,
+                },
+            );
         }
     }
 }
@@ -539,9 +579,9 @@ pub unsafe fn wait(
     let mask = window.wait_mask(mask);
     let wake = Arc::clone(&set.lock().wake);
     let mut kernel: Vec<epoll_event> = vec![epoll_event { events: 0, u64: 0 }; max];
-    let done = |out: &[epoll_event]| -> c_int {
+    let done = |out: &Batch| -> c_int {
         // Through the kernel: a bad array is EFAULT, not a crash.
-        if let Err(e) = crate::user_mem::write(events, out) {
+        if let Err(e) = crate::user_mem::write(events, &out.events) {
             real::set_errno(e);
             return -1;
         }
@@ -550,7 +590,7 @@ pub unsafe fn wait(
     // What is ready now, or comes within a short spin, needs no wake-up of
     // this thread or of the reactor (and no `standby::end`, which sends
     // the reactor back to watching the connections the program drives).
-    let mut out = Vec::new();
+    let mut out = Batch::default();
     let n = look(&set, epfd, &mut kernel, &mut out, max, mask);
     if n < 0 && out.is_empty() {
         return Some(-1);
@@ -582,7 +622,7 @@ pub unsafe fn wait(
     let slept_at = Instant::now();
     loop {
         wake.arm();
-        let mut out = Vec::new();
+        let mut out = Batch::default();
         collect(&mut set.lock(), epfd, &mut out, max);
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let wait_ms: c_int = if !out.is_empty() {
@@ -605,8 +645,12 @@ pub unsafe fn wait(
         } else {
             let upgraded = out.len();
             let looked = take_kernel(&set, &kernel[..n as usize], &mut out);
-            if looked && out.is_empty() {
-                continue;
+            if looked {
+                // A joining connection's socket woke: look at it now.
+                collect(&mut set.lock(), epfd, &mut out, max);
+                if out.is_empty() {
+                    continue;
+                }
             }
             if upgraded > 0 || looked {
                 set.lock().spin.woke(slept_at.elapsed());
@@ -625,7 +669,7 @@ fn look(
     set: &Lock<Set>,
     epfd: c_int,
     kernel: &mut [epoll_event],
-    out: &mut Vec<epoll_event>,
+    out: &mut Batch,
     max: usize,
     mask: *const libc::sigset_t,
 ) -> c_int {
@@ -645,12 +689,16 @@ fn look(
 
 /// Sort the kernel's events into `out`: the program's own descriptors go
 /// through, our eventfd is dropped, and a joining connection's socket
-/// marks it to be looked at (true if any did).
-fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Vec<epoll_event>) -> bool {
+/// marks it to be looked at (true if any did). A socket this wait reports
+/// already is not marked: that report is the edge.
+fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> bool {
     let mut looked = false;
     for ev in got {
         if ev.u64 >> 32 == TCP_TAG {
             let fd = ev.u64 as u32 as c_int;
+            if out.reported(fd).is_some() {
+                continue;
+            }
             let mut s = set.lock();
             if let Some(it) = s.interests.get_mut(&fd) {
                 it.tcp_woke |= ev.events;
@@ -658,7 +706,7 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Vec<epoll_event>)
             s.dirty.mark(fd);
             looked = true;
         } else if ev.u64 != TAG {
-            out.push(*ev);
+            out.events.push(*ev);
         }
     }
     looked
@@ -673,7 +721,7 @@ fn spin(
     set: &Lock<Set>,
     epfd: c_int,
     kernel: &mut [epoll_event],
-    out: &mut Vec<epoll_event>,
+    out: &mut Batch,
     max: usize,
     mask: *const libc::sigset_t,
     budget: Duration,

@@ -5,6 +5,8 @@ the connection joins the fabric, and the server must hear of it.
 server PORT: non-blocking sockets in one epoll set with EPOLLET; each
     117-byte request gets a 239-byte header and a 2768-byte body in one
     writev (as nginx's), the body a function of the request's number.
+    A wait that names one descriptor twice (the kernel never does) is
+    reported as "duplicate".
 client PORT CONNECTIONS REQUESTS THREADS: blocking sockets, a new
     connection after each REQUESTS requests; every response checked.
     Prints "ok N" with N responses checked, or what went wrong.
@@ -37,7 +39,11 @@ def serve(port: int) -> None:
     conns = {}  # fd -> [socket, bytes in, bytes out]
     print("ready", flush=True)
     while True:
-        for fd, _ in ep.poll():
+        got = ep.poll()
+        fds = [fd for fd, _ in got]
+        if len(set(fds)) != len(fds):
+            print("duplicate descriptor in one wait: %r" % got, file=sys.stderr, flush=True)
+        for fd, _ in got:
             if fd == ls.fileno():
                 while True:
                     try:
