@@ -23,6 +23,7 @@ pub use azsdp_proto::driver::{Host, Protectable, UnparkError, capabilities};
 pub use azsdp_proto::protect::{NoProtection, Protector};
 
 pub mod delegation;
+pub mod lease;
 pub mod ownership;
 pub mod reactor;
 pub mod standby;

@@ -55,6 +55,11 @@ const TAG: u64 = 0xa25d_b0e1_7e57_0000;
 /// descriptor): its bytes arriving, or room made, wake a wait.
 const TCP_TAG: u64 = 0xa25d_b0e2;
 
+/// The data of the reactor's own set in the kernel set, while a thread
+/// waiting here borrows it (see `azsdp::driver::lease`): a peer's ring
+/// wakes the waiting thread, which turns the reactor itself.
+const REACTOR_TAG: u64 = 0xa25d_b0e3_0000_0000;
+
 struct Interest {
     sock: Arc<Sock>,
     events: u32,
@@ -83,6 +88,9 @@ struct Set {
     /// Sockets of joining connections watched in the kernel set (see
     /// [`TCP_TAG`]).
     tcp_watch: std::collections::BTreeSet<c_int>,
+    /// The reactor's set, watched in the kernel set (edge-triggered, left
+    /// there between loans).
+    nested: Option<c_int>,
     /// How long a wait busy-polls its connections before it sleeps.
     spin: Budget,
 }
@@ -213,6 +221,7 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         dirty,
         again: Vec::new(),
         tcp_watch: Default::default(),
+        nested: None,
         spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
     }));
     sets.insert(epfd, Arc::clone(&s));
@@ -544,7 +553,7 @@ pub unsafe fn drop_ours(events: *mut epoll_event, n: c_int) -> c_int {
     };
     let kept: Vec<epoll_event> = got
         .into_iter()
-        .filter(|e| e.u64 != TAG && e.u64 >> 32 != TCP_TAG)
+        .filter(|e| e.u64 != TAG && e.u64 != REACTOR_TAG && e.u64 >> 32 != TCP_TAG)
         .collect();
     if kept.len() as c_int != n && crate::user_mem::write(events, &kept).is_err() {
         return n;
@@ -620,15 +629,34 @@ pub unsafe fn wait(
         }
     }
     let slept_at = Instant::now();
+    // The reactor's set, borrowed while this thread sleeps: the peer's ring
+    // wakes this thread, not the reactor's (which would wake it in turn).
+    let mut loan = None;
     loop {
-        wake.arm();
+        if loan.is_none() {
+            loan = borrow_reactor(&set, epfd);
+        }
+        if let Some(l) = loan.as_mut() {
+            // Before the look: connections the calls drove go back to
+            // being watched, and what rang meanwhile is taken (before the
+            // arming: what the turn marks, the look below sees unrung).
+            azsdp::driver::standby::end_by_borrower();
+            l.turn();
+            wake.arm_alone();
+        } else {
+            wake.arm();
+        }
         let mut out = Batch::default();
         collect(&mut set.lock(), epfd, &mut out, max);
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if let Some(t) = loan.as_ref().and_then(|l| l.timeout()) {
+            left = Some(left.map_or(t, |l| l.min(t)));
+        }
         let wait_ms: c_int = if !out.is_empty() {
             0
         } else {
-            left.map_or(100, |l| l.as_millis().min(100) as c_int)
+            // (Rounded up: a timer's wait that ends early would spin.)
+            left.map_or(100, |l| l.as_micros().div_ceil(1000).min(100) as c_int)
         };
         let room = max - out.len();
         let n = if room == 0 {
@@ -638,21 +666,28 @@ pub unsafe fn wait(
             unsafe { real::epoll_pwait(epfd, kernel.as_mut_ptr(), room as c_int, wait_ms, mask) }
         };
         wake.disarm();
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if n < 0 {
             if out.is_empty() {
                 return Some(-1);
             }
         } else {
             let upgraded = out.len();
-            let looked = take_kernel(&set, &kernel[..n as usize], &mut out);
-            if looked {
-                // A joining connection's socket woke: look at it now.
-                collect(&mut set.lock(), epfd, &mut out, max);
-                if out.is_empty() {
-                    continue;
-                }
+            let (looked, rang) = take_kernel(&set, &kernel[..n as usize], &mut out);
+            let mut again = looked;
+            if rang && let Some(l) = loan.as_mut() {
+                l.turn();
+                again = true;
             }
-            if upgraded > 0 || looked {
+            if again {
+                // A joining connection's socket woke, or the reactor
+                // turned: look now.
+                collect(&mut set.lock(), epfd, &mut out, max);
+            }
+            if out.is_empty() && (again || rang) && !left.is_some_and(|l| l.is_zero()) {
+                continue;
+            }
+            if upgraded > 0 || again {
                 set.lock().spin.woke(slept_at.elapsed());
             }
         }
@@ -660,6 +695,29 @@ pub unsafe fn wait(
             return Some(done(&out));
         }
     }
+}
+
+/// Borrow this process's reactor's set for a sleep in `epfd`, and watch it
+/// there (once: it stays, edge-triggered, between loans).
+fn borrow_reactor(set: &Lock<Set>, epfd: c_int) -> Option<azsdp::driver::reactor::Loan> {
+    let loan = azsdp::driver::reactor::Loan::borrow()?;
+    let fd = loan.fd();
+    let mut s = set.lock();
+    if s.nested != Some(fd) {
+        let mut ev = epoll_event {
+            events: (EPOLLIN | EPOLLET) as u32,
+            u64: REACTOR_TAG,
+        };
+        let _keep = real::KeepErrno::new();
+        // SAFETY: our own watch of the reactor's set in the program's set.
+        let r = unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) };
+        if r < 0 && real::errno() != libc::EEXIST {
+            // (Dropped: the set goes back to the reactor's thread.)
+            return None;
+        }
+        s.nested = Some(fd);
+    }
+    Some(loan)
 }
 
 /// One look without sleeping: ready upgraded sockets, then the kernel's
@@ -680,7 +738,7 @@ fn look(
     }
     // SAFETY: our own array of at least `max` entries (room <= max).
     let n = unsafe { real::epoll_pwait(epfd, kernel.as_mut_ptr(), room as c_int, 0, mask) };
-    if n > 0 && take_kernel(set, &kernel[..n as usize], out) {
+    if n > 0 && take_kernel(set, &kernel[..n as usize], out).0 {
         // A joining connection's socket woke: look at it now.
         collect(&mut set.lock(), epfd, out, max);
     }
@@ -689,12 +747,15 @@ fn look(
 
 /// Sort the kernel's events into `out`: the program's own descriptors go
 /// through, our eventfd is dropped, and a joining connection's socket
-/// marks it to be looked at (true if any did). A socket this wait reports
-/// already is not marked: that report is the edge.
-fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> bool {
-    let mut looked = false;
+/// marks it to be looked at (`.0`: any did). A socket this wait reports
+/// already is not marked: that report is the edge. `.1`: the reactor's
+/// set fired.
+fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> (bool, bool) {
+    let (mut looked, mut rang) = (false, false);
     for ev in got {
-        if ev.u64 >> 32 == TCP_TAG {
+        if ev.u64 == REACTOR_TAG {
+            rang = true;
+        } else if ev.u64 >> 32 == TCP_TAG {
             let fd = ev.u64 as u32 as c_int;
             if out.reported(fd).is_some() {
                 continue;
@@ -709,7 +770,7 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> bool {
             out.events.push(*ev);
         }
     }
-    looked
+    (looked, rang)
 }
 
 /// Busy-poll the set's connections for up to `budget` before the wait

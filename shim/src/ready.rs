@@ -26,6 +26,10 @@ use crate::real;
 pub struct Wakeup {
     efd: OwnedFd,
     asleep: AtomicBool,
+    /// Written since the last disarm (set after the write, so a disarm
+    /// that sees it reads what was written; one that misses it leaves the
+    /// count for the next, which wakes once for nothing).
+    rung: AtomicBool,
 }
 
 impl Wakeup {
@@ -40,6 +44,7 @@ impl Wakeup {
         let w = Arc::new(Wakeup {
             efd,
             asleep: AtomicBool::new(false),
+            rung: AtomicBool::new(false),
         });
         SLEEPERS.lock().push(Arc::downgrade(&w));
         Some(w)
@@ -76,9 +81,11 @@ impl Wakeup {
         if self.asleep.swap(false, Ordering::SeqCst) {
             ARMED.fetch_sub(1, Ordering::SeqCst);
         }
-        let mut v = 0u64;
-        // SAFETY: read of 8 bytes into our own u64 (non-blocking eventfd).
-        unsafe { real::read(self.fd(), (&raw mut v).cast(), 8) };
+        if self.rung.swap(false, Ordering::SeqCst) {
+            let mut v = 0u64;
+            // SAFETY: read of 8 bytes into our own u64 (non-blocking eventfd).
+            unsafe { real::read(self.fd(), (&raw mut v).cast(), 8) };
+        }
     }
 
     /// Ring even if nobody is armed: a thread may sleep in a kernel set
@@ -88,15 +95,14 @@ impl Wakeup {
         let one = 1u64;
         // SAFETY: write of 8 bytes from our own u64.
         unsafe { real::write(self.fd(), (&raw const one).cast(), 8) };
+        self.rung.store(true, Ordering::SeqCst);
     }
 
-    /// Wake the thread if it is armed (asleep, or about to be).
+    /// Wake the thread if it is armed (asleep, or about to be), once per
+    /// sleep.
     pub fn ring(&self) {
-        let _keep = real::KeepErrno::new();
-        if self.asleep.load(Ordering::SeqCst) {
-            let one = 1u64;
-            // SAFETY: write of 8 bytes from our own u64.
-            unsafe { real::write(self.fd(), (&raw const one).cast(), 8) };
+        if self.asleep.load(Ordering::SeqCst) && !self.rung.load(Ordering::SeqCst) {
+            self.kick();
         }
     }
 }

@@ -55,6 +55,7 @@ use std::time::{Duration, Instant};
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
 
+use super::lease::{Borrow, Lease, Signal};
 use crate::identity::{self, IdentityError, Received};
 use crate::sync::Lock;
 
@@ -242,6 +243,10 @@ pub struct Reactor {
     bell_w: OwnedFd,
     /// The thread is in (or about to enter) `epoll_wait`.
     sleeping: AtomicBool,
+    /// Who watches the set (see [`super::lease`]).
+    lease: Lease,
+    /// Held by whoever turns (the thread, or a borrower).
+    turning: Lock<()>,
     inner: Lock<Inner>,
     /// Connections registered (for tests and stats).
     live: AtomicUsize,
@@ -250,8 +255,9 @@ pub struct Reactor {
 }
 
 /// Service every parked connection at once (see [`super::standby::end`]);
-/// one load when none is.
-pub fn unpark_all() {
+/// one load when none is. `signal`: get the set's watcher to turn (a
+/// borrower about to turn itself does not need it).
+pub fn unpark_all(signal: bool) {
     let Some(r) = REACTOR
         .try_lock()
         .and_then(|g| g.as_ref().map(Arc::clone))
@@ -270,7 +276,9 @@ pub fn unpark_all() {
             st.queue(id, generation, false, false);
         }
     }
-    r.ring();
+    if signal {
+        r.signal();
+    }
 }
 
 impl std::fmt::Debug for Reactor {
@@ -279,6 +287,101 @@ impl std::fmt::Debug for Reactor {
             .field("pid", &self.pid)
             .field("live", &self.live.load(Ordering::Relaxed))
             .finish()
+    }
+}
+
+/// The reactor's set, borrowed by a program thread about to sleep in
+/// `epoll_wait` (see [`super::lease`]): the thread puts [`Loan::fd`] in
+/// its own set, and when it fires, or before it sleeps, calls
+/// [`Loan::turn`]. Dropping it gives the set back.
+pub struct Loan {
+    reactor: Arc<Reactor>,
+    events: Vec<libc::epoll_event>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+/// Events a borrower takes per `epoll_wait` of the reactor's set.
+const LOAN_BATCH: usize = 64;
+/// `epoll_wait`s of the reactor's set per [`Loan::turn`] at most.
+const LOAN_ROUNDS: usize = 16;
+
+impl std::fmt::Debug for Loan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loan").field("fd", &self.fd()).finish()
+    }
+}
+
+impl Loan {
+    /// Borrow this process's reactor's set, if it has one and its thread
+    /// can spare it now (the first ask wakes the thread to hand over, so
+    /// a later wait gets it).
+    pub fn borrow() -> Option<Loan> {
+        let r = REACTOR
+            .try_lock()
+            .and_then(|g| g.as_ref().map(Arc::clone))
+            .filter(|r| r.pid == crate::process::pid())?;
+        // (One borrower at a time: a signal handler's wait in the thread
+        // that holds the loan gets none.)
+        match r.lease.borrow() {
+            Borrow::Lent => {}
+            Borrow::Asked => {
+                r.ring();
+                return None;
+            }
+            Borrow::No => return None,
+        }
+        Some(Loan {
+            reactor: r,
+            events: vec![libc::epoll_event { events: 0, u64: 0 }; LOAN_BATCH],
+            _not_send: std::marker::PhantomData,
+        })
+    }
+
+    /// The reactor's epoll set, to watch (readable: a turn is due).
+    pub fn fd(&self) -> i32 {
+        self.reactor.epoll.as_raw_fd()
+    }
+
+    /// Turn the reactor without sleeping until its set is drained. Also a
+    /// sign of life: call it once per round of the wait.
+    pub fn turn(&mut self) {
+        let r = &self.reactor;
+        r.lease.beat();
+        let Some(_turning) = r.turning.try_lock() else {
+            // The thread took the set back and turns it.
+            return;
+        };
+        r.lease.turning();
+        for _ in 0..LOAN_ROUNDS {
+            let n = r.wait(&mut self.events, 0);
+            r.turn(&self.events[..n]);
+            if n < LOAN_BATCH {
+                return;
+            }
+        }
+        // More than a turn's worth: the ring is a fresh event, so a set
+        // watching ours edge-triggered fires again.
+        r.ring();
+    }
+
+    /// How long the borrower may sleep before a timer of the reactor's is
+    /// due (zero: work is queued; `None`: no timer).
+    pub fn timeout(&self) -> Option<Duration> {
+        let st = self.reactor.inner.lock();
+        if !st.ready.is_empty() {
+            return Some(Duration::ZERO);
+        }
+        st.timers
+            .peek()
+            .map(|Reverse((at, _, _))| at.saturating_duration_since(Instant::now()))
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        if self.reactor.lease.give_back() {
+            crate::futex::wake_all(self.reactor.lease.word());
+        }
     }
 }
 
@@ -366,6 +469,8 @@ impl Reactor {
             bell_r,
             bell_w,
             sleeping: AtomicBool::new(false),
+            lease: Lease::default(),
+            turning: Lock::new(()),
             inner: Lock::new(Inner::default()),
             live: AtomicUsize::new(0),
             parked: AtomicUsize::new(0),
@@ -462,8 +567,20 @@ impl Reactor {
     /// long: the reactor holds its lock only between services).
     fn wake(&self, id: usize, generation: u32) {
         self.inner.lock().queue(id, generation, false, true);
-        if self.sleeping.load(Ordering::SeqCst) {
-            self.ring();
+        self.signal();
+    }
+
+    /// Work is queued: get whoever watches the set to turn.
+    fn signal(&self) {
+        match self.lease.work_queued() {
+            Signal::WakeThread => crate::futex::wake_all(self.lease.word()),
+            // A borrower hears the ring through its own set; the thread,
+            // if it sleeps (else it sees the work before it does).
+            Signal::Ring => {
+                if !self.lease.by_thread() || self.sleeping.load(Ordering::SeqCst) {
+                    self.ring();
+                }
+            }
         }
     }
 
@@ -521,11 +638,15 @@ impl Reactor {
         }
     }
 
-    /// The thread: wait, collect what is due, service it, repeat.
+    /// The thread: wait, collect what is due, service it, repeat; stand
+    /// aside while a program thread borrows the set (see [`Loan`]).
     fn run(&self) {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; BATCH];
-        let mut due: Vec<(usize, u32, Weak<dyn Serviced>, Wake)> = Vec::new();
         while crate::process::pid() == self.pid {
+            if !self.lease.by_thread() {
+                self.lease.aside(crate::futex::wait);
+                continue;
+            }
             let timeout = {
                 self.sleeping.store(true, Ordering::SeqCst);
                 let st = self.inner.lock();
@@ -542,102 +663,118 @@ impl Reactor {
                     }
                 }
             };
-            // SAFETY: `events` holds BATCH entries for the kernel to fill.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.epoll.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    BATCH as i32,
-                    timeout,
-                )
-            };
-            self.sleeping.store(false, Ordering::SeqCst);
-            let n = usize::try_from(n).unwrap_or(0);
-            {
-                let mut st = self.inner.lock();
-                for ev in &events[..n] {
-                    let t = ev.u64;
-                    if t == WAKE_TOKEN {
-                        let mut v = 0u64;
-                        // SAFETY: an 8-byte read into a local.
-                        unsafe { libc::read(self.wake_fd.as_raw_fd(), (&raw mut v).cast(), 8) };
-                        continue;
-                    }
-                    if t == BELL_TOKEN {
-                        self.take_bell(&mut st);
-                        continue;
-                    }
-                    if t == FAMILY_TOKEN {
-                        // A guest posted a request to one of them.
-                        let conns = st
-                            .family
-                            .as_ref()
-                            .map(|f| f.conns.clone())
-                            .unwrap_or_default();
-                        for (id, generation) in conns {
-                            st.queue(id, generation, false, true);
-                        }
-                        continue;
-                    }
-                    if t & SHARED_FLAG != 0 {
-                        // One-shot and not re-armed: a pidfd stays readable.
-                        let conns = st
-                            .shared
-                            .get(&((t & !SHARED_FLAG) as i32))
-                            .map(|w| w.conns.clone())
-                            .unwrap_or_default();
-                        for (id, generation) in conns {
-                            if let Some(e) = st.entry(id, generation) {
-                                e.shared_fired = true;
-                            }
-                            st.queue(id, generation, false, true);
-                        }
-                        continue;
-                    }
-                    st.queue((t & 0xffff_ffff) as usize, (t >> 32) as u32, true, false);
+            let n = self.wait(&mut events, timeout);
+            // (Not held across the sleep: a fork waits for our locks.)
+            let turning = self.turning.lock();
+            self.turn(&events[..n]);
+            drop(turning);
+            self.lease.hand_over();
+        }
+    }
+
+    /// Wait up to `timeout` ms for the set; the events taken.
+    fn wait(&self, events: &mut [libc::epoll_event], timeout: i32) -> usize {
+        // SAFETY: `events` is ours for the kernel to fill, at most its length.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.epoll.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as i32,
+                timeout,
+            )
+        };
+        self.sleeping.store(false, Ordering::SeqCst);
+        usize::try_from(n).unwrap_or(0)
+    }
+
+    /// One turn, the caller holding `turning`: collect what `events` and
+    /// the timers make due, and service it.
+    fn turn(&self, events: &[libc::epoll_event]) {
+        let mut due: Vec<(usize, u32, Weak<dyn Serviced>, Wake)> = Vec::new();
+        {
+            let mut st = self.inner.lock();
+            for ev in events {
+                let t = ev.u64;
+                if t == WAKE_TOKEN {
+                    let mut v = 0u64;
+                    // SAFETY: an 8-byte read into a local.
+                    unsafe { libc::read(self.wake_fd.as_raw_fd(), (&raw mut v).cast(), 8) };
+                    continue;
                 }
-                let now = Instant::now();
-                while let Some(&Reverse((at, id, generation))) = st.timers.peek() {
-                    if at > now {
-                        break;
+                if t == BELL_TOKEN {
+                    self.take_bell(&mut st);
+                    continue;
+                }
+                if t == FAMILY_TOKEN {
+                    // A guest posted a request to one of them.
+                    let conns = st
+                        .family
+                        .as_ref()
+                        .map(|f| f.conns.clone())
+                        .unwrap_or_default();
+                    for (id, generation) in conns {
+                        st.queue(id, generation, false, true);
                     }
-                    st.timers.pop();
-                    let current = st.entry(id, generation).and_then(|e| e.timer);
-                    if current == Some(at) {
+                    continue;
+                }
+                if t & SHARED_FLAG != 0 {
+                    // One-shot and not re-armed: a pidfd stays readable.
+                    let conns = st
+                        .shared
+                        .get(&((t & !SHARED_FLAG) as i32))
+                        .map(|w| w.conns.clone())
+                        .unwrap_or_default();
+                    for (id, generation) in conns {
                         if let Some(e) = st.entry(id, generation) {
-                            e.timer = None;
+                            e.shared_fired = true;
                         }
-                        st.queue(id, generation, false, false);
+                        st.queue(id, generation, false, true);
                     }
+                    continue;
                 }
-                let ready = std::mem::take(&mut st.ready);
-                for id in &ready {
-                    if let Some(e) = st.entries[*id].as_mut() {
-                        e.queued = false;
-                        let wake = Wake {
-                            fired: std::mem::take(&mut e.fired),
-                            woken: std::mem::take(&mut e.woken),
-                            shared_fired: std::mem::take(&mut e.shared_fired),
-                            mail: std::mem::take(&mut e.mail),
-                        };
-                        due.push((*id, e.generation, e.conn.clone(), wake));
+                st.queue((t & 0xffff_ffff) as usize, (t >> 32) as u32, true, false);
+            }
+            let now = Instant::now();
+            while let Some(&Reverse((at, id, generation))) = st.timers.peek() {
+                if at > now {
+                    break;
+                }
+                st.timers.pop();
+                let current = st.entry(id, generation).and_then(|e| e.timer);
+                if current == Some(at) {
+                    if let Some(e) = st.entry(id, generation) {
+                        e.timer = None;
                     }
+                    st.queue(id, generation, false, false);
                 }
-                st.ready = ready;
-                st.ready.clear();
             }
-            for (id, generation, conn, wake) in due.drain(..) {
-                // The connection may go while it is serviced: its last
-                // reference may drop here, with no lock of ours held.
-                let next = match conn.upgrade() {
-                    Some(c) => c.service(wake),
-                    None => Next {
-                        done: true,
-                        ..Next::default()
-                    },
-                };
-                self.apply(id, generation, next);
+            let ready = std::mem::take(&mut st.ready);
+            for id in &ready {
+                if let Some(e) = st.entries[*id].as_mut() {
+                    e.queued = false;
+                    let wake = Wake {
+                        fired: std::mem::take(&mut e.fired),
+                        woken: std::mem::take(&mut e.woken),
+                        shared_fired: std::mem::take(&mut e.shared_fired),
+                        mail: std::mem::take(&mut e.mail),
+                    };
+                    due.push((*id, e.generation, e.conn.clone(), wake));
+                }
             }
+            st.ready = ready;
+            st.ready.clear();
+        }
+        for (id, generation, conn, wake) in due {
+            // The connection may go while it is serviced: its last
+            // reference may drop here, with no lock of ours held.
+            let next = match conn.upgrade() {
+                Some(c) => c.service(wake),
+                None => Next {
+                    done: true,
+                    ..Next::default()
+                },
+            };
+            self.apply(id, generation, next);
         }
     }
 
@@ -971,6 +1108,33 @@ mod tests {
         let body = [7u8; MAIL_LEN];
         send_mail(r.bell(), reg.token(), &body, &[]).unwrap();
         assert_eq!(seen.recv_timeout(LONG).unwrap().3, 1);
+
+        // A borrower: the first ask wakes the thread to hand over, a later
+        // one gets the set; a ring makes the loan's descriptor readable,
+        // and the borrower's turn services the connection in its thread.
+        assert!(Loan::borrow().is_none(), "the first ask only asks");
+        let mut loan = None;
+        let t0 = Instant::now();
+        while loan.is_none() && t0.elapsed() < LONG {
+            std::thread::sleep(Duration::from_millis(1));
+            loan = Loan::borrow();
+        }
+        let mut loan = loan.expect("the thread handed its set over");
+        while seen.try_recv().is_ok() {}
+        assert!(ring(r.bell(), reg.token()));
+        let mut pfd = libc::pollfd {
+            fd: loan.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one pollfd we own.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 10_000) }, 1, "the ring");
+        loan.turn();
+        assert!(seen.try_recv().expect("serviced in this thread").0);
+        drop(loan);
+        // Given back: the thread watches again within naps.
+        assert!(ring(r.bell(), reg.token()));
+        assert!(seen.recv_timeout(LONG).unwrap().0);
 
         // Once the registration is dropped, its token services nothing.
         let token = reg.token();

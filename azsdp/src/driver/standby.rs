@@ -56,8 +56,18 @@ pub fn wanted(in_calls: usize, last_exit: &AtomicU64) -> bool {
 /// none is parked): the application is about to sleep waiting for
 /// readiness, which only the reactor can see arrive.
 pub fn end() {
+    end_for(true);
+}
+
+/// [`end`] by a thread that borrowed the reactor's set and turns it next
+/// (see [`super::reactor::Loan`]): nobody else needs waking.
+pub fn end_by_borrower() {
+    end_for(false);
+}
+
+fn end_for(signal: bool) {
     ENDED_AT.store(now_ns(), Ordering::SeqCst);
-    super::reactor::unpark_all();
+    super::reactor::unpark_all(signal);
     // Connections this process shares but does not run: their runners'
     // changes are heard from now on.
     super::delegation::readiness_wanted();
