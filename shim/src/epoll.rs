@@ -631,12 +631,12 @@ pub unsafe fn wait(
     let slept_at = Instant::now();
     // The reactor's set, borrowed while this thread sleeps: the peer's ring
     // wakes this thread, not the reactor's (which would wake it in turn).
-    let mut loan = None;
+    let mut loan = Borrowed(None);
     loop {
-        if loan.is_none() {
-            loan = borrow_reactor(&set, epfd);
+        if loan.0.is_none() {
+            loan.0 = borrow_reactor(&set, epfd);
         }
-        if let Some(l) = loan.as_mut() {
+        if let Some(l) = loan.0.as_mut() {
             // Before the look: connections the calls drove go back to
             // being watched, and what rang meanwhile is taken (before the
             // arming: what the turn marks, the look below sees unrung).
@@ -645,11 +645,18 @@ pub unsafe fn wait(
             wake.arm_alone();
         } else {
             wake.arm();
+            // Asked again once armed: a borrower that gives the set back
+            // now either sees this thread asleep (and its thread watches
+            // again at once) or leaves the set to this one.
+            loan.0 = borrow_reactor(&set, epfd);
+            if let Some(l) = loan.0.as_mut() {
+                l.turn();
+            }
         }
         let mut out = Batch::default();
         collect(&mut set.lock(), epfd, &mut out, max);
         let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        if let Some(t) = loan.as_ref().and_then(|l| l.timeout()) {
+        if let Some(t) = loan.0.as_ref().and_then(|l| l.timeout()) {
             left = Some(left.map_or(t, |l| l.min(t)));
         }
         let wait_ms: c_int = if !out.is_empty() {
@@ -675,7 +682,7 @@ pub unsafe fn wait(
             let upgraded = out.len();
             let (looked, rang) = take_kernel(&set, &kernel[..n as usize], &mut out);
             let mut again = looked;
-            if rang && let Some(l) = loan.as_mut() {
+            if rang && let Some(l) = loan.0.as_mut() {
                 l.turn();
                 again = true;
             }
@@ -693,6 +700,19 @@ pub unsafe fn wait(
         }
         if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {
             return Some(done(&out));
+        }
+    }
+}
+
+/// A wait's loan of the reactor's set, given back when the wait returns:
+/// if other threads sleep then, the reactor's thread watches again at
+/// once (their peers' rings must not wait for its nap).
+struct Borrowed(Option<azsdp::driver::reactor::Loan>);
+
+impl Drop for Borrowed {
+    fn drop(&mut self) {
+        if let Some(l) = self.0.take() {
+            l.give_back(crate::ready::any_armed());
         }
     }
 }

@@ -114,6 +114,12 @@ static SLEEPERS: Lock<Vec<std::sync::Weak<Wakeup>>> = Lock::new(Vec::new());
 /// notification found the count at zero.)
 static ARMED: AtomicUsize = AtomicUsize::new(0);
 
+/// Are any threads' wakeups armed (asleep waiting for readiness, or about
+/// to be)?
+pub fn any_armed() -> bool {
+    ARMED.load(Ordering::SeqCst) != 0
+}
+
 /// Readiness of any upgraded socket may have changed (one moved back
 /// into the kernel's sets): every armed sleeper looks again. A change of
 /// one connection wakes only its own ([`crate::epoll::Watchers`]).

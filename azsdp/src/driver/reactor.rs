@@ -297,6 +297,9 @@ impl std::fmt::Debug for Reactor {
 pub struct Loan {
     reactor: Arc<Reactor>,
     events: Vec<libc::epoll_event>,
+    /// Given back while other threads sleep without it (dropped without
+    /// [`Loan::give_back`]: assumed so).
+    others_asleep: bool,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -333,6 +336,7 @@ impl Loan {
         Some(Loan {
             reactor: r,
             events: vec![libc::epoll_event { events: 0, u64: 0 }; LOAN_BATCH],
+            others_asleep: true,
             _not_send: std::marker::PhantomData,
         })
     }
@@ -377,10 +381,23 @@ impl Loan {
     }
 }
 
+impl Loan {
+    /// Give the set back. `others_asleep`: other threads sleep waiting for
+    /// readiness without it, so its thread must watch again now (not
+    /// after a nap), or their peers' rings would wait for it.
+    pub fn give_back(mut self, others_asleep: bool) {
+        self.others_asleep = others_asleep;
+    }
+}
+
 impl Drop for Loan {
     fn drop(&mut self) {
-        if self.reactor.lease.give_back() {
-            crate::futex::wake_all(self.reactor.lease.word());
+        let lease = &self.reactor.lease;
+        if self.others_asleep {
+            lease.work_queued();
+        }
+        if lease.give_back() {
+            crate::futex::wake_all(lease.word());
         }
     }
 }
@@ -663,6 +680,8 @@ impl Reactor {
                     }
                 }
             };
+            // What was queued so far, this turn takes.
+            self.lease.turning();
             let n = self.wait(&mut events, timeout);
             // (Not held across the sleep: a fork waits for our locks.)
             let turning = self.turning.lock();
