@@ -439,8 +439,9 @@ fn epoll_bits(r: &azsdp::conn::Readiness, wanted: u32) -> u32 {
 #[derive(Default)]
 struct Batch {
     events: Vec<epoll_event>,
-    /// The upgraded descriptors reported, beside their events' indices.
-    upgraded: Vec<(c_int, usize)>,
+    /// The upgraded descriptors reported, to their events' indices (a map:
+    /// a wait reports up to [`BATCH`] of them).
+    upgraded: std::collections::HashMap<c_int, usize>,
 }
 
 impl Batch {
@@ -452,18 +453,17 @@ impl Batch {
         self.events.is_empty()
     }
 
-    fn reported(&self, fd: c_int) -> Option<usize> {
-        self.upgraded
-            .iter()
-            .find(|(f, _)| *f == fd)
-            .map(|(_, i)| *i)
+    fn reported(&self, fd: c_int) -> bool {
+        self.upgraded.contains_key(&fd)
     }
 
     fn push_upgraded(&mut self, fd: c_int, ev: epoll_event) {
-        match self.reported(fd) {
-            Some(i) => self.events[i].events |= ev.events,
-            None => {
-                self.upgraded.push((fd, self.events.len()));
+        match self.upgraded.entry(fd) {
+            std::collections::hash_map::Entry::Occupied(i) => {
+                self.events[*i.get()].events |= ev.events;
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(self.events.len());
                 self.events.push(ev);
             }
         }
@@ -478,7 +478,7 @@ fn collect(set: &mut Set, epfd: c_int, out: &mut Batch, max: usize) {
     look.sort_unstable();
     look.dedup();
     for (i, fd) in look.iter().enumerate() {
-        if out.len() >= max && out.reported(*fd).is_none() {
+        if out.len() >= max && !out.reported(*fd) {
             // No room this time: next time.
             set.again.extend_from_slice(&look[i..]);
             break;
@@ -691,7 +691,7 @@ pub unsafe fn wait(
                 // turned: look now.
                 collect(&mut set.lock(), epfd, &mut out, max);
             }
-            if out.is_empty() && (again || rang) && !left.is_some_and(|l| l.is_zero()) {
+            if out.is_empty() && (looked || rang) && !left.is_some_and(|l| l.is_zero()) {
                 continue;
             }
             if upgraded > 0 || again {
@@ -777,7 +777,7 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> (bool, 
             rang = true;
         } else if ev.u64 >> 32 == TCP_TAG {
             let fd = ev.u64 as u32 as c_int;
-            if out.reported(fd).is_some() {
+            if out.reported(fd) {
                 continue;
             }
             let mut s = set.lock();

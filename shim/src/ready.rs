@@ -98,10 +98,11 @@ impl Wakeup {
         self.rung.store(true, Ordering::SeqCst);
     }
 
-    /// Wake the thread if it is armed (asleep, or about to be), once per
-    /// sleep.
+    /// Wake the thread if it is armed (asleep, or about to be). Every ring
+    /// writes: one skipped because `rung` read true could follow a disarm
+    /// that had just drained the count, and the sleeper would not wake.
     pub fn ring(&self) {
-        if self.asleep.load(Ordering::SeqCst) && !self.rung.load(Ordering::SeqCst) {
+        if self.asleep.load(Ordering::SeqCst) {
             self.kick();
         }
     }

@@ -111,9 +111,14 @@ impl Lease {
         self.urgent.store(false, Ordering::SeqCst);
     }
 
-    /// Give the loan back. True if the thread must be woken (it sleeps
-    /// deep, or work is waiting that nobody will turn).
-    pub fn give_back(&self) -> bool {
+    /// Give the loan back; `others_asleep`: threads wait for readiness
+    /// without it, so the reactor's thread must watch again at once. True
+    /// if the thread must be woken (it sleeps deep, or work is waiting that
+    /// nobody will turn).
+    pub fn give_back(&self, others_asleep: bool) -> bool {
+        if others_asleep {
+            self.urgent.store(true, Ordering::SeqCst);
+        }
         if self
             .state
             .compare_exchange(LENT, FREE, Ordering::SeqCst, Ordering::SeqCst)
@@ -240,9 +245,9 @@ mod tests {
         assert_eq!(l.borrow(), Borrow::Lent);
         assert_eq!(l.borrow(), Borrow::No, "one borrower at a time");
         l.turning();
-        assert!(!l.give_back(), "nothing waits, nobody sleeps deep");
+        assert!(!l.give_back(false), "nothing waits, nobody sleeps deep");
         assert_eq!(l.borrow(), Borrow::Lent, "borrowed again without asking");
-        assert!(!l.give_back());
+        assert!(!l.give_back(false));
     }
 
     #[test]
@@ -250,9 +255,22 @@ mod tests {
         let l = lent();
         assert_eq!(l.work_queued(), Signal::Ring, "the borrower hears a ring");
         // Given back before it turned: the thread must come.
-        assert!(l.give_back());
+        assert!(l.give_back(false));
         assert_eq!(l.work_queued(), Signal::WakeThread);
         l.aside(no_sleep);
+        assert!(l.by_thread());
+    }
+
+    #[test]
+    fn a_give_back_beside_other_sleepers_wakes_the_thread_to_take_the_set() {
+        let l = lent();
+        l.turning();
+        assert!(l.give_back(true), "other threads wait without the set");
+        // Taken at the first look, even though a loan came during the nap.
+        l.aside(|_, _, _| {
+            let _ = l.borrow();
+            l.give_back(false);
+        });
         assert!(l.by_thread());
     }
 
@@ -272,7 +290,7 @@ mod tests {
         l.turning();
         l.aside(no_sleep);
         assert!(l.by_thread(), "taken back");
-        assert!(!l.give_back(), "the late give-back changes nothing");
+        assert!(!l.give_back(false), "the late give-back changes nothing");
         assert!(l.by_thread());
     }
 
@@ -301,7 +319,7 @@ mod tests {
         while !l.deep.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        if l.give_back() {
+        if l.give_back(false) {
             crate::futex::wake_all(l.word());
         }
         t.join().unwrap();

@@ -393,10 +393,7 @@ impl Loan {
 impl Drop for Loan {
     fn drop(&mut self) {
         let lease = &self.reactor.lease;
-        if self.others_asleep {
-            lease.work_queued();
-        }
-        if lease.give_back() {
+        if lease.give_back(self.others_asleep) {
             crate::futex::wake_all(lease.word());
         }
     }
