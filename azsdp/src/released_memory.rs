@@ -68,6 +68,12 @@ pub fn watch(range: Range<u64>) {
     WATCH_HI.fetch_max(range.end, Ordering::SeqCst);
 }
 
+/// Does any cache watch released memory? (Nothing is recorded until one
+/// does.)
+pub fn watching() -> bool {
+    WATCH_LO.load(Ordering::SeqCst) < WATCH_HI.load(Ordering::SeqCst)
+}
+
 /// `range` was (or is about to be) freed, unmapped, moved away, discarded
 /// or mapped over.
 pub fn record(range: Range<u64>) {

@@ -151,6 +151,8 @@ real! {
     fn mmap(addr: *mut c_void, len: size_t, prot: c_int, flags: c_int, fd: c_int, off: off_t) -> *mut c_void;
     fn mremap(old: *mut c_void, old_len: size_t, new_len: size_t, flags: c_int, new_addr: *mut c_void) -> *mut c_void;
     fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int;
+    fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int;
+    fn pkey_mprotect(addr: *mut c_void, len: size_t, prot: c_int, pkey: c_int) -> c_int;
 }
 
 /// `malloc_usable_size` is not interposed: call libc's directly.

@@ -2,17 +2,18 @@
 //!
 //! An interposed call must fail as the real one would when the program
 //! passes a bad pointer or a short array (EFAULT), never crash the program
-//! with SIGSEGV in our code. Small arrays (pollfds, fd_sets, epoll events,
-//! iovecs, msghdrs) are read and written through the kernel:
-//! `process_vm_readv`/`process_vm_writev` on our own process check every
-//! page and say EFAULT, as the kernel's own copies do. Data buffers, which
-//! the engine copies or protects itself, are checked against the kernel's
-//! view of the mappings first ([`check_buffer`]).
+//! with SIGSEGV in our code. Every range of the program's memory we touch
+//! (data buffers, and small arrays: pollfds, fd_sets, epoll events,
+//! iovecs, msghdrs) is first checked against the kernel's view of the
+//! mappings ([`check_buffer`]), which a thread caches until the program
+//! maps, unmaps or reprotects memory. An event loop's `epoll_ctl` and
+//! `epoll_wait` then cost no system call of ours; going through the
+//! kernel (`process_vm_readv`, and `getpid` for it) cost two per call.
 //!
-//! `unsafe` here: the system calls, over the program's addresses (which
-//! they check) and our own buffers.
+//! `unsafe` here: the copies from and to the program's addresses, which
+//! [`check_buffer`] vouched for.
 
-use libc::{c_int, c_void, iovec};
+use libc::c_int;
 
 /// C data for which every bit pattern is a valid value, so it may be
 /// filled with whatever bytes the program's memory holds.
@@ -46,63 +47,32 @@ unsafe impl Plain for libc::timespec {}
 // SAFETY: as above.
 unsafe impl Plain for libc::timeval {}
 
-/// This process, by `getpid` and not the cached pid: a child forked without
-/// the fork handlers (`_Fork`, a raw clone) would name its parent, and
-/// read or write that process's memory.
-fn own_pid() -> libc::pid_t {
-    // SAFETY: getpid has no preconditions.
-    unsafe { libc::getpid() }
-}
-
-/// Copy `n` values of `T` from the program's `src`; `Err(EFAULT)` if the
-/// kernel cannot read them all.
+/// Copy `n` values of `T` from the program's `src`; `Err(EFAULT)` where
+/// the kernel's copy would fault.
 pub fn read<T: Plain>(src: *const T, n: usize) -> Result<Vec<T>, c_int> {
+    let len = n
+        .checked_mul(std::mem::size_of::<T>())
+        .ok_or(libc::EFAULT)?;
+    check_buffer(src.cast::<u8>(), len, false)?;
     let mut v: Vec<T> = Vec::with_capacity(n);
-    if n == 0 {
-        return Ok(v);
+    // SAFETY: the program's `len` bytes are mapped readable (checked just
+    // now), our buffer has room for them, and byte copies need no
+    // alignment; any bytes are a valid `T` (`Plain`).
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.cast::<u8>(), v.as_mut_ptr().cast::<u8>(), len);
+        v.set_len(n);
     }
-    let len = n * std::mem::size_of::<T>();
-    let local = iovec {
-        iov_base: v.as_mut_ptr().cast::<c_void>(),
-        iov_len: len,
-    };
-    let remote = iovec {
-        iov_base: src.cast_mut().cast::<c_void>(),
-        iov_len: len,
-    };
-    // SAFETY: our own buffer of `len` bytes; the remote range is the
-    // program's, which the kernel checks.
-    let got = unsafe { libc::process_vm_readv(own_pid(), &local, 1, &remote, 1, 0) };
-    if got != len as isize {
-        return Err(libc::EFAULT);
-    }
-    // SAFETY: the kernel wrote all `n` values, and any bytes are a valid
-    // `T` (`Plain`).
-    unsafe { v.set_len(n) };
     Ok(v)
 }
 
-/// Copy `v` to the program's `dst`; `Err(EFAULT)` if the kernel cannot
-/// write it all.
+/// Copy `v` to the program's `dst`; `Err(EFAULT)` where the kernel's copy
+/// would fault.
 pub fn write<T: Plain>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
-    if v.is_empty() {
-        return Ok(());
-    }
     let len = std::mem::size_of_val(v);
-    let local = iovec {
-        iov_base: v.as_ptr().cast_mut().cast::<c_void>(),
-        iov_len: len,
-    };
-    let remote = iovec {
-        iov_base: dst.cast::<c_void>(),
-        iov_len: len,
-    };
-    // SAFETY: our own buffer of `len` bytes, only read; the remote range is
-    // the program's, which the kernel checks.
-    let put = unsafe { libc::process_vm_writev(own_pid(), &local, 1, &remote, 1, 0) };
-    if put != len as isize {
-        return Err(libc::EFAULT);
-    }
+    check_buffer(dst.cast_const().cast::<u8>(), len, true)?;
+    // SAFETY: the program's `len` bytes are mapped writable (checked just
+    // now), and byte copies need no alignment.
+    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr().cast::<u8>(), dst.cast::<u8>(), len) };
     Ok(())
 }
 
@@ -118,7 +88,7 @@ thread_local! {
 /// May a call read (or, with `write`, write) the program's `len` bytes at
 /// `p`? `Err(EFAULT)` where the kernel's copy would fault. A buffer inside
 /// a mapping that held one of the last few checked by this thread, with
-/// no interposed `mmap`/`munmap`/`mremap`/`madvise` since, passes without
+/// no interposed `mmap`/`munmap`/`mremap`/`madvise`/`mprotect` since, passes without
 /// a system call; otherwise the kernel is asked (`PROCMAP_QUERY`).
 /// (Memory that libc unmaps internally, as `free()` does with large
 /// blocks, is not seen: a program that sends from freed memory may still
@@ -220,6 +190,40 @@ mod tests {
         assert_eq!(check_buffer(p, 4096, true), Ok(()));
         assert_eq!(check_buffer(p, 4097, true), Err(libc::EFAULT));
         // SAFETY: our own first page.
+        unsafe { libc::munmap(p.cast(), 4096) };
+    }
+
+    /// The thread's cache of checked mappings must not outlive a change of
+    /// protection: the program's `mprotect` (the interposed one, as a
+    /// program's own call would be) makes a cached writable page EFAULT,
+    /// not a crash in our copy.
+    #[test]
+    fn a_reprotected_page_is_efault_even_after_it_was_cached() {
+        // SAFETY: mmap/mprotect/munmap of our own page.
+        let p = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            p.cast::<u32>()
+        };
+        assert_eq!(write(p, &[5, 6]), Ok(()));
+        assert_eq!(read(p.cast_const(), 2), Ok(vec![5, 6]));
+        // SAFETY: our own page.
+        let r = unsafe { libc::mprotect(p.cast(), 4096, libc::PROT_READ) };
+        assert_eq!(r, 0);
+        assert_eq!(write(p, &[7]), Err(libc::EFAULT));
+        assert_eq!(read(p.cast_const(), 2), Ok(vec![5, 6]));
+        // SAFETY: our own page.
+        let r = unsafe { libc::mprotect(p.cast(), 4096, libc::PROT_NONE) };
+        assert_eq!(r, 0);
+        assert_eq!(read(p.cast_const(), 1), Err(libc::EFAULT));
+        // SAFETY: our own page.
         unsafe { libc::munmap(p.cast(), 4096) };
     }
 }

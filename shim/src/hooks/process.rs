@@ -70,7 +70,7 @@ pub unsafe extern "C" fn vfork() -> libc::pid_t {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn free(p: *mut c_void) {
-    if !p.is_null() && azsdp::process::active() {
+    if !p.is_null() && azsdp::process::releases_matter() {
         // SAFETY: p is a live malloc chunk (free's contract).
         let n = unsafe { real::usable_size(p) };
         quietly(|| azsdp::process::before_free(p as u64, n as u64));
@@ -81,7 +81,7 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
-    if !p.is_null() && azsdp::process::active() {
+    if !p.is_null() && azsdp::process::releases_matter() {
         // SAFETY: p is a live malloc chunk (realloc's contract).
         let u = unsafe { real::usable_size(p) };
         quietly(|| azsdp::process::before_realloc(p as u64, u as u64));
@@ -147,6 +147,35 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
     quietly(|| azsdp::process::before_madvise(addr as u64, len as u64, advice));
     // SAFETY: libc's madvise.
     unsafe { real::madvise(addr, len, advice) }
+}
+
+/// A program's change of protection: the pages a thread checked before
+/// (`user_mem::check_buffer`) may be read-only or gone now. Our own
+/// protection (the mprotect protector) is not the program's: the
+/// connection that made it settles its pages itself.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
+    // SAFETY: libc's mprotect.
+    let r = unsafe { real::mprotect(addr, len, prot) };
+    if r == 0 && !azsdp::process::inside() {
+        quietly(azsdp::memory_map::invalidate);
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pkey_mprotect(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    pkey: c_int,
+) -> c_int {
+    // SAFETY: libc's pkey_mprotect.
+    let r = unsafe { real::pkey_mprotect(addr, len, prot, pkey) };
+    if r == 0 && !azsdp::process::inside() {
+        quietly(azsdp::memory_map::invalidate);
+    }
+    r
 }
 
 /// `prctl` is variadic in C; its arguments travel as machine words (see
