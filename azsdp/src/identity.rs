@@ -21,7 +21,9 @@
 
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
 use crate::sync::Lock;
 
@@ -38,30 +40,61 @@ pub struct PeerId {
     pid: u32,
     uid: u32,
     gid: u32,
-    pidfd: Arc<OwnedFd>,
+    pin: Arc<Pin>,
+}
+
+/// A process's pidfd, shared by every connection to it, and when one of
+/// them last found the process alive.
+#[derive(Debug)]
+struct Pin {
+    fd: Arc<OwnedFd>,
+    /// Nanoseconds after [`EPOCH`] of the last check that found the
+    /// process alive (0: none yet); `u64::MAX` once one found it gone.
+    seen_alive: AtomicU64,
+}
+
+/// [`Pin::seen_alive`] of a process that has exited (for good).
+const EXITED: u64 = u64::MAX;
+
+impl Pin {
+    fn new(fd: OwnedFd) -> Arc<Pin> {
+        Arc::new(Pin {
+            fd: Arc::new(fd),
+            seen_alive: AtomicU64::new(0),
+        })
+    }
+}
+
+/// The clock of [`Pin::seen_alive`].
+static EPOCH: OnceLock<Instant> = OnceLock::new();
+
+fn since_epoch() -> u64 {
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    // (At least 1: 0 means "never".)
+    (epoch.elapsed().as_nanos() as u64).max(1)
 }
 
 /// The pidfds of the peers this process knows (by pid), for sharing.
-static PIDFDS: Lock<Vec<(u32, Weak<OwnedFd>)>> = Lock::new(Vec::new());
+static PIDFDS: Lock<Vec<(u32, Weak<Pin>)>> = Lock::new(Vec::new());
 
 /// One pidfd per live process: `fresh` names `pid` (verified); if a pidfd
 /// of ours already pins `pid` and it is still alive, that process is this
 /// one (a live process's pid names no other), and its pidfd is shared.
-fn shared_pidfd(pid: u32, fresh: OwnedFd) -> Arc<OwnedFd> {
+fn shared_pidfd(pid: u32, fresh: OwnedFd) -> Arc<Pin> {
     let mut known = PIDFDS.lock();
     known.retain(|(_, w)| w.strong_count() > 0);
     if let Some(have) = known
         .iter()
         .filter(|(p, _)| *p == pid)
         .find_map(|(_, w)| w.upgrade())
-        .filter(|fd| !pidfd_exited(fd.as_fd()))
+        .filter(|pin| !pidfd_exited(pin.fd.as_fd()))
     {
         return have;
     }
-    let fd = Arc::new(fresh);
+    let pin = Pin::new(fresh);
     known.retain(|(p, _)| *p != pid);
-    known.push((pid, Arc::downgrade(&fd)));
-    fd
+    known.push((pid, Arc::downgrade(&pin)));
+    pin
 }
 
 impl PeerId {
@@ -72,7 +105,7 @@ impl PeerId {
             pid,
             uid: nix::unistd::geteuid().as_raw(),
             gid: nix::unistd::getegid().as_raw(),
-            pidfd: Arc::new(pidfd_open(pid)?),
+            pin: Pin::new(pidfd_open(pid)?),
         })
     }
 
@@ -89,19 +122,38 @@ impl PeerId {
     }
 
     pub fn pidfd(&self) -> BorrowedFd<'_> {
-        self.pidfd.as_fd()
+        self.pin.fd.as_fd()
     }
 
     /// The pidfd, shared with every other connection to this process (it
     /// polls readable once the process has exited).
     pub fn pidfd_shared(&self) -> Arc<OwnedFd> {
-        Arc::clone(&self.pidfd)
+        Arc::clone(&self.pin.fd)
     }
 
     /// Has the pinned process not exited? (A pidfd polls readable once it
     /// has; until then its pid cannot name another process.)
     pub fn alive(&self) -> bool {
-        !pidfd_exited(self.pidfd.as_fd())
+        let alive = !pidfd_exited(self.pin.fd.as_fd());
+        let seen = if alive { since_epoch() } else { EXITED };
+        // (The largest: an exit, once seen, is never written over.)
+        self.pin.seen_alive.fetch_max(seen, Ordering::Relaxed);
+        alive
+    }
+
+    /// [`Self::alive`], or `true` without asking the kernel if a check
+    /// through any connection to this process found it alive within
+    /// `within`: fifty connections to one peer process ask once, not
+    /// fifty times (that was a third of a busy event loop's system calls).
+    /// Only for "is it worth waiting on?": a read of the peer's memory
+    /// proves its pid with [`Self::alive`] itself.
+    pub fn alive_lately(&self, within: Duration) -> bool {
+        match self.pin.seen_alive.load(Ordering::Relaxed) {
+            EXITED => false,
+            0 => self.alive(),
+            seen if since_epoch().saturating_sub(seen) < within.as_nanos() as u64 => true,
+            _ => self.alive(),
+        }
     }
 }
 
@@ -312,7 +364,7 @@ pub fn recv_with_credentials(
             pid,
             uid: creds.uid,
             gid: creds.gid,
-            pidfd: shared_pidfd(pid, pidfd),
+            pin: shared_pidfd(pid, pidfd),
         },
         fds,
     })
@@ -328,7 +380,7 @@ impl PeerId {
                 pid,
                 uid,
                 gid,
-                pidfd: shared_pidfd(pid, pidfd),
+                pin: shared_pidfd(pid, pidfd),
             }),
             _ => Err(std::io::Error::other(format!(
                 "the kept pidfd does not name pid {pid}"
@@ -354,6 +406,34 @@ mod tests {
         )
         .unwrap();
         (a.into(), b.into())
+    }
+
+    /// Every connection to one process shares one liveness check per
+    /// window: what one found, the others take without asking; an exit
+    /// is seen at once by a plain `alive`, and by `alive_lately` once the
+    /// window has passed.
+    #[test]
+    fn connections_to_one_process_share_its_liveness_check() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let me = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
+        let a = PeerId::resumed(pid, me.0, me.1, pidfd_open(pid).unwrap()).unwrap();
+        let b = PeerId::resumed(pid, me.0, me.1, pidfd_open(pid).unwrap()).unwrap();
+        assert!(Arc::ptr_eq(&a.pidfd_shared(), &b.pidfd_shared()));
+        assert!(a.alive());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // b never asked, but a did just now.
+        assert!(b.alive_lately(Duration::from_secs(3600)));
+        assert!(!b.alive_lately(Duration::ZERO));
+        assert!(!a.alive());
+        assert!(!a.alive_lately(Duration::from_secs(3600)));
     }
 
     #[test]

@@ -42,9 +42,11 @@ pub struct ShmEndpoint {
     pub(super) gone_reported: bool,
     /// The peer wrote nonsense into the segment: the connection is over.
     pub(super) corrupt: bool,
-    /// When the peer process was last seen alive: an idle poll asks the
-    /// kernel (a system call) at most once per [`ALIVE_EVERY`].
-    pub(super) alive_at: Option<Instant>,
+    /// The peer's process may have exited (the reactor heard its pidfd, or
+    /// another process claimed the peer side): the next liveness check
+    /// asks the kernel. Otherwise the endpoints of one peer process ask it
+    /// at most once per [`ALIVE_EVERY`] between them.
+    pub(super) alive_suspect: bool,
     pub(super) held_gets: VecDeque<HeldGet>,
     /// The generation of the freeze this copy made or was made by (see
     /// [`FORK_GEN`]); a fork copies it into the child.
@@ -101,7 +103,7 @@ impl ShmEndpoint {
             regs,
             gone_reported: false,
             corrupt: false,
-            alive_at: None,
+            alive_suspect: false,
             held_gets: VecDeque::new(),
             fork_gen: AtomicU32::new(0),
             first_failure: std::sync::atomic::AtomicU8::new(0),

@@ -37,9 +37,10 @@ pub(super) struct HeldGet {
     pub(super) since: Instant,
 }
 
-/// How often an idle endpoint asks whether the peer process still exists
-/// (a peer that closes says so in the segment at once; this is for one
-/// that dies without closing).
+/// How often the endpoints of one peer process ask whether it still
+/// exists (a peer that closes says so in the segment at once; this is for
+/// one that dies without closing, whose exit the reactor may not have
+/// heard yet).
 pub(super) const ALIVE_EVERY: Duration = Duration::from_millis(1);
 
 /// Bells this process rings, one per peer process (by its shared pidfd):
@@ -135,17 +136,16 @@ impl ShmEndpoint {
         }
     }
 
+    /// The peer did not close and (as of at most [`ALIVE_EVERY`] ago, or
+    /// now if its exit may have been heard) its process lives.
     pub(super) fn peer_alive(&mut self) -> bool {
         if self.peer_closed() {
             return false;
         }
-        let now = Instant::now();
-        if self.alive_at.is_some_and(|t| now < t + ALIVE_EVERY) {
-            return true;
+        if std::mem::take(&mut self.alive_suspect) {
+            return self.peer.alive();
         }
-        let alive = self.peer.alive();
-        self.alive_at = alive.then_some(now);
-        alive
+        self.peer.alive_lately(ALIVE_EVERY)
     }
 }
 
@@ -179,10 +179,10 @@ impl crate::fabric::Watched for ShmEndpoint {
         self.peer = mail.from.peer;
         self.peer_bell = shared_bell(&self.peer, bell);
         self.no_get = get_permission(&self.peer);
-        self.alive_at = None;
+        self.alive_suspect = true;
     }
 
     fn peer_suspect(&mut self) {
-        self.alive_at = None;
+        self.alive_suspect = true;
     }
 }

@@ -348,7 +348,7 @@ fn a_rewritten_owner_word_is_not_followed() {
     let me = std::process::id() as i32;
     for forged in [1, 1 | FROZEN, 0x3f_ffff] {
         a.seg.hdr().owner[0].store(forged, Ordering::Release);
-        b.alive_at = None;
+        b.alive_suspect = true;
         let src = vec![3u8; 64];
         let key = a.register(src.as_ptr() as u64, 64).unwrap();
         let mut dst = vec![0u8; 64];
