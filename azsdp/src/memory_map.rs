@@ -388,25 +388,16 @@ pub fn generation() -> u64 {
     GENERATION.load(Ordering::Acquire)
 }
 
-/// Where a range of the program's memory lies, if the program may access
-/// it (see [`accessible`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Access {
-    /// Inside this one mapping.
-    Within(Range<u64>),
-    /// Across several mappings.
-    Spans,
-}
-
 /// May the program read (and, with `write`, write) all of `range`, as the
 /// kernel sees its mappings now? `None` if not: a system call would fail
-/// with EFAULT there. Asks the kernel (`PROCMAP_QUERY`, about 0.3 us a
-/// mapping); without it, the parsed map (reread once if it does not know
-/// the range).
-pub fn accessible(range: &Range<u64>, write: bool) -> Option<Access> {
+/// with EFAULT there. `Some`: the run of adjoining mappings that holds it,
+/// all as accessible (a buffer may span two: a binary's `.data` and
+/// `.bss`). Asks the kernel (`PROCMAP_QUERY`, about 0.3 us a mapping);
+/// without it, the parsed map (reread once if it does not know the range).
+pub fn accessible(range: &Range<u64>, write: bool) -> Option<Range<u64>> {
     let ok = |v: &Vma| v.readable && (v.writable || !write);
     let mut at = range.start;
-    let mut first = true;
+    let mut run: Option<Range<u64>> = None;
     while at < range.end {
         let v = match lean_query(at) {
             Ok(v) => v?,
@@ -415,13 +406,10 @@ pub fn accessible(range: &Range<u64>, write: bool) -> Option<Access> {
         if !ok(&v) || v.range.start > at {
             return None;
         }
-        if first && v.range.end >= range.end {
-            return Some(Access::Within(v.range));
-        }
-        first = false;
         at = v.range.end;
+        run = Some(run.map_or(v.range.clone(), |r| r.start..v.range.end));
     }
-    Some(Access::Spans)
+    run
 }
 
 /// [`query`] without the name (flags and bounds only).
@@ -454,16 +442,13 @@ fn lean_query(addr: u64) -> Result<Option<Vma>, ()> {
     }))
 }
 
-fn accessible_cached(range: &Range<u64>, write: bool) -> Option<Access> {
-    let answer = |m: &MemoryMap| -> Option<Access> {
+fn accessible_cached(range: &Range<u64>, write: bool) -> Option<Range<u64>> {
+    let answer = |m: &MemoryMap| -> Option<Range<u64>> {
         let vs = m.covering(range)?;
         if !vs.iter().all(|v| v.readable && (v.writable || !write)) {
             return None;
         }
-        Some(match vs {
-            [one] => Access::Within(one.range.clone()),
-            _ => Access::Spans,
-        })
+        Some(vs.first()?.range.start..vs.last()?.range.end)
     };
     answer(&current()).or_else(|| {
         invalidate();

@@ -77,12 +77,15 @@ pub fn write<T: Plain>(dst: *mut T, v: &[T]) -> Result<(), c_int> {
 }
 
 /// Mappings a thread's checked buffers were in lately: (start, end,
-/// checked for writing, memory-map generation).
-type Known = [(u64, u64, bool, u64); 4];
+/// checked for writing, memory-map generation). Eight: one request of an
+/// event loop touches a stack, a heap, static data and more (ab's touched
+/// more than four, and every call missed).
+type Known = [(u64, u64, bool, u64); KNOWN_MAPPINGS];
+const KNOWN_MAPPINGS: usize = 8;
 
 thread_local! {
     static KNOWN: std::cell::Cell<(Known, usize)> =
-        const { std::cell::Cell::new(([(0, 0, false, u64::MAX); 4], 0)) };
+        const { std::cell::Cell::new(([(0, 0, false, u64::MAX); KNOWN_MAPPINGS], 0)) };
 }
 
 /// May a call read (or, with `write`, write) the program's `len` bytes at
@@ -110,16 +113,11 @@ pub fn check_buffer(p: *const u8, len: usize, write: bool) -> Result<(), c_int> 
     if hit {
         return Ok(());
     }
-    match azsdp::memory_map::accessible(&(start..end), write) {
-        None => Err(libc::EFAULT),
-        Some(azsdp::memory_map::Access::Within(r)) => {
-            let mut known = known;
-            known[next] = (r.start, r.end, write, generation);
-            KNOWN.with(|k| k.set((known, (next + 1) % known.len())));
-            Ok(())
-        }
-        Some(azsdp::memory_map::Access::Spans) => Ok(()),
-    }
+    let r = azsdp::memory_map::accessible(&(start..end), write).ok_or(libc::EFAULT)?;
+    let mut known = known;
+    known[next] = (r.start, r.end, write, generation);
+    KNOWN.with(|k| k.set((known, (next + 1) % known.len())));
+    Ok(())
 }
 
 /// The process's descriptor limit (`RLIMIT_NOFILE`, soft): the kernel's
