@@ -42,9 +42,9 @@ const SPIN_MOST: Duration = Duration::from_micros(20);
 /// A wait spins only over sets of at most this many upgraded connections
 /// (a look at each costs a load; a big server's set has work queued anyway).
 const SPIN_CONNS: usize = 256;
-/// Spin rounds (a look at every connection) between looks at the kernel's
-/// part of the set.
-const SPIN_KERNEL_EVERY: u32 = 32;
+/// Spinning time between looks at the kernel's part of the set (a system
+/// call each: counted in rounds, a faster round made more of them).
+const SPIN_KERNEL_EVERY: Duration = Duration::from_micros(5);
 
 /// The eventfd's data in the kernel set (a value no program uses as a
 /// pointer or small integer by accident is good enough: the entry is ours).
@@ -91,6 +91,12 @@ struct Set {
     /// The reactor's set, watched in the kernel set (edge-triggered, left
     /// there between loans).
     nested: Option<c_int>,
+    /// The reactor's set fired (its edge came in this set) since a
+    /// borrower of this set last asked the kernel what fired in it; and
+    /// when that was. An edge is reported once, so whoever takes it from
+    /// the kernel records it here (see [`take_kernel`]).
+    reactor_fired: bool,
+    reactor_asked: Option<Instant>,
     /// How long a wait busy-polls its connections before it sleeps.
     spin: Budget,
 }
@@ -222,6 +228,8 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         again: Vec::new(),
         tcp_watch: Default::default(),
         nested: None,
+        reactor_fired: true,
+        reactor_asked: None,
         spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
     }));
     sets.insert(epfd, Arc::clone(&s));
@@ -600,14 +608,17 @@ pub unsafe fn wait(
     // this thread or of the reactor (and no `standby::end`, which sends
     // the reactor back to watching the connections the program drives).
     let mut out = Batch::default();
-    let n = look(&set, epfd, &mut kernel, &mut out, max, mask);
-    if n < 0 && out.is_empty() {
-        return Some(-1);
-    }
+    collect(&mut set.lock(), epfd, &mut out, max);
     let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {
-        // (A wait that may not wait has had its look: arming and looking
-        // again would only wake the reactor.)
+        // The kernel's part too, and no more: arming and looking again
+        // would only wake the reactor. (With nothing of ours ready, a wait
+        // that may wait asks the kernel only in its spin or its sleep: an
+        // event loop made a system call per wait for nothing here.)
+        let n = look_kernel(&set, epfd, &mut kernel, &mut out, max, mask);
+        if n < 0 && out.is_empty() {
+            return Some(-1);
+        }
         return Some(done(&out));
     }
     let budget = set.lock().spin.spin();
@@ -641,7 +652,11 @@ pub unsafe fn wait(
             // being watched, and what rang meanwhile is taken (before the
             // arming: what the turn marks, the look below sees unrung).
             azsdp::driver::standby::end_by_borrower();
-            l.turn();
+            if reactor_fired(&set) {
+                l.turn();
+            } else {
+                l.turn_queued();
+            }
             wake.arm_alone();
         } else {
             wake.arm();
@@ -650,6 +665,7 @@ pub unsafe fn wait(
             // again at once) or leaves the set to this one.
             loan.0 = borrow_reactor(&set, epfd);
             if let Some(l) = loan.0.as_mut() {
+                reactor_fired(&set);
                 l.turn();
             }
         }
@@ -683,6 +699,7 @@ pub unsafe fn wait(
             let (looked, rang) = take_kernel(&set, &kernel[..n as usize], &mut out);
             let mut again = looked;
             if rang && let Some(l) = loan.0.as_mut() {
+                reactor_fired(&set);
                 l.turn();
                 again = true;
             }
@@ -703,6 +720,26 @@ pub unsafe fn wait(
         }
     }
 }
+
+/// Must a borrower ask the kernel what fired in the reactor's set? Yes if
+/// its edge came in this set since the last ask, and at least every
+/// [`REACTOR_ASK_EVERY`] whatever this set saw (an edge some path of ours
+/// dropped costs that much, not a hang). Counts as the ask: call it just
+/// before the turn, so that an edge during the turn is news.
+fn reactor_fired(set: &Lock<Set>) -> bool {
+    let mut s = set.lock();
+    let now = Instant::now();
+    let due = std::mem::take(&mut s.reactor_fired)
+        || s.reactor_asked
+            .is_none_or(|t| now.saturating_duration_since(t) >= REACTOR_ASK_EVERY);
+    if due {
+        s.reactor_asked = Some(now);
+    }
+    due
+}
+
+/// See [`reactor_fired`].
+const REACTOR_ASK_EVERY: Duration = Duration::from_millis(1);
 
 /// A wait's loan of the reactor's set, given back when the wait returns:
 /// if other threads sleep then, the reactor's thread watches again at
@@ -752,6 +789,19 @@ fn look(
     mask: *const libc::sigset_t,
 ) -> c_int {
     collect(&mut set.lock(), epfd, out, max);
+    look_kernel(set, epfd, kernel, out, max, mask)
+}
+
+/// The kernel's part of [`look`]: what is ready in the kernel set, with
+/// room left in `out`.
+fn look_kernel(
+    set: &Lock<Set>,
+    epfd: c_int,
+    kernel: &mut [epoll_event],
+    out: &mut Batch,
+    max: usize,
+    mask: *const libc::sigset_t,
+) -> c_int {
     let room = max - out.len();
     if room == 0 {
         return 0;
@@ -774,6 +824,7 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> (bool, 
     let (mut looked, mut rang) = (false, false);
     for ev in got {
         if ev.u64 == REACTOR_TAG {
+            set.lock().reactor_fired = true;
             rang = true;
         } else if ev.u64 >> 32 == TCP_TAG {
             let fd = ev.u64 as u32 as c_int;
@@ -823,6 +874,7 @@ fn spin(
     }
     let mut tickets: Vec<u32> = conns.iter().map(|(_, c)| c.ticket()).collect();
     let start = Instant::now();
+    let mut kernel_at = start + SPIN_KERNEL_EVERY;
     let mut round = 0u32;
     loop {
         let mut moved = false;
@@ -835,15 +887,24 @@ fn spin(
             }
         }
         round += 1;
-        if moved || round.is_multiple_of(SPIN_KERNEL_EVERY) {
+        // (The clock costs more than a round over a few rings.)
+        let now = round.is_multiple_of(SPIN_CLOCK_EVERY).then(Instant::now);
+        let kernel_due = now.is_some_and(|t| t >= kernel_at);
+        if moved || kernel_due {
             let n = look(set, epfd, kernel, out, max, mask);
             if n < 0 || !out.is_empty() {
                 return n;
             }
+            if let Some(t) = now {
+                kernel_at = t + SPIN_KERNEL_EVERY;
+            }
         }
-        if start.elapsed() >= budget {
+        if now.is_some_and(|t| t.saturating_duration_since(start) >= budget) {
             return 0;
         }
         std::hint::spin_loop();
     }
 }
+
+/// Rounds of [`spin`] per look at the clock.
+const SPIN_CLOCK_EVERY: u32 = 8;

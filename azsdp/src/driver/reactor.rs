@@ -368,6 +368,20 @@ impl Loan {
         r.ring();
     }
 
+    /// [`Self::turn`] without asking the kernel about the set: service what
+    /// is queued (connections unparked, work handed over) and the timers
+    /// that are due. For a borrower whose own set says the reactor's has
+    /// not fired since it last turned: one system call fewer per sleep.
+    pub fn turn_queued(&mut self) {
+        let r = &self.reactor;
+        r.lease.beat();
+        let Some(_turning) = r.turning.try_lock() else {
+            return;
+        };
+        r.lease.turning();
+        r.turn(&[]);
+    }
+
     /// How long the borrower may sleep before a timer of the reactor's is
     /// due (zero: work is queued; `None`: no timer).
     pub fn timeout(&self) -> Option<Duration> {
