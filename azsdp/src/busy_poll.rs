@@ -19,7 +19,7 @@ pub fn spinning_pays() -> bool {
     static CHECKED_AT: AtomicU64 = AtomicU64::new(0);
     static PAYS: AtomicBool = AtomicBool::new(true);
     const EVERY_NS: u64 = 5_000_000;
-    let now = crate::driver::standby::now_ns().max(1);
+    let now = crate::monotonic::now_ns().max(1);
     let at = CHECKED_AT.load(Ordering::Relaxed);
     if at != 0 && now.saturating_sub(at) < EVERY_NS {
         return PAYS.load(Ordering::Relaxed);

@@ -22,8 +22,8 @@
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use crate::sync::Lock;
 
@@ -48,7 +48,7 @@ pub struct PeerId {
 #[derive(Debug)]
 struct Pin {
     fd: Arc<OwnedFd>,
-    /// Nanoseconds after [`EPOCH`] of the last check that found the
+    /// The time ([`since_epoch`]) of the last check that found the
     /// process alive (0: none yet); `u64::MAX` once one found it gone.
     seen_alive: AtomicU64,
 }
@@ -65,13 +65,9 @@ impl Pin {
     }
 }
 
-/// The clock of [`Pin::seen_alive`].
-static EPOCH: OnceLock<Instant> = OnceLock::new();
-
+/// The clock of [`Pin::seen_alive`] (at least 1: 0 means "never").
 fn since_epoch() -> u64 {
-    let epoch = *EPOCH.get_or_init(Instant::now);
-    // (At least 1: 0 means "never".)
-    (epoch.elapsed().as_nanos() as u64).max(1)
+    crate::monotonic::now_ns().max(1)
 }
 
 /// The pidfds of the peers this process knows (by pid), for sharing.
@@ -323,15 +319,32 @@ pub fn recv_with_credentials(
     if nonblocking {
         flags |= libc::MSG_DONTWAIT;
     }
-    let want = buf.len();
     // Every descriptor the message brought is owned from here: any refusal
     // below closes them all.
+    let got = crate::scm::recv(sock.as_raw_fd(), buf, flags)?;
+    verify(got, buf.len())
+}
+
+/// [`recv_with_credentials`] (non-blocking) of up to `bufs.len()` messages
+/// in one system call: each one's verdict, in order. `Err` only for the
+/// call (`WouldBlock`: none was queued).
+pub fn recv_batch_with_credentials<const N: usize>(
+    sock: BorrowedFd<'_>,
+    bufs: &mut [[u8; N]],
+) -> std::io::Result<Vec<Result<Received, IdentityError>>> {
+    let got = crate::scm::recv_batch(sock.as_raw_fd(), bufs, libc::MSG_DONTWAIT)?;
+    Ok(got.into_iter().map(|r| verify(r, N)).collect())
+}
+
+/// The sender of a received message of `want` bytes, as the kernel vouches
+/// for it (see the module's doc); the message's other descriptors.
+fn verify(got: crate::scm::Received, want: usize) -> Result<Received, IdentityError> {
     let crate::scm::Received {
         bytes: n,
         creds,
         mut fds,
         truncated,
-    } = crate::scm::recv(sock.as_raw_fd(), buf, flags)?;
+    } = got;
     if n == 0 && fds.is_empty() {
         return Err(IdentityError::Closed);
     }

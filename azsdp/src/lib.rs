@@ -33,6 +33,7 @@ pub mod fork_once;
 pub mod futex;
 pub mod identity;
 pub mod memory_map;
+pub mod monotonic;
 pub mod notes;
 pub mod pages;
 pub mod pairing;
