@@ -1,5 +1,5 @@
-//! Receiving one message with its control data, owning every descriptor the
-//! kernel installed, whatever else is wrong with the message.
+//! Receiving messages with their control data, owning every descriptor the
+//! kernel installed, whatever else is wrong with a message.
 //!
 //! A peer chooses what it sends: more descriptors than our control buffer
 //! holds (the kernel then installs those that fit and sets `MSG_CTRUNC`),
@@ -12,7 +12,10 @@
 //! before anyone looks at the message; what the caller refuses is closed
 //! when dropped.
 //!
-//! `unsafe` here: `recvmsg` and the `CMSG_*` walk over our own buffer.
+//! `unsafe` here: `recvmsg`, `recvmmsg` and the `CMSG_*` walk over our own
+//! buffers. The calls are raw system calls: inside the preloaded shim,
+//! libc's names resolve to the shim's own hooks, which would look each
+//! descriptor up for nothing (ours are never the program's sockets).
 
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
@@ -57,16 +60,18 @@ pub fn recv(sock: RawFd, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: plain data; all-zero is a valid msghdr.
-    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = &mut iov;
-    m.msg_iovlen = 1;
-    m.msg_control = space.0.as_mut_ptr().cast();
-    m.msg_controllen = control_len() as _;
+    let mut m = header(&mut iov, &mut space);
     let n = loop {
         // SAFETY: `m` points at our iovec over `buf` and at our control
         // buffer, both live and of the lengths given.
-        let n = unsafe { libc::recvmsg(sock, &mut m, flags | libc::MSG_CMSG_CLOEXEC) };
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_recvmsg,
+                sock,
+                &mut m as *mut libc::msghdr,
+                flags | libc::MSG_CMSG_CLOEXEC,
+            )
+        };
         if n >= 0 {
             break n as usize;
         }
@@ -75,15 +80,91 @@ pub fn recv(sock: RawFd, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<
             return Err(e);
         }
     };
+    Ok(owned(&m, &space, n))
+}
+
+/// Receive up to `bufs.len()` messages at once (one system call), one into
+/// each buffer, with `flags` as [`recv`]. What came, in order: fewer than
+/// asked means the queue was empty then (with `MSG_DONTWAIT`); none is
+/// `WouldBlock`, as [`recv`].
+pub fn recv_batch<const N: usize>(
+    sock: RawFd,
+    bufs: &mut [[u8; N]],
+    flags: libc::c_int,
+) -> std::io::Result<Vec<Received>> {
+    let count = bufs.len();
+    let mut spaces: Vec<ControlSpace> = (0..count).map(|_| ControlSpace([0; 256])).collect();
+    let mut iovs: Vec<libc::iovec> = bufs
+        .iter_mut()
+        .map(|b| libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: N,
+        })
+        .collect();
+    let mut msgs: Vec<libc::mmsghdr> = iovs
+        .iter_mut()
+        .zip(spaces.iter_mut())
+        .map(|(iov, space)| libc::mmsghdr {
+            msg_hdr: header(iov, space),
+            msg_len: 0,
+        })
+        .collect();
+    let n = loop {
+        // SAFETY: `msgs` holds `count` headers, each pointing at its own
+        // iovec over one of `bufs` and at its own control buffer, all live
+        // until we return; a null timeout.
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_recvmmsg,
+                sock,
+                msgs.as_mut_ptr(),
+                count as libc::c_uint,
+                flags | libc::MSG_CMSG_CLOEXEC,
+                std::ptr::null_mut::<libc::timespec>(),
+            )
+        };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    // (Every message the kernel filled is walked, whatever the caller then
+    // makes of it: its descriptors are owned from here.)
+    Ok(msgs[..n.min(count)]
+        .iter()
+        .zip(spaces.iter())
+        .map(|(m, space)| owned(&m.msg_hdr, space, m.msg_len as usize))
+        .collect())
+}
+
+/// A header for one message into `iov`, with `space` for control data.
+fn header(iov: &mut libc::iovec, space: &mut ControlSpace) -> libc::msghdr {
+    // SAFETY: plain data; all-zero is a valid msghdr.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = iov;
+    m.msg_iovlen = 1;
+    m.msg_control = space.0.as_mut_ptr().cast();
+    m.msg_controllen = control_len() as _;
+    m
+}
+
+/// The message `m` describes (`n` bytes of payload, control data in
+/// `space`, as the kernel filled them), every descriptor wrapped.
+fn owned(m: &libc::msghdr, space: &ControlSpace, n: usize) -> Received {
     let mut r = Received {
         bytes: n,
         truncated: m.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0,
         ..Received::default()
     };
-    let end = space.0.as_ptr() as usize + (m.msg_controllen as usize).min(control_len());
-    // SAFETY: `m` describes our control buffer, which the kernel filled up
-    // to msg_controllen; CMSG_FIRSTHDR/NXTHDR stay within it or return null.
-    let mut c = unsafe { libc::CMSG_FIRSTHDR(&m) };
+    // (A usize on glibc, a u32 elsewhere.)
+    let filled: usize = m.msg_controllen as _;
+    let end = space.0.as_ptr() as usize + filled.min(control_len());
+    // SAFETY: `m` describes `space`, which the kernel filled up to
+    // msg_controllen; CMSG_FIRSTHDR/NXTHDR stay within it or return null.
+    let mut c = unsafe { libc::CMSG_FIRSTHDR(m) };
     while !c.is_null() {
         // SAFETY: a non-null header lies within the buffer (see above).
         let h = unsafe { &*c };
@@ -115,9 +196,9 @@ pub fn recv(sock: RawFd, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<
             _ => {}
         }
         // SAFETY: as CMSG_FIRSTHDR; null past the end.
-        c = unsafe { libc::CMSG_NXTHDR(&m, c) };
+        c = unsafe { libc::CMSG_NXTHDR(m, c) };
     }
-    Ok(r)
+    r
 }
 
 #[cfg(test)]
@@ -187,6 +268,48 @@ mod tests {
                 assert_eq!(copies_of(&x), 1 + r.fds.len());
             }
             assert_eq!(copies_of(&x), 1, "{n} descriptors in {blocks} blocks");
+        }
+    }
+
+    /// A batch owns every descriptor of every message, as one receive does,
+    /// and stops where the queue ended.
+    #[test]
+    fn a_batch_owns_every_message_and_stops_at_the_end() {
+        let (a, b) = seqpacket_pair();
+        nix::sys::socket::setsockopt(&b, nix::sys::socket::sockopt::PassCred, &true).unwrap();
+        let (x, _y) = UnixDatagram::pair().unwrap();
+        for round in 0..20 {
+            // 0, 1, FD_ROOM + 3 and 200 descriptors, with payloads cut or not.
+            send_fds(&a, &x, b"12345678", 0, 1);
+            send_fds(&a, &x, b"1234", 1, 1);
+            send_fds(&a, &x, b"123456789abc", FD_ROOM + 3, 2);
+            send_fds(&a, &x, b"12345678", 200, 1);
+            let mut bufs = [[0u8; 8]; 3];
+            let got = recv_batch(b.as_raw_fd(), &mut bufs, libc::MSG_DONTWAIT).unwrap();
+            assert_eq!(got.len(), 3, "round {round}: a full batch");
+            assert_eq!(
+                (got[0].bytes, got[0].fds.len(), got[0].truncated),
+                (8, 0, false)
+            );
+            assert_eq!(
+                (got[1].bytes, got[1].fds.len(), got[1].truncated),
+                (4, 1, false)
+            );
+            assert_eq!(&bufs[1][..4], b"1234");
+            assert!(
+                got[2].truncated,
+                "12 bytes into 8, and too many descriptors"
+            );
+            assert!(got.iter().all(|r| r.creds.is_some()));
+            assert_eq!(copies_of(&x), 1 + 1 + got[2].fds.len());
+            drop(got);
+            let got = recv_batch(b.as_raw_fd(), &mut bufs, libc::MSG_DONTWAIT).unwrap();
+            assert_eq!(got.len(), 1, "the queue ended after one");
+            assert!(got[0].truncated && !got[0].fds.is_empty());
+            drop(got);
+            assert_eq!(copies_of(&x), 1);
+            let e = recv_batch(b.as_raw_fd(), &mut bufs, libc::MSG_DONTWAIT).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
         }
     }
 

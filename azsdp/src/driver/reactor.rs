@@ -150,6 +150,8 @@ const SHARED_FLAG: u64 = 1 << 62;
 const BELL_ROOM: libc::c_int = 4 << 20;
 /// Bell messages taken per wake-up.
 const BELL_BATCH: usize = 512;
+/// Bell messages taken per system call.
+const BELL_RECV: usize = 16;
 /// Events taken per `epoll_wait`.
 const BATCH: usize = 256;
 
@@ -812,29 +814,42 @@ impl Reactor {
     /// was full may have lost rings (their ringers left their rings armed,
     /// and the backstop look comes), so a full batch services everyone.
     fn take_bell(&self, st: &mut Inner) {
-        let mut b = [0u8; TOKEN_LEN + MAIL_LEN];
+        let mut bufs = [[0u8; TOKEN_LEN + MAIL_LEN]; BELL_RECV];
         let mut taken = 0;
         while taken < BELL_BATCH {
-            let r = identity::recv_with_credentials(self.bell_r.as_fd(), &mut b, true);
-            let token = u64::from_le_bytes(b[..TOKEN_LEN].try_into().expect("8 bytes"));
-            let (id, generation) = ((token & 0xffff_ffff) as usize, (token >> 32) as u32);
-            match r {
-                Ok(from) => {
-                    let mut body = [0u8; MAIL_LEN];
-                    body.copy_from_slice(&b[TOKEN_LEN..]);
-                    if let Some(e) = st.entry(id, generation) {
-                        e.mail.push(Mail { body, from });
+            // One system call for what rang meanwhile: a busy event loop
+            // hears several rings per wake-up.
+            let got = match identity::recv_batch_with_credentials(self.bell_r.as_fd(), &mut bufs) {
+                Ok(got) => got,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // WouldBlock (or a bell that failed): nothing more now.
+                Err(_) => return,
+            };
+            let whole = got.len() == BELL_RECV;
+            for (r, b) in got.into_iter().zip(bufs.iter()) {
+                let token = u64::from_le_bytes(b[..TOKEN_LEN].try_into().expect("8 bytes"));
+                let (id, generation) = ((token & 0xffff_ffff) as usize, (token >> 32) as u32);
+                match r {
+                    Ok(from) => {
+                        let mut body = [0u8; MAIL_LEN];
+                        body.copy_from_slice(&b[TOKEN_LEN..]);
+                        if let Some(e) = st.entry(id, generation) {
+                            e.mail.push(Mail { body, from });
+                            st.queue(id, generation, true, false);
+                        }
+                    }
+                    Err(IdentityError::Length { got: TOKEN_LEN, .. }) => {
                         st.queue(id, generation, true, false);
                     }
+                    // Anything else is nobody's: dropped (descriptors closed).
+                    Err(_) => {}
                 }
-                Err(IdentityError::Length { got: TOKEN_LEN, .. }) => {
-                    st.queue(id, generation, true, false);
-                }
-                Err(IdentityError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-                // Anything else is nobody's: dropped (descriptors closed).
-                Err(_) => {}
+                taken += 1;
             }
-            taken += 1;
+            if !whole {
+                // The bell was empty when the batch was taken.
+                return;
+            }
         }
         let all: Vec<(usize, u32)> = st
             .entries
