@@ -777,23 +777,9 @@ fn borrow_reactor(set: &Lock<Set>, epfd: c_int) -> Option<azsdp::driver::reactor
     Some(loan)
 }
 
-/// One look without sleeping: ready upgraded sockets, then the kernel's
-/// part of the set, into `out`. Returns the kernel's answer (-1 with errno
-/// set on its error).
-fn look(
-    set: &Lock<Set>,
-    epfd: c_int,
-    kernel: &mut [epoll_event],
-    out: &mut Batch,
-    max: usize,
-    mask: *const libc::sigset_t,
-) -> c_int {
-    collect(&mut set.lock(), epfd, out, max);
-    look_kernel(set, epfd, kernel, out, max, mask)
-}
-
-/// The kernel's part of [`look`]: what is ready in the kernel set, with
-/// room left in `out`.
+/// What is ready in the kernel's part of the set, into the room left in
+/// `out` (after [`collect`] took our sockets: together, one look without
+/// sleeping). Returns the kernel's answer (-1 with errno set on its error).
 fn look_kernel(
     set: &Lock<Set>,
     epfd: c_int,
@@ -848,7 +834,7 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> (bool, 
 /// sleeps: a message that arrives meanwhile is seen by a load of its
 /// ring's counter ([`crate::conn::Conn::ticket`]), so the peer posts it
 /// without ringing anyone, and the reactor stays parked. The kernel's part
-/// of the set is looked at now and then. Returns as [`look`].
+/// of the set is looked at now and then. Returns as [`look_kernel`].
 fn spin(
     set: &Lock<Set>,
     epfd: c_int,
@@ -891,7 +877,8 @@ fn spin(
         let now = round.is_multiple_of(SPIN_CLOCK_EVERY).then(Instant::now);
         let kernel_due = now.is_some_and(|t| t >= kernel_at);
         if moved || kernel_due {
-            let n = look(set, epfd, kernel, out, max, mask);
+            collect(&mut set.lock(), epfd, out, max);
+            let n = look_kernel(set, epfd, kernel, out, max, mask);
             if n < 0 || !out.is_empty() {
                 return n;
             }

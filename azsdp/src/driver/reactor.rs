@@ -351,6 +351,18 @@ impl Loan {
     /// Turn the reactor without sleeping until its set is drained. Also a
     /// sign of life: call it once per round of the wait.
     pub fn turn(&mut self) {
+        self.turn_asking(true);
+    }
+
+    /// [`Self::turn`] without asking the kernel about the set: service what
+    /// is queued (connections unparked, work handed over) and the timers
+    /// that are due. For a borrower whose own set says the reactor's has
+    /// not fired since it last turned: one system call fewer per sleep.
+    pub fn turn_queued(&mut self) {
+        self.turn_asking(false);
+    }
+
+    fn turn_asking(&mut self, kernel: bool) {
         let r = &self.reactor;
         r.lease.beat();
         let Some(_turning) = r.turning.try_lock() else {
@@ -358,6 +370,10 @@ impl Loan {
             return;
         };
         r.lease.turning();
+        if !kernel {
+            r.turn(&[]);
+            return;
+        }
         for _ in 0..LOAN_ROUNDS {
             let n = r.wait(&mut self.events, 0);
             r.turn(&self.events[..n]);
@@ -368,20 +384,6 @@ impl Loan {
         // More than a turn's worth: the ring is a fresh event, so a set
         // watching ours edge-triggered fires again.
         r.ring();
-    }
-
-    /// [`Self::turn`] without asking the kernel about the set: service what
-    /// is queued (connections unparked, work handed over) and the timers
-    /// that are due. For a borrower whose own set says the reactor's has
-    /// not fired since it last turned: one system call fewer per sleep.
-    pub fn turn_queued(&mut self) {
-        let r = &self.reactor;
-        r.lease.beat();
-        let Some(_turning) = r.turning.try_lock() else {
-            return;
-        };
-        r.lease.turning();
-        r.turn(&[]);
     }
 
     /// How long the borrower may sleep before a timer of the reactor's is
