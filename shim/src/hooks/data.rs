@@ -123,12 +123,24 @@ fn after_fork_on_tcp<T>(
     flags: c_int,
 ) -> ssize_t {
     // (This process runs it, or takes it over from one that let go.)
-    let moved = if c.driver.claim() {
+    let claimed = c.driver.claim();
+    let moved = if claimed {
         c.driver.leave_fabric(crate::switch::LEAVE_WAIT)
     } else {
         c.driver.ask_runner_to_leave()
     };
     if !moved && !c.driver.on_tcp() {
+        crate::log::warning!(
+            "{} -> {}: a call after fork could not move onto TCP ({}, {:?}); reset",
+            c.local,
+            c.peer,
+            if claimed {
+                "ran it here"
+            } else {
+                "asked its runner"
+            },
+            c.driver.state()
+        );
         return fail(CallError::ConnReset, true);
     }
     on_tcp(fd, sock, c, sent, bufs, flags)
