@@ -93,8 +93,9 @@ struct Set {
     nested: Option<c_int>,
     /// The reactor's set fired (its edge came in this set) since a
     /// borrower of this set last asked the kernel what fired in it; and
-    /// when that was. An edge is reported once, so whoever takes it from
-    /// the kernel records it here (see [`take_kernel`]).
+    /// when that was (`None`: never, so the first turn asks). An edge is
+    /// reported once, so whoever takes it from the kernel records it here
+    /// (see [`take_kernel`]).
     reactor_fired: bool,
     reactor_asked: Option<Instant>,
     /// How long a wait busy-polls its connections before it sleeps.
@@ -228,7 +229,7 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         again: Vec::new(),
         tcp_watch: Default::default(),
         nested: None,
-        reactor_fired: true,
+        reactor_fired: false,
         reactor_asked: None,
         spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
     }));
@@ -652,11 +653,7 @@ pub unsafe fn wait(
             // being watched, and what rang meanwhile is taken (before the
             // arming: what the turn marks, the look below sees unrung).
             azsdp::driver::standby::end_by_borrower();
-            if reactor_fired(&set) {
-                l.turn();
-            } else {
-                l.turn_queued();
-            }
+            turn_borrowed(&set, l, false);
             wake.arm_alone();
         } else {
             wake.arm();
@@ -665,8 +662,7 @@ pub unsafe fn wait(
             // again at once) or leaves the set to this one.
             loan.0 = borrow_reactor(&set, epfd);
             if let Some(l) = loan.0.as_mut() {
-                reactor_fired(&set);
-                l.turn();
+                turn_borrowed(&set, l, true);
             }
         }
         let mut out = Batch::default();
@@ -699,8 +695,7 @@ pub unsafe fn wait(
             let (looked, rang) = take_kernel(&set, &kernel[..n as usize], &mut out);
             let mut again = looked;
             if rang && let Some(l) = loan.0.as_mut() {
-                reactor_fired(&set);
-                l.turn();
+                turn_borrowed(&set, l, true);
                 again = true;
             }
             if again {
@@ -721,24 +716,34 @@ pub unsafe fn wait(
     }
 }
 
-/// Must a borrower ask the kernel what fired in the reactor's set? Yes if
-/// its edge came in this set since the last ask, and at least every
+/// Turn the borrowed reactor. It asks the kernel what fired in its set
+/// when `fired` (this wait just took the reactor's edge), when its edge
+/// came in this set since the last ask, and at least every
 /// [`REACTOR_ASK_EVERY`] whatever this set saw (an edge some path of ours
-/// dropped costs that much, not a hang). Counts as the ask: call it just
-/// before the turn, so that an edge during the turn is news.
-fn reactor_fired(set: &Lock<Set>) -> bool {
-    let mut s = set.lock();
-    let now = Instant::now();
-    let due = std::mem::take(&mut s.reactor_fired)
-        || s.reactor_asked
-            .is_none_or(|t| now.saturating_duration_since(t) >= REACTOR_ASK_EVERY);
-    if due {
-        s.reactor_asked = Some(now);
+/// dropped costs that much, not a hang); otherwise it services only what
+/// is queued and due. The ask is recorded before the turn, so that an edge
+/// during the turn is news.
+fn turn_borrowed(set: &Lock<Set>, l: &mut azsdp::driver::reactor::Loan, fired: bool) {
+    let ask = {
+        let mut s = set.lock();
+        let now = Instant::now();
+        let ask = std::mem::take(&mut s.reactor_fired)
+            || fired
+            || s.reactor_asked
+                .is_none_or(|t| now.saturating_duration_since(t) >= REACTOR_ASK_EVERY);
+        if ask {
+            s.reactor_asked = Some(now);
+        }
+        ask
+    };
+    if ask {
+        l.turn();
+    } else {
+        l.turn_queued();
     }
-    due
 }
 
-/// See [`reactor_fired`].
+/// See [`turn_borrowed`].
 const REACTOR_ASK_EVERY: Duration = Duration::from_millis(1);
 
 /// A wait's loan of the reactor's set, given back when the wait returns:
