@@ -20,7 +20,7 @@ use std::fs::File;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use memmap2::{Mmap, MmapMut};
 
@@ -402,6 +402,12 @@ pub struct StatFile {
     dirfd: OwnedFd,
     path: PathBuf,
     pid: u32,
+    /// Where the next search for a free slot starts, and how many slots
+    /// are taken: an open costs a slot or two, not a scan from slot 0
+    /// (with thousands of connections, a scan per connection was a
+    /// quadratic cost), and a full file costs nothing.
+    next: AtomicUsize,
+    used: AtomicUsize,
 }
 
 impl StatFile {
@@ -446,6 +452,8 @@ impl StatFile {
             dirfd,
             path: file_of(dir, pid),
             pid,
+            next: AtomicUsize::new(0),
+            used: AtomicUsize::new(0),
         };
         let hdr = s.words(0, HEADER_WORDS);
         hdr[h::PID].store(u64::from(pid), Ordering::Relaxed);
@@ -507,7 +515,12 @@ impl StatFile {
         if !self.mine() {
             return None;
         }
-        for slot in 0..SLOTS {
+        let start = self.next.load(Ordering::Relaxed);
+        let free = self.used.load(Ordering::Relaxed) < SLOTS;
+        for slot in (start..SLOTS)
+            .chain(0..start)
+            .take(if free { SLOTS } else { 0 })
+        {
             let s = self.slot_words(slot);
             if s[w::STATE]
                 .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
@@ -531,6 +544,8 @@ impl StatFile {
                     .map_or(0, |d| d.as_millis() as u64);
                 s[w::OPENED_MS].store(ms, Ordering::Relaxed);
                 s[w::STATE].store(2, Ordering::Release);
+                self.used.fetch_add(1, Ordering::Relaxed);
+                self.next.store((slot + 1) % SLOTS, Ordering::Relaxed);
                 return Some(slot);
             }
         }
@@ -613,7 +628,9 @@ impl StatFile {
         if !self.mine() {
             return;
         }
-        self.slot_words(slot)[w::STATE].store(0, Ordering::Release);
+        if self.slot_words(slot)[w::STATE].swap(0, Ordering::AcqRel) != 0 {
+            self.used.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
