@@ -159,6 +159,8 @@ static LIVE: Registry = Registry {
 /// Registered participants (a hint for the fast path; never under-counts
 /// a live one).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
+/// How many entries the last sweep of dead ones left.
+static SWEPT_LEN: AtomicUsize = AtomicUsize::new(0);
 static ATFORK: crate::fork_once::ForkOnce = crate::fork_once::ForkOnce::new();
 
 fn live() -> Vec<Arc<dyn Participant>> {
@@ -239,12 +241,20 @@ thread_local! {
 pub fn register(p: Weak<dyn Participant>, held: Arc<HeldBounds>) {
     ensure_atfork();
     // Entries of dropped participants are freed here, in an ordinary
-    // call, never in a memory hook.
+    // call, never in a memory hook; only once the list has doubled since
+    // the last sweep, so that a sweep's cost is spread over the
+    // registrations that made it due (a sweep per registration was
+    // quadratic in the connections held).
     let dead = LIVE.with(|l| {
-        let (keep, dead): (Vec<Entry>, Vec<Entry>) = std::mem::take(l)
-            .into_iter()
-            .partition(|(w, _)| w.strong_count() > 0);
-        *l = keep;
+        let mut dead = Vec::new();
+        if l.len() >= 2 * SWEPT_LEN.load(Ordering::Relaxed).max(8) {
+            let keep;
+            (keep, dead) = std::mem::take(l)
+                .into_iter()
+                .partition(|(w, _)| w.strong_count() > 0);
+            *l = keep;
+            SWEPT_LEN.store(l.len(), Ordering::Relaxed);
+        }
         l.push((p, held));
         COUNT.store(l.len(), Ordering::SeqCst);
         dead
