@@ -28,10 +28,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use thiserror::Error;
 
 const MAGIC: [u8; 4] = *b"AZBT";
-/// Version of the side channel's format and of the registry names (3:
-/// connections begin on TCP and join the fabric, docs/protocol.md §8b; a
-/// side of version 2 would run its engine on the fabric from the start).
-pub const VERSION: u16 = 3;
+/// Version of the side channel's format and of the registry names (4: an
+/// offer names its connection by cookie alone, so a client need not bind
+/// before `connect()`; 3 began connections on TCP, docs/protocol.md §8b).
+pub const VERSION: u16 = 4;
 /// Bytes of an encoded [`Intro`].
 pub const INTRO_LEN: usize = 48;
 
@@ -64,7 +64,7 @@ pub struct Intro {
     /// The sender's page size.
     pub page_size: u32,
     /// For a client's offer: the address its TCP connection goes to (the
-    /// listener's) and the port it is bound to.
+    /// listener's) and the cookie of its socket.
     pub pair: Option<PairTarget>,
 }
 
@@ -72,11 +72,11 @@ pub struct Intro {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PairTarget {
     pub dst: SocketAddr,
-    pub client_port: u16,
     /// The kernel's cookie of the client's TCP socket (`SO_COOKIE`). A
     /// claim, not a proof: the listener matches it with the far end of the
     /// accepted connection and checks that the kernel says that socket
-    /// belongs to the offer's (kernel-verified) user.
+    /// belongs to the offer's (kernel-verified) user. The client's port is
+    /// not named: the kernel picks it at `connect()`, after the offer.
     pub cookie: u64,
 }
 
@@ -123,7 +123,6 @@ impl Intro {
             out[7] = family;
             out[12..28].copy_from_slice(&ip.octets());
             out[28..30].copy_from_slice(&p.dst.port().to_le_bytes());
-            out[30..32].copy_from_slice(&p.client_port.to_le_bytes());
             out[32..40].copy_from_slice(&p.cookie.to_le_bytes());
         }
     }
@@ -150,7 +149,7 @@ impl Intro {
         if !page_size.is_power_of_two() || !(4096..=1 << 30).contains(&page_size) {
             return Err(PairError::PageSize(page_size));
         }
-        if b[40..] != [0; INTRO_LEN - 40] {
+        if b[30..32] != [0; 2] || b[40..] != [0; INTRO_LEN - 40] {
             return Err(PairError::Reserved);
         }
         let mut c = [0u8; 8];
@@ -159,9 +158,9 @@ impl Intro {
         let mut octets = [0u8; 16];
         octets.copy_from_slice(&b[12..28]);
         let v6 = Ipv6Addr::from(octets);
-        let (port, client_port) = (u16_at(28), u16_at(30));
+        let port = u16_at(28);
         let pair = match b[7] {
-            0 if v6.is_unspecified() && port == 0 && client_port == 0 && cookie == 0 => None,
+            0 if v6.is_unspecified() && port == 0 && cookie == 0 => None,
             0 => return Err(PairError::Reserved),
             f @ (4 | 6) => {
                 let ip = if f == 4 {
@@ -169,12 +168,11 @@ impl Intro {
                 } else {
                     IpAddr::V6(v6)
                 };
-                if port == 0 || client_port == 0 {
+                if port == 0 {
                     return Err(PairError::PortZero);
                 }
                 Some(PairTarget {
                     dst: SocketAddr::new(ip, port),
-                    client_port,
                     cookie,
                 })
             }
@@ -263,16 +261,12 @@ mod tests {
                 Just(IntroKind::Claim)
             ],
             12u32..=30,
-            proptest::option::of((addr(), 1u16.., any::<u64>())),
+            proptest::option::of((addr(), any::<u64>())),
         )
             .prop_map(|(kind, shift, pair)| Intro {
                 kind,
                 page_size: 1 << shift,
-                pair: pair.map(|(dst, client_port, cookie)| PairTarget {
-                    dst,
-                    client_port,
-                    cookie,
-                }),
+                pair: pair.map(|(dst, cookie)| PairTarget { dst, cookie }),
             })
     }
 
@@ -282,7 +276,6 @@ mod tests {
             page_size: 4096,
             pair: Some(PairTarget {
                 dst: "127.0.0.1:80".parse().unwrap(),
-                client_port: 5,
                 cookie: 77,
             }),
         }
@@ -324,9 +317,12 @@ mod tests {
         offer().emit(&mut b);
         assert_eq!(Intro::parse(&b[..10]), Err(PairError::Length(10)));
         let mut z = b;
-        z[30] = 0;
-        z[31] = 0;
+        z[28] = 0;
+        z[29] = 0;
         assert_eq!(Intro::parse(&z), Err(PairError::PortZero));
+        let mut z = b;
+        z[30] = 5; // where version 3 named the client's port
+        assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
         let mut z = b;
         z[47] = 1;
         assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
@@ -347,21 +343,21 @@ mod tests {
     #[test]
     fn names_and_candidates() {
         let v4: SocketAddr = "127.0.0.1:6379".parse().unwrap();
-        assert_eq!(registry_name(v4), "azsdp/v3/tcp/127.0.0.1/6379");
+        assert_eq!(registry_name(v4), "azsdp/v4/tcp/127.0.0.1/6379");
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:6379".parse().unwrap();
         assert_eq!(registry_name(mapped), registry_name(v4));
         assert_eq!(
             registry_candidates(v4),
             vec![
-                "azsdp/v3/tcp/127.0.0.1/6379",
-                "azsdp/v3/tcp/0.0.0.0/6379",
-                "azsdp/v3/tcp/::/6379"
+                "azsdp/v4/tcp/127.0.0.1/6379",
+                "azsdp/v4/tcp/0.0.0.0/6379",
+                "azsdp/v4/tcp/::/6379"
             ]
         );
         let v6: SocketAddr = "[::1]:80".parse().unwrap();
         assert_eq!(
             registry_candidates(v6),
-            vec!["azsdp/v3/tcp/::1/80", "azsdp/v3/tcp/::/80"]
+            vec!["azsdp/v4/tcp/::1/80", "azsdp/v4/tcp/::/80"]
         );
     }
 }

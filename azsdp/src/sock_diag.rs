@@ -23,6 +23,7 @@ const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 const TCP_LISTEN: u32 = 10;
+const TCP_TIME_WAIT: u32 = 6;
 const NOCOOKIE: u32 = !0;
 
 #[repr(C)]
@@ -259,47 +260,53 @@ pub fn far_end(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<Tc
     socket(peer, local)
 }
 
-/// The sockets listening on TCP `port`, of both families.
-pub fn listeners(port: u16) -> std::io::Result<Vec<TcpSocket>> {
+/// The listening socket a connection to `dst` from this host reaches, as
+/// the kernel's own lookup picks it (an exact address before a wildcard,
+/// a dual-stack `[::]` for IPv4): one request, no dump. Asked as a
+/// connection from port 0, which no connection has, so the kernel's lookup
+/// falls back to the listener.
+pub fn listener_reached(dst: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
+    let (family, local) = addr_bytes(dst.ip());
+    let req = ReqV2 {
+        family,
+        protocol: libc::IPPROTO_TCP as u8,
+        states: 1 << TCP_LISTEN,
+        id: SockId {
+            sport: dst.port().to_be(),
+            dport: 0,
+            src: local,
+            dst: local,
+            cookie: [NOCOOKIE, NOCOOKIE],
+            ..SockId::default()
+        },
+        ..ReqV2::default()
+    };
+    match query(req, false) {
+        Ok(v) => Ok(v.into_iter().find(|t| t.state == TCP_LISTEN as u8)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The sockets connected (or connecting) to TCP `port` anywhere on this
+/// host, of both families: the client ends of connections to a listener
+/// on `port`. Not those in TIME_WAIT, which no program holds.
+pub fn connected_to(port: u16) -> std::io::Result<Vec<TcpSocket>> {
     let mut out = Vec::new();
     for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
         let req = ReqV2 {
             family,
             protocol: libc::IPPROTO_TCP as u8,
-            states: 1 << TCP_LISTEN,
+            states: !((1 << TCP_LISTEN) | (1 << TCP_TIME_WAIT)),
             ..ReqV2::default()
         };
         match query(req, true) {
-            Ok(v) => out.extend(v.into_iter().filter(|s| s.local.port() == port)),
-            // A kernel without IPv6 has no such family to dump.
+            Ok(v) => out.extend(v.into_iter().filter(|s| s.remote.port() == port)),
             Err(_) if family == libc::AF_INET6 as u8 => {}
             Err(e) => return Err(e),
         }
     }
     Ok(out)
-}
-
-/// Of `listeners`, the one a connection to `dst` reaches: a socket bound
-/// to exactly `dst`'s address wins over a wildcard one.
-pub fn listener_for(listeners: &[TcpSocket], dst: SocketAddr) -> Option<TcpSocket> {
-    let ip = canonical(dst.ip());
-    let exact = listeners.iter().find(|l| canonical(l.local.ip()) == ip);
-    // An IPv4 connection goes to 0.0.0.0 before a dual-stack [::].
-    let any4 = || {
-        ip.is_ipv4()
-            .then(|| {
-                listeners
-                    .iter()
-                    .find(|l| l.local.ip() == Ipv4Addr::UNSPECIFIED)
-            })
-            .flatten()
-    };
-    let any6 = || {
-        listeners
-            .iter()
-            .find(|l| l.local.ip() == Ipv6Addr::UNSPECIFIED)
-    };
-    exact.or_else(any4).or_else(any6).copied()
 }
 
 /// The kernel's cookie of socket `fd` (`SO_COOKIE`).
@@ -358,8 +365,7 @@ mod tests {
         let far = far_end(sl, s.peer_addr().unwrap()).unwrap().unwrap();
         assert_eq!(far.cookie, cookie_of(c.as_fd()).unwrap());
         assert_ne!(cookie_of(c.as_fd()).unwrap(), cookie_of(s.as_fd()).unwrap());
-        let ls = listeners(addr.port()).unwrap();
-        let found = listener_for(&ls, addr).unwrap();
+        let found = listener_reached(addr).unwrap().unwrap();
         assert_eq!(found.cookie, cookie_of(l.as_fd()).unwrap());
         assert!(is_tcp(c.as_fd()));
         // No such connection.
@@ -373,21 +379,36 @@ mod tests {
     }
 
     #[test]
-    fn exact_listeners_win_over_wildcards() {
-        let mk = |a: &str, cookie| TcpSocket {
-            local: a.parse().unwrap(),
-            remote: "0.0.0.0:0".parse().unwrap(),
-            uid: cookie as u32,
-            inode: 0,
-            cookie,
-            state: TCP_LISTEN as u8,
-        };
-        let ls = [mk("[::]:80", 1), mk("127.0.0.2:80", 2), mk("0.0.0.0:80", 3)];
-        let pick = |d: &str| listener_for(&ls, d.parse().unwrap()).map(|l| l.cookie);
-        assert_eq!(pick("127.0.0.2:80"), Some(2));
-        assert_eq!(pick("127.0.0.1:80"), Some(3));
-        assert_eq!(pick("[::1]:80"), Some(1));
-        let v4_only = [mk("0.0.0.0:80", 3)];
-        assert_eq!(listener_for(&v4_only, "[::1]:80".parse().unwrap()), None);
+    fn the_listener_reached_is_the_kernels_pick() {
+        let cookie = |l: &TcpListener| cookie_of(l.as_fd()).unwrap();
+        let reached = |a: SocketAddr| listener_reached(a).unwrap().map(|l| l.cookie);
+        // A wildcard reaches every local address; an exact one only its
+        // own.
+        let any = TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = any.local_addr().unwrap().port();
+        assert_eq!(reached(([127, 0, 0, 1], port).into()), Some(cookie(&any)));
+        assert_eq!(reached(([127, 0, 0, 2], port).into()), Some(cookie(&any)));
+        let exact = TcpListener::bind("127.0.0.2:0").unwrap();
+        let p2 = exact.local_addr().unwrap().port();
+        assert_eq!(reached(([127, 0, 0, 2], p2).into()), Some(cookie(&exact)));
+        assert_eq!(reached(([127, 0, 0, 1], p2).into()), None);
+        // A dual-stack [::] takes IPv4 connections too.
+        if let Ok(six) = TcpListener::bind("[::]:0") {
+            let p6 = six.local_addr().unwrap().port();
+            assert_eq!(reached(([127, 0, 0, 1], p6).into()), Some(cookie(&six)));
+            assert_eq!(
+                reached(format!("[::1]:{p6}").parse().unwrap()),
+                Some(cookie(&six))
+            );
+        }
+        // Nobody listens: no answer, and never a connection.
+        drop((any, exact));
+        assert_eq!(reached(([127, 0, 0, 1], port).into()), None);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        let _c = TcpStream::connect(a).unwrap();
+        let _s = l.accept().unwrap();
+        drop(l);
+        assert_eq!(reached(a), None);
     }
 }

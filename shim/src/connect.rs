@@ -107,8 +107,9 @@ fn find_listener(dst: SocketAddr, patience: Duration) -> Result<Registry, Option
 /// Does the kernel say the registry's owner (`uid`) owns the socket that
 /// listens for `dst`? `Err` says why not.
 fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
-    let ls = sock_diag::listeners(dst.port()).map_err(|e| format!("sock_diag: {e}"))?;
-    let l = sock_diag::listener_for(&ls, dst).ok_or("no socket listens there")?;
+    let l = sock_diag::listener_reached(dst)
+        .map_err(|e| format!("sock_diag: {e}"))?
+        .ok_or("no socket listens there")?;
     if l.uid != uid {
         return Err(format!(
             "it is uid {uid}'s, the listening socket is uid {}'s",
@@ -116,28 +117,6 @@ fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Bind `fd` to an ephemeral port if the program did not bind it; the
-/// port names the connection in the offer.
-pub(crate) fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
-    if let Some(a) = net::local_of(fd)
-        && a.port() != 0
-    {
-        return Some(a.port());
-    }
-    let any = if family == libc::AF_INET6 {
-        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
-    } else {
-        SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
-    };
-    let (st, len) = net::to_storage(any);
-    // SAFETY: bind to our own encoded address.
-    let r = unsafe { real::bind(fd, (&raw const st).cast(), len) };
-    if r != 0 {
-        return None;
-    }
-    net::local_of(fd).map(|a| a.port()).filter(|p| *p != 0)
 }
 
 /// The kernel's `connect()`; for a non-blocking socket, wait up to
@@ -242,7 +221,7 @@ pub fn connect(
         }
     };
     #[cfg(not(feature = "verbs"))]
-    let _ = nonblocking;
+    let _ = (nonblocking, family);
     if settings.use_ == Use::Tcp {
         return plain(TcpReason::Rule);
     }
@@ -277,9 +256,10 @@ pub fn connect(
         Err(None) => return plain(TcpReason::PeerNotAzsdp),
         Err(Some(_)) => return plain(TcpReason::PeerUnverified),
     };
-    let Some(port) = ensure_port(fd, family) else {
-        return plain(TcpReason::SetupFailed);
-    };
+    // No bind: the kernel picks the port at `connect()`, as it would on
+    // TCP (a bind's search of the port range grows with every socket bound
+    // and takes a port from every destination). The cookie names the
+    // connection; the listener finds it at the far end of what it accepts.
     // SAFETY: `fd` is the program's socket, open for this call.
     let tcp = unsafe { BorrowedFd::borrow_raw(fd) };
     let Ok(cookie) = sock_diag::cookie_of(tcp) else {
@@ -295,11 +275,7 @@ pub fn connect(
     let intro = Intro {
         kind: IntroKind::Offer,
         page_size: azsdp::pages::system_page_size() as u32,
-        pair: Some(PairTarget {
-            dst: to,
-            client_port: port,
-            cookie,
-        }),
+        pair: Some(PairTarget { dst: to, cookie }),
     };
     if let Err(e) = send_intro(reg.sock.as_fd(), &intro, &offer.fds(), true) {
         debug!("connect {dst}: offer not sent: {e}");

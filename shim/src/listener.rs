@@ -92,6 +92,19 @@ const IN_BACKGROUND: Budget = Budget {
     reads: 128,
 };
 
+/// Where a round of [`Listener::take_in`] stops reading offers.
+#[derive(Clone, Copy, Debug)]
+enum Until {
+    /// The stats thread: takes in, reads what poll says is readable.
+    Background,
+    /// `accept()`, before it knows whether any offer is for its
+    /// connection: reads at once, stops at the first offer.
+    FirstOffer,
+    /// `accept()`: reads at once, stops at the offer claiming this cookie
+    /// (the far end of the connection accepted).
+    Cookie(u64),
+}
+
 /// A registry connection whose offer has not arrived yet.
 struct Waiting {
     stream: OwnedFd,
@@ -112,9 +125,7 @@ struct Offer {
     fds: Vec<OwnedFd>,
     page_size: u32,
     dst: SocketAddr,
-    /// The port and cookie of the client's TCP socket, as the client
-    /// claims them.
-    client_port: u16,
+    /// The cookie of the client's TCP socket, as the client claims it.
     cookie: u64,
     since: Instant,
     /// When a look found its connection accepted (by a process that is not
@@ -175,15 +186,11 @@ struct Pending {
     /// checked at accept). Several offers may claim one cookie: a lie
     /// cannot push the true one out.
     offers: HashMap<u64, Vec<Offer>>,
-    /// How many offers claim each client port: `accept()` looks a
-    /// connection up here first, and asks the kernel for its cookie only
-    /// when an offer may be its own.
-    ports: HashMap<u16, usize>,
-    /// Client ports of accepted connections that stayed on TCP while their
-    /// offer, if any, was still queued (behind a flood): an offer for one
-    /// of them that comes in later is closed at once, so that its client
-    /// goes on with TCP instead of waiting out `pair_timeout`.
-    on_tcp: HashMap<u16, Instant>,
+    /// Cookies of the client ends of accepted connections that stayed on
+    /// TCP while their offer, if any, was still queued (behind a flood): an
+    /// offer for one of them that comes in later is closed at once, so that
+    /// its client goes on with TCP instead of waiting out `pair_timeout`.
+    on_tcp: HashMap<u64, Instant>,
     /// What was refused or expired, closed by the stats thread outside the
     /// lock: closing a flood's connections frees the memory their messages
     /// carry, work that `accept()` should not do.
@@ -237,10 +244,8 @@ impl Pending {
         }
         if !old.is_empty() {
             self.offers.retain(|_, v| !v.is_empty());
-            for o in old {
-                self.unclaim(o.client_port);
-                self.doomed.extend(o.into_fds());
-            }
+            self.doomed
+                .extend(old.into_iter().flat_map(Offer::into_fds));
         }
         self.on_tcp
             .retain(|_, since| now.duration_since(*since) < expiry);
@@ -257,6 +262,29 @@ impl Pending {
     /// At most [`FOREIGN_LOOKS`] offers are looked up per round.
     fn drop_accepted_elsewhere(&mut self, addr: SocketAddr) {
         let now = Instant::now();
+        let due =
+            |o: &Offer| o.accepted_at.is_none() && now.duration_since(o.since) >= FOREIGN_AFTER;
+        let (mut any_due, mut any_seen) = (false, false);
+        for o in self.offers.values().flatten() {
+            any_due |= due(o);
+            any_seen |= o.accepted_at.is_some();
+        }
+        if !any_due && !any_seen {
+            return;
+        }
+        // An offer names its client's socket by cookie only: the kernel's
+        // list of the sockets connected to this listener's port says which
+        // client port each cookie has (a dump, at most once a round, and
+        // only while an offer has waited this long).
+        let port_of: HashMap<u64, SocketAddr> = if any_due {
+            sock_diag::connected_to(addr.port())
+                .unwrap_or_default()
+                .iter()
+                .map(|c| (c.cookie, c.local))
+                .collect()
+        } else {
+            HashMap::new()
+        };
         let mut looks = 0;
         let mut gone = Vec::new();
         for (cookie, v) in self.offers.iter_mut() {
@@ -267,19 +295,20 @@ impl Pending {
                     }
                     continue;
                 }
-                if now.duration_since(o.since) < FOREIGN_AFTER || looks >= FOREIGN_LOOKS {
+                if !due(o) || looks >= FOREIGN_LOOKS {
                     continue;
                 }
+                // Not connected (yet, or any more): nothing to look up.
+                let Some(client) = port_of.get(&o.cookie) else {
+                    continue;
+                };
                 looks += 1;
-                // (A client on this host connects from the address it
-                // connects to, the kernel's pick for a local route.)
-                let client = SocketAddr::new(o.dst.ip(), o.client_port);
                 // Accepted: it has an inode (a file), or this end is
                 // closing it (FIN_WAIT1/2, LAST_ACK, CLOSING), which only a
                 // process that accepted it can do. Not TIME_WAIT: an
                 // earlier connection of the same four-tuple lingers there
                 // (ten thousand connections in a row reuse client ports).
-                let accepted = sock_diag::socket(o.dst, client).is_ok_and(|t| {
+                let accepted = sock_diag::socket(o.dst, *client).is_ok_and(|t| {
                     t.is_some_and(|t| t.inode != 0 || matches!(t.state, 4 | 5 | 9 | 11))
                 });
                 if accepted {
@@ -298,11 +327,9 @@ impl Pending {
                 self.offers.remove(&cookie);
             }
             debug!(
-                "listener {addr}: the connection from port {} was accepted by another process; \
-                 its offer closed",
-                o.client_port
+                "listener {addr}: the connection of cookie {cookie} was accepted by another \
+                 process; its offer closed"
             );
-            self.unclaim(o.client_port);
             self.doomed.extend(o.into_fds());
         }
     }
@@ -321,13 +348,12 @@ impl Pending {
         self.waiting.extend(b.waiting);
         self.doomed.extend(b.doomed);
         for o in b.offers {
-            if self.on_tcp.contains_key(&o.client_port) {
+            if self.on_tcp.contains_key(&o.cookie) {
                 debug!(
                     "listener {addr}: an offer came after its connection was accepted on TCP; closed"
                 );
                 self.doomed.extend(o.into_fds());
             } else {
-                *self.ports.entry(o.client_port).or_default() += 1;
                 self.offers.entry(o.cookie).or_default().push(o);
             }
         }
@@ -340,20 +366,7 @@ impl Pending {
 
     /// The offers that claim `cookie`, no longer held.
     fn take_cookie(&mut self, cookie: u64) -> Vec<Offer> {
-        let v = self.offers.remove(&cookie).unwrap_or_default();
-        for o in &v {
-            self.unclaim(o.client_port);
-        }
-        v
-    }
-
-    fn unclaim(&mut self, port: u16) {
-        if let Some(n) = self.ports.get_mut(&port) {
-            *n -= 1;
-            if *n == 0 {
-                self.ports.remove(&port);
-            }
-        }
+        self.offers.remove(&cookie).unwrap_or_default()
     }
 
     /// How many of each user's connections and offers are held.
@@ -598,7 +611,7 @@ impl Listener {
         held: usize,
         budget: Budget,
         close_now: bool,
-        until: Option<u16>,
+        until: Until,
     ) -> Batch {
         let now = Instant::now();
         let mut b = Batch {
@@ -650,15 +663,22 @@ impl Listener {
                 uid,
                 since: now,
             };
-            let Some(port) = until else {
-                fresh.push(w);
-                continue;
-            };
             // Read at once, and stop at the offer of the connection being
             // accepted: the ones behind it are for other `accept()`s,
             // perhaps in other processes (see [`IN_ACCEPT`]).
+            let stop_at = match until {
+                Until::Background => {
+                    fresh.push(w);
+                    continue;
+                }
+                Until::FirstOffer => None,
+                Until::Cookie(c) => Some(c),
+            };
             self.read_offer(w, &mut b);
-            if b.offers.last().is_some_and(|o| o.client_port == port) {
+            if b.offers
+                .last()
+                .is_some_and(|o| stop_at.is_none_or(|c| o.cookie == c))
+            {
                 break;
             }
         }
@@ -690,7 +710,6 @@ impl Listener {
                             fds: r.fds,
                             page_size: intro.page_size,
                             dst: target.dst,
-                            client_port: target.client_port,
                             cookie: target.cookie,
                             since: w.since,
                             accepted_at: None,
@@ -710,11 +729,11 @@ impl Listener {
     }
 
     /// [`Listener::take_in`] with the lock held throughout (the program's
-    /// `accept()`, which must see what it takes in), stopping at the offer
-    /// for client port `until`. Whether the registry's queue may hold more.
-    fn pump(&self, p: &mut Pending, budget: Budget, until: u16) -> bool {
+    /// `accept()`, which must see what it takes in), stopping at `until`.
+    /// Whether the registry's queue may hold more.
+    fn pump(&self, p: &mut Pending, budget: Budget, until: Until) -> bool {
         let (waiting, counts, held) = p.take_waiting();
-        let b = self.take_in(waiting, counts, held, budget, false, Some(until));
+        let b = self.take_in(waiting, counts, held, budget, false, until);
         let saturated = b.saturated;
         p.merge(b, self.addr);
         saturated
@@ -741,7 +760,7 @@ impl Listener {
         };
         if !p.flooded() {
             let (waiting, counts, held) = p.take_waiting();
-            let b = self.take_in(waiting, counts, held, budget, false, None);
+            let b = self.take_in(waiting, counts, held, budget, false, Until::Background);
             p.note_round(&b);
             p.merge(b, self.addr);
             p.drop_accepted_elsewhere(self.addr);
@@ -755,7 +774,7 @@ impl Listener {
         let doomed = std::mem::take(&mut p.doomed);
         drop(p);
         drop(doomed);
-        let b = self.take_in(waiting, counts, held, budget, true, None);
+        let b = self.take_in(waiting, counts, held, budget, true, Until::Background);
         let mut p = self.pending.lock();
         p.note_round(&b);
         p.taking_in = None;
@@ -763,14 +782,12 @@ impl Listener {
     }
 
     /// The offer for the connection whose client end is `far` (as the
-    /// kernel describes it), if one is true: it claims that socket's port
-    /// and cookie, and its sender is the user the kernel says owns the
-    /// socket. Every other offer that claims the cookie is a lie.
+    /// kernel describes it), if one is true: it claims that socket's
+    /// cookie, and its sender is the user the kernel says owns the socket.
+    /// Every other offer that claims the cookie is a lie.
     fn take_offer(&self, p: &mut Pending, far: &sock_diag::TcpSocket) -> Option<Offer> {
         let mut v = p.take_cookie(far.cookie);
-        let i = v
-            .iter()
-            .position(|o| o.client_port == far.local.port() && o.peer.uid() == far.uid);
+        let i = v.iter().position(|o| o.peer.uid() == far.uid);
         let offer = i.map(|i| v.remove(i));
         for liar in v {
             warning!(
@@ -818,43 +835,61 @@ impl Listener {
             // accept() reads none: the stats thread drains the flood, this
             // connection stays on TCP, and its offer is closed when it
             // comes in, so that its client stops waiting.
-            let mut more = false;
             let flooded = p.flooded();
             if !flooded {
                 p.expire(self.expiry);
             }
-            if !flooded && !p.ports.contains_key(&peer.port()) {
+            // The client end of this connection, as the kernel knows it:
+            // asked for only once an offer is held (a plain client's
+            // connection costs no lookup).
+            let mut far: Option<sock_diag::TcpSocket> = None;
+            let mut more = false;
+            for round in 0..=IN_ACCEPT_ROUNDS {
+                if far.is_none() && !p.offers.is_empty() {
+                    far = match sock_diag::far_end(local, peer) {
+                        Ok(Some(far)) => Some(far),
+                        Ok(None) => return Err(TcpReason::PeerNotAzsdp),
+                        Err(e) => {
+                            debug!("{local} <- {peer}: sock_diag: {e}");
+                            return Err(TcpReason::PeerUnverified);
+                        }
+                    };
+                }
+                let cookie = far.map(|f| f.cookie);
+                if cookie.is_some_and(|c| p.offers.contains_key(&c))
+                    || flooded
+                    || round == IN_ACCEPT_ROUNDS
+                    || (round > 0 && !more)
+                {
+                    break;
+                }
                 // In an honest burst the queue may hold many offers ahead
                 // of this one, each wanted by a later accept(): take them
                 // in until this one is among them.
-                for _ in 0..IN_ACCEPT_ROUNDS {
-                    more = self.pump(&mut p, IN_ACCEPT, peer.port());
-                    if !more || p.ports.contains_key(&peer.port()) {
-                        break;
-                    }
-                }
+                let until = cookie.map_or(Until::FirstOffer, Until::Cookie);
+                more = self.pump(&mut p, IN_ACCEPT, until);
             }
-            if !p.ports.contains_key(&peer.port()) {
+            let ours = far.filter(|f| p.offers.contains_key(&f.cookie));
+            let Some(far) = ours else {
                 // Its offer may be queued still, or in the stats thread's
                 // hands: if it comes, it is closed.
                 let unseen = more || flooded || p.taking_in.is_some();
                 if unseen && p.on_tcp.len() < self.limits.total {
-                    debug!(
-                        "{local} <- {peer}: its offer, if any, is still queued behind others; \
-                         the connection stays on TCP"
-                    );
-                    p.on_tcp.insert(peer.port(), Instant::now());
+                    let cookie = far.map(|f| f.cookie).or_else(|| {
+                        sock_diag::far_end(local, peer)
+                            .ok()
+                            .flatten()
+                            .map(|f| f.cookie)
+                    });
+                    if let Some(c) = cookie {
+                        debug!(
+                            "{local} <- {peer}: its offer, if any, is still queued behind \
+                             others; the connection stays on TCP"
+                        );
+                        p.on_tcp.insert(c, Instant::now());
+                    }
                 }
                 return Err(TcpReason::PeerNotAzsdp);
-            }
-            // The client end of this connection, as the kernel knows it.
-            let far = match sock_diag::far_end(local, peer) {
-                Ok(Some(far)) => far,
-                Ok(None) => return Err(TcpReason::PeerNotAzsdp),
-                Err(e) => {
-                    debug!("{local} <- {peer}: sock_diag: {e}");
-                    return Err(TcpReason::PeerUnverified);
-                }
             };
             self.take_offer(&mut p, &far)
         };

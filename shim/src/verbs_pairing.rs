@@ -4,7 +4,7 @@
 //! (docs/shim.md, "Between hosts"); the program's descriptor stays a kernel
 //! TCP socket, and nothing of ours is ever written on it.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ use azsdp::sync::Lock;
 use libc::c_int;
 
 use crate::conn::Conn;
-use crate::connect::{Outcome, ensure_port, kernel_connect};
+use crate::connect::{Outcome, kernel_connect};
 use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 use crate::net;
@@ -384,4 +384,26 @@ impl VerbsAccepts {
             }
         }
     }
+}
+
+/// Bind `fd` to an ephemeral port if the program did not bind it; the
+/// port names the connection in an RDMA request.
+fn ensure_port(fd: c_int, family: c_int) -> Option<u16> {
+    if let Some(a) = net::local_of(fd)
+        && a.port() != 0
+    {
+        return Some(a.port());
+    }
+    let any = if family == libc::AF_INET6 {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+    } else {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+    };
+    let (st, len) = net::to_storage(any);
+    // SAFETY: bind to our own encoded address.
+    let r = unsafe { crate::real::bind(fd, (&raw const st).cast(), len) };
+    if r != 0 {
+        return None;
+    }
+    net::local_of(fd).map(|a| a.port()).filter(|p| *p != 0)
 }

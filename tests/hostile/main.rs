@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! azsdp-hostile squat PORT SECS        hold a listener's pairing name, answer and commit to everything
-//! azsdp-hostile lie PORT COOKIE SECS CPORT  offer to pair someone else's connection (its cookie
-//!                                       and port)
+//! azsdp-hostile lie PORT COOKIE SECS   offer to pair someone else's connection (by its
+//!                                       cookie)
 //! azsdp-hostile flood PORT SECS IDLE    IDLE idle pairing connections, and bogus offers for SECS
 //! azsdp-hostile junk PORT COUNT         COUNT malformed messages with descriptors: half to the
 //!                                       pairing name, half to the bell of a pair made with it
@@ -95,7 +95,6 @@ fn main() {
             arg(&args, 2, "port"),
             arg(&args, 3, "cookie"),
             arg(&args, 4, "secs"),
-            arg(&args, 5, "client port"),
             &mut r,
         ),
         Some("flood") => flood(
@@ -209,24 +208,16 @@ fn accept_nb(fd: BorrowedFd<'_>) -> Option<OwnedFd> {
     (n >= 0).then(|| unsafe { OwnedFd::from_raw_fd(n) })
 }
 
-/// A TCP socket bound to a port the kernel picks, not yet connected.
-fn bound_tcp() -> (OwnedFd, u16) {
-    // SAFETY: plain socket calls on a descriptor we own, with our own
-    // sockaddr_in.
+/// A TCP socket, not yet connected (as a client under azsdp leaves it
+/// when it sends its offer: the kernel picks its port at `connect()`).
+fn new_tcp() -> OwnedFd {
+    // SAFETY: a plain socket call; the descriptor is ours.
     unsafe {
         let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        let fd = OwnedFd::from_raw_fd(fd);
-        let mut a: libc::sockaddr_in = std::mem::zeroed();
-        a.sin_family = libc::AF_INET as libc::sa_family_t;
-        a.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        if libc::bind(fd.as_raw_fd(), (&raw const a).cast(), len) != 0 {
-            die("bind".into());
+        if fd < 0 {
+            die("socket".into());
         }
-        let mut got = a;
-        let mut gl = len;
-        libc::getsockname(fd.as_raw_fd(), (&raw mut got).cast(), &mut gl);
-        (fd, u16::from_be(got.sin_port))
+        OwnedFd::from_raw_fd(fd)
     }
 }
 
@@ -343,10 +334,10 @@ fn offer_and_answer(
     r: &mut Report,
 ) -> Result<(TcpStream, ShmOffer, Intro, azsdp::identity::Received), String> {
     let reg = registry(port).ok_or("no pairing name for that port")?;
-    let (tcp, local_port) = bound_tcp();
+    let tcp = new_tcp();
     let cookie = sock_diag::cookie_of(tcp.as_fd()).map_err(|e| e.to_string())?;
     let offer = ShmOffer::new(ShmParams::default()).map_err(|e| e.to_string())?;
-    let intro = offer_intro(port, local_port, cookie);
+    let intro = offer_intro(port, cookie);
     let reactor = bell();
     send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false)
         .map_err(|e| e.to_string())?;
@@ -383,15 +374,14 @@ fn pair(port: u16, r: &mut Report) -> Result<(TcpStream, ShmEndpoint), String> {
     Ok((tcp, ep))
 }
 
-/// An offer for a connection to 127.0.0.1:`port` from `client_port`,
-/// claiming the socket with `cookie`.
-fn offer_intro(port: u16, client_port: u16, cookie: u64) -> Intro {
+/// An offer for a connection to 127.0.0.1:`port`, claiming the socket
+/// with `cookie`.
+fn offer_intro(port: u16, cookie: u64) -> Intro {
     Intro {
         kind: IntroKind::Offer,
         page_size: page(),
         pair: Some(PairTarget {
             dst: ([127, 0, 0, 1], port).into(),
-            client_port,
             cookie,
         }),
     }
@@ -573,10 +563,10 @@ fn forged_identity(port: u16, pid: u32, r: &mut Report) {
         r.note = "no pairing name".into();
         return;
     };
-    let (tcp, local_port) = bound_tcp();
+    let tcp = new_tcp();
     let cookie = sock_diag::cookie_of(tcp.as_fd()).unwrap_or(0);
     let offer = ShmOffer::new(ShmParams::default()).unwrap_or_else(|e| die(e.to_string()));
-    let intro = offer_intro(port, local_port, cookie);
+    let intro = offer_intro(port, cookie);
     let mut b = [0u8; INTRO_LEN];
     intro.emit(&mut b);
     let theirs = azsdp::identity::pidfd_open(pid).unwrap_or_else(|e| die(e.to_string()));
@@ -608,7 +598,7 @@ fn bad_segment(port: u16, how: &str, r: &mut Report) {
         r.note = "no pairing name".into();
         return;
     };
-    let (tcp, local_port) = bound_tcp();
+    let tcp = new_tcp();
     let cookie = sock_diag::cookie_of(tcp.as_fd()).unwrap_or(0);
     let flags = if how == "unsealed" {
         MFdFlags::MFD_CLOEXEC
@@ -629,7 +619,7 @@ fn bad_segment(port: u16, how: &str, r: &mut Report) {
             FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
         );
     }
-    let intro = offer_intro(port, local_port, cookie);
+    let intro = offer_intro(port, cookie);
     let reactor = bell();
     let _ = send_intro(reg.as_fd(), &intro, &[memfd.as_fd(), reactor.bell()], false);
     plain_after(&reg, tcp, port, r);
@@ -670,7 +660,7 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
                         continue;
                     };
                     // A fake proof: a TCP socket of our own.
-                    let (fake, _) = bound_tcp();
+                    let fake = new_tcp();
                     let proof = fake.as_fd();
                     if let Some(ep) = answer_and_commit(s, join, offer, intro.page_size, proof) {
                         r.paired = true;
@@ -688,13 +678,13 @@ fn squat(port: u16, secs: u64, r: &mut Report) {
 
 /// Offer to pair the connection whose client socket has `cookie` (someone
 /// else's), and wait `secs` for an answer.
-fn lie(port: u16, cookie: u64, secs: u64, client_port: u16, r: &mut Report) {
+fn lie(port: u16, cookie: u64, secs: u64, r: &mut Report) {
     let Some(reg) = registry(port) else {
         r.note = "no pairing name".into();
         return;
     };
     let offer = ShmOffer::new(ShmParams::default()).unwrap_or_else(|e| die(e.to_string()));
-    let intro = offer_intro(port, client_port, cookie);
+    let intro = offer_intro(port, cookie);
     let reactor = bell();
     send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false)
         .unwrap_or_else(|e| die(e.to_string()));
@@ -734,7 +724,7 @@ fn flood(port: u16, secs: u64, idle: usize, r: &mut Report) {
             continue;
         };
         k += 1;
-        let intro = offer_intro(port, 1, k);
+        let intro = offer_intro(port, k);
         if send_intro(reg.as_fd(), &intro, &[offer.memfd(), reactor.bell()], false).is_ok() {
             r.offers += 1;
         }
@@ -772,7 +762,7 @@ fn send_junk(
     });
     let mut body = vec![0xa5u8; len];
     let good = &mut [0u8; INTRO_LEN];
-    offer_intro(1, 1, 1).emit(good);
+    offer_intro(1, 1).emit(good);
     body[..len.min(INTRO_LEN)].copy_from_slice(&good[..len.min(INTRO_LEN)]);
     let many = |n: usize| {
         let mut v = vec![me.as_raw_fd()];

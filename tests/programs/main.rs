@@ -1007,7 +1007,7 @@ fn connect_from(fd: std::os::fd::OwnedFd, to: u16) -> std::net::TcpStream {
 /// SEQPACKET socket in the abstract namespace).
 fn registration(port: u16) -> std::os::fd::OwnedFd {
     use std::os::fd::FromRawFd;
-    let name = format!("azsdp/v3/tcp/0.0.0.0/{port}");
+    let name = format!("azsdp/v4/tcp/0.0.0.0/{port}");
     // SAFETY: plain socket calls on a descriptor we own from here on, with
     // a sockaddr_un of our own.
     unsafe {
