@@ -279,6 +279,21 @@ fn core_code_polls_its_own_descriptors_by_system_call() {
     );
 }
 
+/// The same bug class for `ioctl`: the shim's hook looks the descriptor up
+/// among the program's sockets first, which our own descriptors (the
+/// memory-map handle, the userfaultfd) never need.
+#[test]
+fn core_code_makes_its_own_ioctls_by_system_call() {
+    let found = flagged_lines(&["azsdp/src"], "azsdp/src/own_ioctl.rs", |code| {
+        code.contains("libc::ioctl(")
+    });
+    assert!(
+        found.is_empty(),
+        "use azsdp::own_ioctl, not the shim's ioctl hook:\n{}",
+        found.join("\n")
+    );
+}
+
 /// The lines of code (outside `#[cfg(test)]`, comments cut) under `dirs`
 /// that `bad` flags, but in the file ending with `except`; each as
 /// "file:line: text".

@@ -35,6 +35,7 @@ pub mod identity;
 pub mod memory_map;
 pub mod monotonic;
 pub mod notes;
+pub mod own_ioctl;
 pub mod pages;
 pub mod pairing;
 pub mod pinned;

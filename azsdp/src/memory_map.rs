@@ -178,7 +178,7 @@ fn query(addr: u64) -> Result<Option<Vma>, ()> {
     };
     // SAFETY: the ioctl reads `q` and writes `q` and at most
     // `vma_name_size` bytes of `name`, both live on this stack.
-    let rc = unsafe { libc::ioctl(raw, PROCMAP_QUERY, &mut q) };
+    let rc = unsafe { crate::own_ioctl::ioctl(raw, PROCMAP_QUERY, (&raw mut q) as usize) };
     if rc != 0 {
         return match std::io::Error::last_os_error().raw_os_error() {
             Some(libc::ENOENT) => Ok(None),
@@ -191,7 +191,8 @@ fn query(addr: u64) -> Result<Option<Vma>, ()> {
                     ..ProcmapQuery::default()
                 };
                 // SAFETY: as above, without a name buffer.
-                let rc = unsafe { libc::ioctl(raw, PROCMAP_QUERY, &mut q2) };
+                let rc =
+                    unsafe { crate::own_ioctl::ioctl(raw, PROCMAP_QUERY, (&raw mut q2) as usize) };
                 if rc != 0 {
                     return Err(());
                 }
@@ -421,7 +422,7 @@ fn lean_query(addr: u64) -> Result<Option<Vma>, ()> {
         ..ProcmapQuery::default()
     };
     // SAFETY: the ioctl reads and writes `q`, on this stack; no name.
-    let rc = unsafe { libc::ioctl(raw, PROCMAP_QUERY, &mut q) };
+    let rc = unsafe { crate::own_ioctl::ioctl(raw, PROCMAP_QUERY, (&raw mut q) as usize) };
     if rc != 0 {
         return match std::io::Error::last_os_error().raw_os_error() {
             Some(libc::ENOENT) => Ok(None),

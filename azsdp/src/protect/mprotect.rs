@@ -170,7 +170,7 @@ fn writable_now(addr: u64) -> Option<bool> {
         ..ProcmapQuery::default()
     };
     // SAFETY: PROCMAP_QUERY reads and writes only `q` (no name buffer).
-    let rc = unsafe { libc::ioctl(fd, PROCMAP_QUERY, &mut q) };
+    let rc = unsafe { crate::own_ioctl::ioctl(fd, PROCMAP_QUERY, (&raw mut q) as usize) };
     // SAFETY: closing the descriptor opened above.
     unsafe { libc::close(fd) };
     (rc == 0).then_some(q.vma_flags & VMA_WRITABLE != 0)

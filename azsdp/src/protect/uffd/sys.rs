@@ -97,7 +97,10 @@ fn range(r: &Range<u64>) -> uapi::uffdio_range {
 /// `arg` must be the structure `request` reads and writes.
 unsafe fn ioctl<T>(fd: RawFd, request: u32, arg: &mut T) -> io::Result<()> {
     // SAFETY: the caller passes the structure the request expects.
-    if unsafe { libc::ioctl(fd, request as libc::Ioctl, arg as *mut T) } == 0 {
+    if unsafe {
+        crate::own_ioctl::ioctl(fd, libc::c_ulong::from(request), (arg as *mut T) as usize)
+    } == 0
+    {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
@@ -124,10 +127,10 @@ impl Userfaultfd {
             // SAFETY: USERFAULTFD_IOC_NEW takes the flags by value and
             // returns a new fd.
             let fd = unsafe {
-                libc::ioctl(
+                crate::own_ioctl::ioctl(
                     dev.as_raw_fd(),
-                    USERFAULTFD_IOC_NEW as libc::Ioctl,
-                    flags as libc::c_ulong,
+                    USERFAULTFD_IOC_NEW as libc::c_ulong,
+                    flags as usize,
                 )
             };
             if fd < 0 {
