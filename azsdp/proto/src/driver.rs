@@ -603,13 +603,33 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     /// Start a `recv()` into `len` bytes at `addr` (which must stay valid
     /// and untouched by the caller until the result is in).
     pub fn submit_recv(&mut self, addr: u64, len: u64, mut flags: RecvFlags) -> CallId {
-        flags.armable &= self.protector.can_arm() && self.unprotectable(addr, len).is_none();
+        // The host is asked (a system call) only for a receive the engine
+        // could arm: not `&=`, which would ask for every receive.
+        flags.armable = flags.armable
+            && self.may_arm(addr, len, flags)
+            && self.protector.can_arm()
+            && self.unprotectable(addr, len).is_none();
         let call = self.call_id();
         let now = self.now();
         self.conn
             .recv(now, call, UserBuf { addr, len }, flags, &mut self.host);
         self.drive();
         call
+    }
+
+    /// Could the engine arm any of this receive's pages, by its settings
+    /// (as `get_into_call` decides, for the largest part it could arm)?
+    fn may_arm(&self, addr: u64, len: u64, flags: RecvFlags) -> bool {
+        let cfg = self.conn.config();
+        let whole = crate::pages::whole_pages(addr, len, u64::from(cfg.page_size));
+        !flags.peek
+            && cfg.caps.arm_recv
+            && !whole.is_empty()
+            && match cfg.recv_protect {
+                crate::conn::RecvProtect::Off => false,
+                crate::conn::RecvProtect::On => true,
+                crate::conn::RecvProtect::Auto => whole.end - whole.start >= cfg.recv_protect_min,
+            }
     }
 
     /// Why the whole pages of `[addr, addr+len)` may not be protected or

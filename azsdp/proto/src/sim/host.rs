@@ -85,6 +85,9 @@ pub struct SimHost {
     clock: SimClock,
     /// Memory this host calls unprotectable (all else is private).
     pub unprotectable: Unprotectables,
+    /// How many times the driver asked [`Host::protectable`] (each is a
+    /// system call on a real host).
+    pub asked: Rc<Cell<u64>>,
     /// The TCP connection beneath.
     pub tcp: SharedTcp,
     /// The fabric, to see whether this side's SWITCH is out when it writes
@@ -99,6 +102,7 @@ impl SimHost {
             mems,
             clock,
             unprotectable: Rc::default(),
+            asked: Rc::default(),
             tcp,
             fabric: None,
         }
@@ -156,6 +160,7 @@ impl Host for SimHost {
     }
 
     fn protectable(&mut self, pages: &Range<u64>) -> Protectable {
+        self.asked.set(self.asked.get() + 1);
         let overlaps = |r: &Range<u64>| r.start < pages.end && pages.start < r.end;
         match self
             .unprotectable

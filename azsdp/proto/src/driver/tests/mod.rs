@@ -63,6 +63,9 @@ struct Pair {
     logs: [Rc<RefCell<ProtectLog>>; 2],
     /// What each side's host calls unprotectable.
     unprotectable: [Unprotectables; 2],
+    /// How often each side's driver asked its host whether memory may be
+    /// protected.
+    asked: [Rc<std::cell::Cell<u64>>; 2],
     /// The TCP connection beneath.
     tcp: SharedTcp,
     /// Sides whose driver does not run (a process stopped by SIGSTOP or a
@@ -103,12 +106,13 @@ impl Pair {
             let p = SimProtector::new(s, Rc::clone(&mems), rng.fork(), 0.0);
             logs.push(Rc::clone(&p.log));
             let host = SimHost::new(s, Rc::clone(&mems), clock.clone(), Rc::clone(&tcp));
-            hosts.push(Rc::clone(&host.unprotectable));
+            hosts.push((Rc::clone(&host.unprotectable), Rc::clone(&host.asked)));
             Driver::with_host(c, SimEndpoint::new(Rc::clone(&fabric), s), p, host)
         };
         let d = [mk(0, c0), mk(1, c1)];
         let logs = [Rc::clone(&logs[0]), Rc::clone(&logs[1])];
-        let unprotectable = [Rc::clone(&hosts[0]), Rc::clone(&hosts[1])];
+        let unprotectable = [Rc::clone(&hosts[0].0), Rc::clone(&hosts[1].0)];
+        let asked = [Rc::clone(&hosts[0].1), Rc::clone(&hosts[1].1)];
         let mut p = Pair {
             clock,
             fabric,
@@ -116,6 +120,7 @@ impl Pair {
             d,
             logs,
             unprotectable,
+            asked,
             tcp,
             stopped: [false; 2],
         };

@@ -229,6 +229,42 @@ fn block_on_write_waits_for_the_transfer() {
     assert_eq!(p.counters(0).cow_copies, 0);
 }
 
+/// Whether a receive's pages may be armed is asked only of a receive that
+/// may arm: on a real host each answer is a system call (`PROCMAP_QUERY`),
+/// and an event loop's large reads paid one each for nothing.
+#[test]
+fn a_receive_that_may_not_arm_asks_nothing_of_its_memory() {
+    let mut c1 = cfg(Role::Server);
+    c1.recv_protect = RecvProtect::On;
+    let mut p = Pair::new(cfg(Role::Client), c1);
+    let (call, data) = p.send_pattern(0, 6 * PAGE as usize, 9);
+    assert_eq!(p.wait(0, call), Ok(6 * PAGE));
+    let before = p.asked[1].get();
+    let r = p.recv_all(1, DST, 6 * PAGE);
+    assert_eq!(p.wait(1, r), Ok(6 * PAGE));
+    assert_eq!(p.read(1, DST, data.len()), data);
+    assert_eq!(p.asked[1].get(), before, "a receive that may not arm asked");
+    // One that may arm asks.
+    let (call, _) = p.send_pattern(0, 6 * PAGE as usize, 10);
+    assert_eq!(p.wait(0, call), Ok(6 * PAGE));
+    let flags = RecvFlags {
+        armable: true,
+        ..RecvFlags::default()
+    };
+    let r = p.d[1].submit_recv(DST, 6 * PAGE, flags);
+    assert_eq!(p.wait(1, r), Ok(6 * PAGE));
+    assert!(p.asked[1].get() > before);
+    // Under `auto`, one smaller than `recv_protect_min` never arms: no
+    // question either.
+    let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    let (call, _) = p.send_pattern(0, 6 * PAGE as usize, 11);
+    assert_eq!(p.wait(0, call), Ok(6 * PAGE));
+    let before = p.asked[1].get();
+    let r = p.d[1].submit_recv(DST, 6 * PAGE, flags);
+    assert_eq!(p.wait(1, r), Ok(6 * PAGE));
+    assert_eq!(p.asked[1].get(), before, "a receive too small to arm asked");
+}
+
 #[test]
 fn receive_side_protection_returns_before_the_data_lands() {
     let mut c1 = cfg(Role::Server);
