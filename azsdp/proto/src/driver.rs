@@ -618,18 +618,11 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     }
 
     /// Could the engine arm any of this receive's pages, by its settings
-    /// (as `get_into_call` decides, for the largest part it could arm)?
+    /// (for the largest part it could arm: the buffer's whole pages)?
     fn may_arm(&self, addr: u64, len: u64, flags: RecvFlags) -> bool {
         let cfg = self.conn.config();
         let whole = crate::pages::whole_pages(addr, len, u64::from(cfg.page_size));
-        !flags.peek
-            && cfg.caps.arm_recv
-            && !whole.is_empty()
-            && match cfg.recv_protect {
-                crate::conn::RecvProtect::Off => false,
-                crate::conn::RecvProtect::On => true,
-                crate::conn::RecvProtect::Auto => whole.end - whole.start >= cfg.recv_protect_min,
-            }
+        !flags.peek && cfg.arms_pages(whole.end - whole.start)
     }
 
     /// Why the whole pages of `[addr, addr+len)` may not be protected or

@@ -6,7 +6,7 @@ use std::ops::Range;
 use super::lockword;
 use super::{
     AbortReason, Action, CallError, CallId, CasTarget, Connection, DisarmOutcome, OpError, OpKind,
-    OutMsg, ProtocolError, RecvFlags, RecvProtect, RemoteBuf, State, UserBuf, UserMemory,
+    OutMsg, ProtocolError, RecvFlags, RemoteBuf, State, UserBuf, UserMemory,
 };
 use crate::pages;
 use crate::time::Timestamp;
@@ -422,15 +422,7 @@ impl Connection {
         let (call_id, flags) = (call.call, call.flags);
         let middle = pages::whole_pages(dst, k, self.page());
         let mlen = middle.end - middle.start;
-        let arm = !flags.peek
-            && flags.armable
-            && self.cfg.caps.arm_recv
-            && mlen > 0
-            && match self.cfg.recv_protect {
-                RecvProtect::Off => false,
-                RecvProtect::On => true,
-                RecvProtect::Auto => mlen >= self.cfg.recv_protect_min,
-            };
+        let arm = !flags.peek && flags.armable && self.cfg.arms_pages(mlen);
         let a = &self.in_avails[&id];
         if !arm {
             let src = a.src_at(pos);

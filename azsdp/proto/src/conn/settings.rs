@@ -134,6 +134,19 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Would receive-side protection arm `len` bytes of whole pages of a
+    /// receive that may be armed? (The engine decides per GET, the driver
+    /// whether to ask the host at all: one rule for both.)
+    pub fn arms_pages(&self, len: u64) -> bool {
+        self.caps.arm_recv
+            && len > 0
+            && match self.recv_protect {
+                RecvProtect::Off => false,
+                RecvProtect::On => true,
+                RecvProtect::Auto => len >= self.recv_protect_min,
+            }
+    }
+
     /// Defaults from `docs/config.md`, with the given role and capabilities.
     pub fn new(role: Role, caps: Capabilities, lock_region: LockRegion) -> Self {
         EngineConfig {
