@@ -604,6 +604,9 @@ impl StatFile {
         set(w::SENT_SYNC, c.bytes_sent_sync);
         set(w::RECV_BSDP, c.bytes_recv_bsdp);
         set(w::RECV_ZCOPY, c.bytes_recv_zcopy);
+        // A connection that began on TCP: what went there before it joined.
+        set(w::SENT_TCP, c.tcp_sent_before_join);
+        set(w::RECV_TCP, c.tcp_received_before_join);
         set(w::AVAILS_OUT, outstanding_avails);
         set(w::AVAILS_SENT, c.avails_sent);
         set(w::GETS, c.gets);
@@ -907,6 +910,8 @@ mod tests {
             fallback_reason: Some(FallbackReason::FaultRate),
             copied,
             copied_memory: Some(Unprotectable::File),
+            tcp_sent_before_join: 11,
+            tcp_received_before_join: 12,
             ..Counters::default()
         };
         f.publish(slot, &c, 3, ConnPath::Zsdp);
@@ -924,6 +929,7 @@ mod tests {
             (r.sent_async, r.gets, r.avails_outstanding),
             (1 << 30, 7, 3)
         );
+        assert_eq!((r.sent_tcp, r.recv_tcp), (11, 12));
         assert_eq!(r.zcopy_fallback, Some("fault-rate"));
         assert_eq!(r.copied, copied);
         assert_eq!(r.copied_memory, Some(Unprotectable::File));

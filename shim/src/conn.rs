@@ -388,8 +388,16 @@ impl Conn {
             0 => String::new(),
             n => format!(" (read ahead, then copied: {n})"),
         };
+        let before_join = |n: u64| match n {
+            0 => String::new(),
+            n => format!(" (on TCP before joining: {n})"),
+        };
+        let (sent_tcp, received_tcp) = (
+            before_join(c.tcp_sent_before_join),
+            before_join(c.tcp_received_before_join),
+        );
         info!(
-            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes{copied}, received zero-copy {} bsdp {} bytes{ahead}; \
+            "{} -> {}: {end}; sent azsdp {} zsdp {} bsdp {} bytes{copied}{sent_tcp}, received zero-copy {} bsdp {} bytes{ahead}{received_tcp}; \
              gets {}, faults {}, copy-on-writes {}, fallbacks {}",
             self.local,
             self.peer,
