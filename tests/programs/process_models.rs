@@ -572,6 +572,151 @@ fn nginx_reloads_under_ab_keepalive_lose_no_more_than_on_tcp() {
     );
 }
 
+/// apache2 with the prefork MPM, its workers as www-data accepting on the
+/// listener they inherited, beside a hog on both cores, on kernel TCP and
+/// then with both ends under azsdp. ab makes a connection per request
+/// (`-n 2000 -c 20`: each used to wait the whole pair timeout inside
+/// `connect()`, and ab timed out), then keeps 20 alive for 2000 more, and
+/// curl downloads 32 MiB. Every request is answered in full, none fails,
+/// and the download is byte-exact; under azsdp the kept-alive connections
+/// and the download pair with the workers (another user's processes).
+#[test]
+fn apache2_prefork_workers_serve_ab_and_curl_on_a_loaded_host() {
+    if !have(&["apache2", "ab", "curl"]) {
+        return;
+    }
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: the workers run as www-data, which needs root");
+        return;
+    }
+    let _hog = CpuHog::start(2);
+    let mut rates = Vec::new();
+    for azsdp in [false, true] {
+        let s = Scratch::new(&format!("apache2-{azsdp}"));
+        let p = port(190 + u16::from(azsdp));
+        let html = s.path("html");
+        std::fs::create_dir(&html).unwrap();
+        random_file(&html.join("small.bin"), 64 << 10, 0xa9ac4e);
+        random_file(&html.join("big.bin"), 32 << 20, 0xb19);
+        // (The workers run as www-data: they read the files.)
+        for d in [&s.0, &html] {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let dir = s.0.display();
+        let conf = format!(
+            "ServerRoot /usr/lib/apache2\n\
+             ServerName localhost\n\
+             LoadModule mpm_prefork_module modules/mod_mpm_prefork.so\n\
+             LoadModule authz_core_module modules/mod_authz_core.so\n\
+             User www-data\n\
+             Group www-data\n\
+             PidFile {dir}/apache2.pid\n\
+             ErrorLog {dir}/error.log\n\
+             Mutex file:{dir}\n\
+             Listen 127.0.0.1:{p}\n\
+             DocumentRoot {dir}/html\n\
+             StartServers 4\n\
+             MinSpareServers 4\n\
+             MaxSpareServers 8\n\
+             MaxRequestWorkers 32\n\
+             KeepAlive On\n\
+             MaxKeepAliveRequests 0\n\
+             <Directory {dir}/html>\n  Require all granted\n</Directory>\n"
+        );
+        std::fs::write(s.path("apache2.conf"), conf).unwrap();
+        let conf_arg = s.path("apache2.conf").display().to_string();
+        let mut srv = Proc::start(
+            s.command(
+                azsdp,
+                "server",
+                "apache2",
+                &["-f", &conf_arg, "-DFOREGROUND"],
+            ),
+            "apache2",
+        );
+        wait_listening(p, LISTEN);
+        let logs = || {
+            format!(
+                "{}\napache2's error log:\n{}",
+                s.client_and_server_logs(),
+                std::fs::read_to_string(s.path("error.log")).unwrap_or_default()
+            )
+        };
+        let small = format!("http://127.0.0.1:{p}/small.bin");
+        for keepalive in [false, true] {
+            let mut args = vec!["-q", "-s", "10", "-n", "2000", "-c", "20"];
+            if keepalive {
+                args.push("-k");
+            }
+            args.push(&small);
+            let name = format!("ab-{keepalive}");
+            let mut c = s.command(azsdp, &name, "ab", &args);
+            c.stdout(Stdio::piped());
+            let mut ab = Proc::start(c, "ab");
+            let out = ab.stdout();
+            let st = ab.wait(Duration::from_secs(120)).expect("ab finished");
+            assert!(
+                st.success(),
+                "ab (azsdp: {azsdp}) failed: {st}\n{out}\n{}",
+                logs()
+            );
+            let field = |name: &str| -> String {
+                out.lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(|v| v.trim().to_string())
+                    .unwrap_or_else(|| panic!("no `{name}` in ab's output:\n{out}"))
+            };
+            assert_eq!(field("Complete requests:"), "2000", "{out}");
+            assert_eq!(field("Failed requests:"), "0", "{out}");
+            assert_eq!(field("Document Length:"), "65536 bytes", "{out}");
+            assert!(!out.contains("Non-2xx"), "{out}");
+            let rate = field("Requests per second:");
+            rates.push(format!("{} {rate}", if keepalive { "-k" } else { "" }));
+            if azsdp && keepalive {
+                let log = s.log(&name);
+                let paired = log.matches(": azsdp (fabric shm, peer pid").count();
+                assert!(paired > 0, "no kept-alive connection paired\n{}", logs());
+            }
+        }
+        let got = s.path("got.bin");
+        let got_arg = got.display().to_string();
+        let url = format!("http://127.0.0.1:{p}/big.bin");
+        let mut curl = Proc::start(
+            s.command(
+                azsdp,
+                "curl",
+                "curl",
+                &["-sS", "--fail", "-o", &got_arg, &url],
+            ),
+            "curl",
+        );
+        curl.expect_success(Duration::from_secs(120), || s.log("curl"));
+        assert_eq!(
+            sha256(&html.join("big.bin")),
+            sha256(&got),
+            "the download differs"
+        );
+        if azsdp {
+            let log = s.log("curl");
+            assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
+        }
+        let master: i32 = std::fs::read_to_string(s.path("apache2.pid"))
+            .unwrap_or_default()
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        if master > 0 {
+            // SAFETY: a signal to apache2's master: stop.
+            unsafe { libc::kill(master, libc::SIGTERM) };
+        }
+        srv.wait(Duration::from_secs(10));
+        srv.kill();
+    }
+    eprintln!("ab requests/s (kernel TCP, then azsdp), beside a hog: {rates:?}");
+}
+
 /// PostgreSQL's binaries (`/usr/lib/postgresql/VERSION/bin`), newest first.
 fn postgres_bin() -> Option<std::path::PathBuf> {
     let mut dirs: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
