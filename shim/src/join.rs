@@ -13,6 +13,7 @@
 //! its JOIN, whatever comes), waiting for the socket or for the connection,
 //! whichever comes first.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -376,31 +377,42 @@ fn cap(bufs: &[(*mut u8, usize)], left: Option<u64>) -> Vec<(*mut u8, usize)> {
 
 /// Sleep until the socket is ready for `events`, the connection's state
 /// may have changed (a JOIN came), or `most` passes.
+///
+/// The thread sleeps on a futex of its own, not in `poll` with an eventfd:
+/// a thread-per-connection server has thousands of threads here at once
+/// (each waiting for its client's first bytes), and each would hold a
+/// descriptor. The reactor watches the socket for it instead, once.
 fn wait(c: &Conn, fd: c_int, events: i16, most: Duration) {
-    let Some(w) = crate::ready::my_wakeup() else {
+    let Some(w) = crate::ready::my_quiet_wakeup() else {
         std::thread::sleep(most.min(Duration::from_millis(1)));
         return;
     };
     w.arm_alone();
     let mut listening = crate::ready::Listening::new(Some(&w));
     listening.add(&c.watchers);
-    // Looked at after arming: a change from now on rings us.
-    let route = c.driver.rx_route();
-    let mut fds = [
-        libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: w.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    if !matches!(route, RxRoute::Fabric) {
-        // SAFETY: our own array of two pollfds.
-        unsafe { real::poll(fds.as_mut_ptr(), 2, most.as_millis().max(1) as c_int) };
+    // Read after arming, before the last look: a change from now on moves
+    // the word, and the sleep below does not begin.
+    let seen = w.word().load(Ordering::SeqCst);
+    if !matches!(c.driver.rx_route(), RxRoute::Fabric) {
+        let waker = Arc::clone(&w);
+        let kick: azsdp::driver::reactor::Waker = Arc::new(move || waker.kick());
+        let watch = azsdp::driver::reactor::Reactor::get()
+            .and_then(|r| r.when_ready(fd, events as u32, kick));
+        match watch {
+            Ok(_watch) => azsdp::futex::wait(w.word(), seen, most),
+            // (No reactor, or the socket cannot be watched: look again
+            // soon.)
+            Err(_) => {
+                let mut p = libc::pollfd {
+                    fd,
+                    events,
+                    revents: 0,
+                };
+                let ms = most.min(Duration::from_millis(2)).as_millis().max(1) as c_int;
+                // SAFETY: our own pollfd.
+                unsafe { real::poll(&raw mut p, 1, ms) };
+            }
+        }
     }
     w.disarm();
 }

@@ -14,7 +14,7 @@
 use azsdp::sync::Lock;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use azsdp::conn::Readiness;
@@ -22,9 +22,12 @@ use libc::{POLLERR, POLLHUP, POLLIN, POLLOUT, POLLRDHUP, c_int, c_short, pollfd}
 
 use crate::real;
 
-/// A sleeping thread's (or epoll set's) eventfd.
+/// A sleeping thread's (or epoll set's) eventfd, or, for a thread that
+/// sleeps on one connection alone, a futex word ([`my_quiet_wakeup`]).
 pub struct Wakeup {
-    efd: OwnedFd,
+    efd: Option<OwnedFd>,
+    /// Bumped by every kick of a futex wakeup.
+    word: AtomicU32,
     asleep: AtomicBool,
     /// Written since the last disarm (set after the write, so a disarm
     /// that sees it reads what was written; one that misses it leaves the
@@ -41,17 +44,35 @@ impl Wakeup {
         }
         // SAFETY: a fresh descriptor, owned from here.
         let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Some(Self::listed(Some(efd)))
+    }
+
+    /// A wakeup that holds no descriptor: its sleeper waits on
+    /// [`Wakeup::word`] (a futex), never in a kernel set.
+    fn quiet() -> Arc<Wakeup> {
+        Self::listed(None)
+    }
+
+    fn listed(efd: Option<OwnedFd>) -> Arc<Wakeup> {
         let w = Arc::new(Wakeup {
             efd,
+            word: AtomicU32::new(0),
             asleep: AtomicBool::new(false),
             rung: AtomicBool::new(false),
         });
         SLEEPERS.lock().push(Arc::downgrade(&w));
-        Some(w)
+        w
     }
 
+    /// The eventfd (-1 for a futex wakeup, which no kernel set holds).
     pub fn fd(&self) -> c_int {
-        self.efd.as_raw_fd()
+        self.efd.as_ref().map_or(-1, AsRawFd::as_raw_fd)
+    }
+
+    /// A futex wakeup's word: read it before the last look, then sleep
+    /// while it holds that value ([`azsdp::futex::wait`]).
+    pub fn word(&self) -> &AtomicU32 {
+        &self.word
     }
 
     /// About to look, then sleep: notifications from now on wake us.
@@ -81,7 +102,7 @@ impl Wakeup {
         if self.asleep.swap(false, Ordering::SeqCst) {
             ARMED.fetch_sub(1, Ordering::SeqCst);
         }
-        if self.rung.swap(false, Ordering::SeqCst) {
+        if self.rung.swap(false, Ordering::SeqCst) && self.efd.is_some() {
             let mut v = 0u64;
             // SAFETY: read of 8 bytes into our own u64 (non-blocking eventfd).
             unsafe { real::read(self.fd(), (&raw mut v).cast(), 8) };
@@ -92,6 +113,11 @@ impl Wakeup {
     /// that holds this eventfd without having armed it.
     pub fn kick(&self) {
         let _keep = real::KeepErrno::new();
+        if self.efd.is_none() {
+            self.word.fetch_add(1, Ordering::SeqCst);
+            azsdp::futex::wake_all(&self.word);
+            return;
+        }
         let one = 1u64;
         // SAFETY: write of 8 bytes from our own u64.
         unsafe { real::write(self.fd(), (&raw const one).cast(), 8) };
@@ -174,12 +200,23 @@ impl Drop for Listening {
 
 thread_local! {
     static MINE: std::cell::OnceCell<Option<Arc<Wakeup>>> = const { std::cell::OnceCell::new() };
+    static MINE_QUIET: std::cell::OnceCell<Arc<Wakeup>> = const { std::cell::OnceCell::new() };
 }
 
+/// This thread's eventfd wakeup, for sleeps in a kernel set.
 pub fn my_wakeup() -> Option<Arc<Wakeup>> {
     MINE.try_with(|m| m.get_or_init(Wakeup::new).clone())
         .ok()
         .flatten()
+}
+
+/// This thread's futex wakeup, for sleeps on one connection: it holds no
+/// descriptor, so that ten thousand threads each blocked on its own
+/// connection hold ten thousand descriptors, not twenty.
+pub fn my_quiet_wakeup() -> Option<Arc<Wakeup>> {
+    MINE_QUIET
+        .try_with(|m| m.get_or_init(Wakeup::quiet).clone())
+        .ok()
 }
 
 /// `poll` bits for an engine's readiness.

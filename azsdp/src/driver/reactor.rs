@@ -12,7 +12,10 @@
 //! - descriptors of one connection (a NIC's completion channel, the
 //!   `mprotect` backend's fault pipe);
 //! - an eventfd for wake-ups from other threads, and the earliest timer any
-//!   connection asked for.
+//!   connection asked for;
+//! - one-time readiness watches of program sockets ([`Reactor::when_ready`]):
+//!   a thread that waits on a connection's TCP socket sleeps on a futex,
+//!   and whoever turns the set wakes it, so that it holds no descriptor.
 //!
 //! It then *services* each connection that is due: rung, fired, its timer
 //! passed, or woken by another thread (a fault arrived, a call left work
@@ -145,6 +148,12 @@ const BELL_TOKEN: u64 = u64::MAX - 1;
 const FAMILY_TOKEN: u64 = u64::MAX - 2;
 /// Set in the epoll token of a shared descriptor (the rest: its number).
 const SHARED_FLAG: u64 = 1 << 62;
+/// Set in the epoll token of a one-time readiness watch ([`ReadyOnce`];
+/// the rest: its generation and slot).
+const ONCE_FLAG: u64 = 1 << 61;
+/// Generations stay below this, so that no connection's token has a
+/// flag bit set.
+const GENERATIONS: u32 = 1 << 29;
 /// Send buffer of the bell's writing end, in bytes (a ring costs about a
 /// kilobyte of it until read).
 const BELL_ROOM: libc::c_int = 4 << 20;
@@ -192,7 +201,13 @@ struct Inner {
     /// The family bell (watched edge-triggered, never drained) and the
     /// connections whose guests ring it.
     family: Option<SharedWatch>,
+    /// One-time readiness watches, by slot: generation and who to wake.
+    once: Vec<Option<(u32, Waker)>>,
+    once_free: Vec<usize>,
 }
+
+/// What a [`ReadyOnce`] calls when its descriptor is ready.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
 impl Inner {
     /// Forget that `id` watches shared `fd`; the descriptor if nobody does
@@ -526,6 +541,67 @@ impl Reactor {
         self.bell_w.as_fd()
     }
 
+    /// Call `wake` once, from whichever thread turns the set, when `fd`
+    /// is ready for `events` (`EPOLLIN`, `EPOLLOUT`; hang-ups and errors
+    /// count), or at once if it is now; forgotten when the returned watch
+    /// drops. `fd` is the caller's to keep open until then: a program's
+    /// socket that a waiting call of its own stands on.
+    pub fn when_ready(
+        self: &Arc<Self>,
+        fd: i32,
+        events: u32,
+        wake: Waker,
+    ) -> std::io::Result<ReadyOnce> {
+        let (slot, generation) = {
+            let mut st = self.inner.lock();
+            st.next_generation = (st.next_generation + 1) % GENERATIONS;
+            let generation = st.next_generation;
+            let slot = match st.once_free.pop() {
+                Some(i) => i,
+                None => {
+                    st.once.push(None);
+                    st.once.len() - 1
+                }
+            };
+            st.once[slot] = Some((generation, wake));
+            (slot, generation)
+        };
+        let watch = ReadyOnce {
+            reactor: Arc::clone(self),
+            slot,
+            generation,
+        };
+        let mut ev = libc::epoll_event {
+            events: events | libc::EPOLLRDHUP as u32 | libc::EPOLLONESHOT as u32,
+            u64: ONCE_FLAG | (u64::from(generation) << 32) | slot as u64,
+        };
+        // The program's socket: its registration stays in the set after a
+        // watch ends (one-shot, so it fires at most once more, for a token
+        // nobody holds), and goes when the socket closes; the next watch
+        // re-arms it. By system call, not libc's: the shim hooks
+        // `epoll_ctl` for the program's upgraded sockets.
+        for op in [libc::EPOLL_CTL_MOD, libc::EPOLL_CTL_ADD] {
+            // SAFETY: an event we own, for the duration of the call.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_epoll_ctl,
+                    self.epoll.as_raw_fd(),
+                    op,
+                    fd,
+                    &raw mut ev,
+                )
+            };
+            // (A socket ready already wakes whoever waits on the set.)
+            if r == 0 {
+                return Ok(watch);
+            }
+            if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
+                break;
+            }
+        }
+        Err(os_err("epoll_ctl"))
+    }
+
     fn ctl(&self, op: i32, fd: i32, token: u64, oneshot: bool) -> std::io::Result<()> {
         let mut ev = libc::epoll_event {
             events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32
@@ -552,7 +628,7 @@ impl Reactor {
     ) -> std::io::Result<Registration> {
         let (id, generation) = {
             let mut st = self.inner.lock();
-            st.next_generation = st.next_generation.wrapping_add(1);
+            st.next_generation = (st.next_generation + 1) % GENERATIONS;
             let generation = st.next_generation;
             let entry = Entry {
                 conn,
@@ -725,6 +801,8 @@ impl Reactor {
     /// the timers make due, and service it.
     fn turn(&self, events: &[libc::epoll_event]) {
         let mut due: Vec<(usize, u32, Weak<dyn Serviced>, Wake)> = Vec::new();
+        // Called once the lock is let go.
+        let mut ready_once: Vec<Waker> = Vec::new();
         {
             let mut st = self.inner.lock();
             for ev in events {
@@ -748,6 +826,19 @@ impl Reactor {
                         .unwrap_or_default();
                     for (id, generation) in conns {
                         st.queue(id, generation, false, true);
+                    }
+                    continue;
+                }
+                if t & ONCE_FLAG != 0 {
+                    let (slot, generation) =
+                        ((t & 0xffff_ffff) as usize, ((t & !ONCE_FLAG) >> 32) as u32);
+                    if let Some((g, wake)) = st.once.get_mut(slot).and_then(Option::take) {
+                        if g == generation {
+                            st.once_free.push(slot);
+                            ready_once.push(wake);
+                        } else {
+                            st.once[slot] = Some((g, wake));
+                        }
                     }
                     continue;
                 }
@@ -797,6 +888,9 @@ impl Reactor {
             }
             st.ready = ready;
             st.ready.clear();
+        }
+        for wake in ready_once {
+            wake();
         }
         for (id, generation, conn, wake) in due {
             // The connection may go while it is serviced: its last
@@ -1064,6 +1158,42 @@ impl Drop for Registration {
     }
 }
 
+/// A one-time readiness watch ([`Reactor::when_ready`]); dropping it
+/// forgets it.
+pub struct ReadyOnce {
+    reactor: Arc<Reactor>,
+    slot: usize,
+    generation: u32,
+}
+
+impl std::fmt::Debug for ReadyOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadyOnce")
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+impl Drop for ReadyOnce {
+    fn drop(&mut self) {
+        let mut st = self.reactor.inner.lock();
+        let ours = st
+            .once
+            .get(self.slot)
+            .and_then(Option::as_ref)
+            .is_some_and(|(g, _)| *g == self.generation);
+        let taken = if ours {
+            st.once_free.push(self.slot);
+            st.once[self.slot].take()
+        } else {
+            None
+        };
+        // (Its waker dropped with no lock of ours held.)
+        drop(st);
+        drop(taken);
+    }
+}
+
 /// How long the reactor may leave an idle connection unlooked at: a
 /// backstop for what no descriptor announces (a peer that dies while a
 /// forked child of it keeps its side channel open).
@@ -1103,6 +1233,58 @@ mod tests {
     }
 
     const LONG: Duration = Duration::from_secs(10);
+
+    /// A one-time watch calls its waker once when its socket turns
+    /// readable (and at once if it is already), never after it is
+    /// dropped, and a socket watched again is re-armed.
+    #[test]
+    fn a_ready_once_watch_wakes_once_and_never_after_it_is_dropped() {
+        use std::io::Write;
+        use std::os::unix::net::UnixStream;
+        let r = Reactor::get().expect("reactor");
+        let (mut a, b) = UnixStream::pair().expect("pair");
+        let (tx, rx) = unbounded::<u32>();
+        let waker = |n: u32| -> Waker {
+            let tx = tx.clone();
+            Arc::new(move || {
+                let _ = tx.send(n);
+            })
+        };
+        let fd = b.as_raw_fd();
+        let w1 = r
+            .when_ready(fd, libc::EPOLLIN as u32, waker(1))
+            .expect("watch");
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "nothing to read yet"
+        );
+        a.write_all(b"x").unwrap();
+        assert_eq!(rx.recv_timeout(LONG), Ok(1));
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "once only"
+        );
+        drop(w1);
+        // Still readable: the next watch fires at once.
+        let w2 = r
+            .when_ready(fd, libc::EPOLLIN as u32, waker(2))
+            .expect("watch");
+        assert_eq!(rx.recv_timeout(LONG), Ok(2));
+        drop(w2);
+        // A watch dropped before its socket turns ready calls nobody.
+        let (mut c, d) = UnixStream::pair().expect("pair");
+        let w3 = r
+            .when_ready(d.as_raw_fd(), libc::EPOLLIN as u32, waker(3))
+            .expect("watch");
+        drop(w3);
+        c.write_all(b"y").unwrap();
+        assert!(
+            rx.recv_timeout(Duration::from_millis(300)).is_err(),
+            "dropped"
+        );
+        // A bad descriptor is an error, not a watch.
+        assert!(r.when_ready(-1, libc::EPOLLIN as u32, waker(4)).is_err());
+    }
 
     #[test]
     fn rings_wakes_timers_exits_and_mail_reach_their_connection_only() {
