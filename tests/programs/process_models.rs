@@ -390,6 +390,8 @@ fn a_forking_python_server_echoes_every_client_on_a_loaded_host() {
     }
     let script = workspace().join("tests/programs/forking_echo.py");
     let script = script.display().to_string();
+    // (Not beside a scale test's burst: see `one_at_a_time`.)
+    let _apart = crate::scale::one_at_a_time();
     let _hog = CpuHog::start(2);
     for azsdp in [false, true] {
         for round in 0..2u16 {
