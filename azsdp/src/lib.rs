@@ -37,6 +37,7 @@ pub mod monotonic;
 pub mod notes;
 pub mod own_ioctl;
 pub mod pages;
+pub mod pair_history;
 pub mod pairing;
 pub mod pinned;
 pub mod poll_fd;

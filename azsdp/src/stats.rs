@@ -182,10 +182,13 @@ pub enum TcpReason {
     /// The listener refused the offer: it held as many pending offers as
     /// its limits allow (a burst the server had not accepted yet).
     ListenerBusy,
+    /// This process's recent connections to the destination ended before a
+    /// pair paid off, so this one made no offer (`pair_every_connection`).
+    NotWorthPairing,
 }
 
 impl TcpReason {
-    pub const ALL: [TcpReason; 20] = [
+    pub const ALL: [TcpReason; 21] = [
         TcpReason::Rule,
         TcpReason::PeerNotAzsdp,
         TcpReason::PeerRemote,
@@ -206,6 +209,7 @@ impl TcpReason {
         TcpReason::Forked,
         TcpReason::ShortLived,
         TcpReason::ListenerBusy,
+        TcpReason::NotWorthPairing,
     ];
     fn code(self) -> u64 {
         TcpReason::ALL.iter().position(|r| *r == self).unwrap_or(0) as u64 + 1
@@ -237,6 +241,7 @@ impl TcpReason {
             TcpReason::Forked => "forked",
             TcpReason::ShortLived => "short-lived",
             TcpReason::ListenerBusy => "listener-busy",
+            TcpReason::NotWorthPairing => "not-worth-pairing",
         }
     }
 }

@@ -5,7 +5,7 @@ use azsdp::sync::Lock;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use azsdp::beneath::TcpBeneath;
 use azsdp::config::Settings;
@@ -70,6 +70,10 @@ pub struct Conn {
     /// The connection began on its TCP socket and is joining the fabric
     /// (`crate::join`); `None` once paired on the fabric from the start.
     pub joining: Option<crate::join::Joining>,
+    /// A client's destination and the time of its `connect()`: at the
+    /// end, whether the pair repaid it goes into the history
+    /// (`crate::connect::judged`).
+    judge: Lock<Option<(SocketAddr, Instant)>>,
 }
 
 impl Conn {
@@ -191,6 +195,7 @@ impl Conn {
             stat: Lock::new(stat),
             path: Lock::new(ConnPath::Azsdp),
             joining,
+            judge: Lock::new(None),
         });
         c.publish();
         c
@@ -333,6 +338,12 @@ impl Conn {
         }
     }
 
+    /// At the end, tell this process's pair history whether the pair
+    /// repaid its cost (a client's connection to `dst`, connected at `at`).
+    pub fn judge_at_close(&self, dst: SocketAddr, at: Instant) {
+        *self.judge.lock() = Some((dst, at));
+    }
+
     /// One line at the end: what moved over which path.
     pub fn report(&self) {
         if self.reported.swap(true, Ordering::SeqCst) || self.driver.inherited_only() {
@@ -340,6 +351,15 @@ impl Conn {
             return;
         }
         let (c, _, _) = self.driver.snapshot();
+        if let Some((dst, at)) = self.judge.lock().take() {
+            let fabric = c.bytes_sent_async
+                + c.bytes_sent_sync
+                + c.bytes_sent_bsdp
+                + c.bytes_recv_zcopy
+                + c.bytes_recv_bsdp;
+            let repaid = azsdp::pair_history::repaid(at.elapsed(), fabric);
+            crate::connect::judged(dst, repaid);
+        }
         let end = match self.driver.state() {
             // (The peer's process died and others of its side carry on, or
             // the peer had closed and gone when this side left the fabric.)

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use azsdp::config::{FabricChoice, Settings, Use};
 use azsdp::fabric::shm::send_intro;
 use azsdp::identity::Received;
+use azsdp::pair_history::PairHistory;
 use azsdp::pairing::{Intro, IntroKind, PairTarget, registry_candidates};
 use azsdp::sock_diag;
 use azsdp::stats::TcpReason;
@@ -27,6 +28,15 @@ use crate::listener::{abstract_addr, peer_cred, seqpacket_with};
 use crate::log::{debug, info};
 use crate::net;
 use crate::real;
+
+/// What this process's connections to each destination made of their
+/// pairs (`azsdp::pair_history`).
+static HISTORY: azsdp::sync::Lock<PairHistory> = azsdp::sync::Lock::new(PairHistory::new());
+
+/// A connection to `dst` that offered ended: did its pair repay it?
+pub fn judged(dst: SocketAddr, repaid: bool) {
+    HISTORY.lock().record(dst, repaid);
+}
 
 /// What came of `connect()`.
 pub enum Outcome {
@@ -243,6 +253,9 @@ pub fn connect(
     }
     if remote {
         return plain(TcpReason::PeerRemote);
+    }
+    if !settings.pair_every_connection && !HISTORY.lock().offer(to) {
+        return plain(TcpReason::NotWorthPairing);
     }
     let reg = match find_listener(
         to,

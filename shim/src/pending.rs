@@ -284,6 +284,7 @@ impl Pending {
         if let Some(j) = c.joining.as_ref() {
             j.join_now(&c);
         }
+        c.judge_at_close(self.dst, self.deadline - self.settings.pair_timeout);
         info!(
             "{local} -> {}: azsdp (fabric {}, peer pid {}; after {sent} bytes sent and {taken} taken on TCP)",
             self.dst, c.fabric, c.peer_pid
@@ -411,6 +412,8 @@ impl Pending {
         if !parts.withdraw() {
             parts.abandon();
         }
+        // The offer cost both sides and bought nothing.
+        crate::connect::judged(self.dst, false);
         self.stay_tcp(sock, reason);
     }
 

@@ -214,10 +214,14 @@ impl Scratch {
         // server's accept() and then stays on TCP, which is right; but
         // these tests check what pairs, and on a loaded host, the suite
         // beside a guest or a build, an accept() can take longer. A test
-        // that wants the default sets its own.)
+        // that wants the default sets its own. Likewise every connection
+        // offers, even after a run of short ones to its destination:
+        // `pair_history_stops_offers_to_short_lived_destinations` tests
+        // the default.)
         c.env("AZSDP_STAT_DIR", self.stat_dir())
             .env("AZSDP_LOG_LEVEL", "debug")
             .env("AZSDP_PAIR_TIMEOUT", "5s")
+            .env("AZSDP_PAIR_EVERY_CONNECTION", "true")
             .env_remove("AZSDP_CONFIG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -152,6 +152,7 @@ pub struct Tunables {
     pub keepalive: Option<Duration>,
     pub linger: Option<Duration>,
     pub pair_timeout: Option<Duration>,
+    pub pair_every_connection: Option<bool>,
 }
 
 /// Tunables with every field decided.
@@ -199,6 +200,10 @@ pub struct Settings {
     /// How long a client's `connect()` waits for the listener to accept
     /// before the connection stays on TCP (a driver setting).
     pub pair_timeout: Duration,
+    /// Offer every connection, even to a destination whose recent
+    /// connections ended before a pair could pay off (`false`: a client
+    /// stops offering there but for a probe now and then).
+    pub pair_every_connection: bool,
 }
 
 impl Default for Settings {
@@ -233,6 +238,7 @@ impl Default for Settings {
             keepalive: e.keepalive,
             linger: e.linger,
             pair_timeout: Duration::from_millis(500),
+            pair_every_connection: false,
         }
     }
 }
@@ -272,7 +278,8 @@ impl Settings {
             peer_timeout,
             keepalive,
             linger,
-            pair_timeout
+            pair_timeout,
+            pair_every_connection
         );
         s
     }
@@ -369,6 +376,10 @@ impl Settings {
             ("keepalive", dur(self.keepalive)),
             ("linger", dur(self.linger)),
             ("pair_timeout", dur(self.pair_timeout)),
+            (
+                "pair_every_connection",
+                self.pair_every_connection.to_string(),
+            ),
         ];
         debug_assert_eq!(v.len(), TUNABLE_KEYS.len());
         v
@@ -514,6 +525,7 @@ const TUNABLE_KEYS: &[&str] = &[
     "keepalive",
     "linger",
     "pair_timeout",
+    "pair_every_connection",
 ];
 
 /// A raw value, whether from TOML or from the environment.
@@ -752,6 +764,7 @@ fn set_tunable(t: &mut Tunables, key: &str, raw: &Raw<'_>) -> Result<(), String>
         "keepalive" => t.keepalive = Some(duration_in(raw, 10 * MS, HOUR, false)?),
         "linger" => t.linger = Some(duration_in(raw, MS, DAY, true)?),
         "pair_timeout" => t.pair_timeout = Some(duration_in(raw, MS, MINUTE, false)?),
+        "pair_every_connection" => t.pair_every_connection = Some(boolean(raw)?),
         _ => return Err(format!("unknown key (known: {})", TUNABLE_KEYS.join(", "))),
     }
     Ok(())

@@ -1,0 +1,175 @@
+//! Whether a client's next connection to a destination is worth offering
+//! to pair.
+//!
+//! A pair costs both processes hundreds of microseconds (an offer with a
+//! segment, checks of each other, a handshake, a teardown), which a
+//! connection of a request or two never repays: HTTP without keep-alive,
+//! `pgbench -C`, or any connection a forking server hands to its child
+//! (which stays on TCP). A process remembers, per destination, how its
+//! last paired connections there went; after [`SHORT_STREAK`] in a row
+//! that did not repay their pair, it offers only one connection in
+//! [`PROBE_EVERY`], whose outcome says whether that changed. Only the
+//! process's own history counts: nothing a peer says moves it.
+//!
+//! No system calls: the caller gives the outcomes (docs/shim.md,
+//! "Pairing").
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Outcomes in a row that did not repay their pair before a destination
+/// is offered only now and then.
+pub const SHORT_STREAK: u32 = 8;
+/// While skipping, one connection in this many still offers.
+pub const PROBE_EVERY: u32 = 16;
+/// Destinations remembered (the least recently used goes first).
+pub const REMEMBERED: usize = 64;
+/// A paired connection that lived this long after its `connect()`...
+pub const LIVED: Duration = Duration::from_millis(20);
+/// ...or moved this many bytes on the fabric repaid its pair.
+pub const MOVED: u64 = 4 << 20;
+
+/// Did a connection repay its pair? It must have moved bytes on the
+/// fabric (one that a fork moved to TCP first, or that never joined, did
+/// not), and lived [`LIVED`] or moved [`MOVED`].
+pub fn repaid(lived: Duration, fabric_bytes: u64) -> bool {
+    fabric_bytes > 0 && (lived >= LIVED || fabric_bytes >= MOVED)
+}
+
+#[derive(Debug)]
+struct Destination {
+    addr: SocketAddr,
+    /// Outcomes in a row that did not repay.
+    short: u32,
+    /// Connections not offered since the last offer.
+    skipped: u32,
+    /// When it was last asked about or told of (for eviction).
+    used: u64,
+}
+
+/// One process's memory of its destinations.
+#[derive(Debug, Default)]
+pub struct PairHistory {
+    dests: Vec<Destination>,
+    clock: u64,
+}
+
+impl PairHistory {
+    pub const fn new() -> PairHistory {
+        PairHistory {
+            dests: Vec::new(),
+            clock: 0,
+        }
+    }
+
+    /// Should a connection to `dst` offer now? Counts it as skipped if
+    /// not.
+    pub fn offer(&mut self, dst: SocketAddr) -> bool {
+        self.clock += 1;
+        let now = self.clock;
+        let Some(d) = self.dests.iter_mut().find(|d| d.addr == dst) else {
+            return true;
+        };
+        d.used = now;
+        if d.short < SHORT_STREAK || d.skipped + 1 >= PROBE_EVERY {
+            d.skipped = 0;
+            return true;
+        }
+        d.skipped += 1;
+        false
+    }
+
+    /// A connection to `dst` that offered ended; `repaid`: see [`repaid`].
+    pub fn record(&mut self, dst: SocketAddr, repaid: bool) {
+        self.clock += 1;
+        let now = self.clock;
+        let i = match self.dests.iter().position(|d| d.addr == dst) {
+            Some(i) => i,
+            None if repaid => return,
+            None => {
+                if self.dests.len() >= REMEMBERED {
+                    let oldest = (0..self.dests.len())
+                        .min_by_key(|&i| self.dests[i].used)
+                        .unwrap_or(0);
+                    self.dests.swap_remove(oldest);
+                }
+                self.dests.push(Destination {
+                    addr: dst,
+                    short: 0,
+                    skipped: 0,
+                    used: now,
+                });
+                self.dests.len() - 1
+            }
+        };
+        let d = &mut self.dests[i];
+        d.used = now;
+        if repaid {
+            d.short = 0;
+            d.skipped = 0;
+        } else {
+            d.short = d.short.saturating_add(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    #[test]
+    fn short_connections_stop_offers_but_for_probes_and_one_that_repays_restores_them() {
+        let mut h = PairHistory::new();
+        let (a, b) = (addr(80), addr(6379));
+        for _ in 0..SHORT_STREAK - 1 {
+            assert!(h.offer(a));
+            h.record(a, false);
+        }
+        assert!(h.offer(a), "not yet a streak");
+        h.record(a, false);
+        // Now one in PROBE_EVERY offers.
+        let offered: Vec<bool> = (0..3 * PROBE_EVERY).map(|_| h.offer(a)).collect();
+        assert_eq!(offered.iter().filter(|o| **o).count(), 3, "{offered:?}");
+        assert!(offered[PROBE_EVERY as usize - 1]);
+        // Another destination is its own.
+        assert!(h.offer(b));
+        // A probe that repays restores every offer.
+        h.record(a, true);
+        assert!((0..2 * PROBE_EVERY).all(|_| h.offer(a)));
+    }
+
+    #[test]
+    fn the_least_recently_used_destination_is_forgotten_first() {
+        let mut h = PairHistory::new();
+        for p in 0..REMEMBERED as u16 {
+            for _ in 0..SHORT_STREAK {
+                h.record(addr(p), false);
+            }
+        }
+        // Port 0 is asked about (used); port 1 is the oldest now.
+        assert!(!h.offer(addr(0)));
+        for _ in 0..SHORT_STREAK {
+            h.record(addr(1000), false);
+        }
+        assert_eq!(h.dests.len(), REMEMBERED);
+        assert!(h.offer(addr(1)), "forgotten: offers again");
+        assert!(!h.offer(addr(0)), "remembered");
+        assert!(!h.offer(addr(1000)));
+    }
+
+    #[test]
+    fn a_pair_repays_when_it_moved_bytes_on_the_fabric_and_lived_or_moved_enough() {
+        assert!(!repaid(Duration::from_secs(10), 0), "never on the fabric");
+        assert!(!repaid(Duration::from_millis(2), 1024));
+        assert!(repaid(LIVED, 1));
+        assert!(repaid(Duration::from_millis(1), MOVED));
+        // A destination never short is not remembered at all.
+        let mut h = PairHistory::new();
+        h.record(addr(1), true);
+        assert!(h.dests.is_empty());
+    }
+}
