@@ -8,8 +8,9 @@
 //! (which stays on TCP). A process remembers, per destination, how its
 //! last paired connections there went; after [`SHORT_STREAK`] in a row
 //! that did not repay their pair, it offers only one connection in
-//! [`PROBE_EVERY`], whose outcome says whether that changed. Only the
-//! process's own history counts: nothing a peer says moves it.
+//! [`PROBE_EVERY`], whose outcome says whether that changed. Each process keeps its own:
+//! no message moves it, only how its own connections went (a listener
+//! that never completes a pair costs its clients only the probes).
 //!
 //! No system calls: the caller gives the outcomes (docs/shim.md,
 //! "Pairing").
