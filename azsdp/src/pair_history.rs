@@ -32,7 +32,8 @@ pub const MOVED: u64 = 4 << 20;
 
 /// Did a connection repay its pair? It must have moved bytes on the
 /// fabric (one that a fork moved to TCP first, or that never joined, did
-/// not), and lived [`LIVED`] or moved [`MOVED`].
+/// not), and lived [`LIVED`] or moved [`MOVED`]. (A pair that failed for
+/// the listener's reasons is not judged at all: the caller's rule.)
 pub fn repaid(lived: Duration, fabric_bytes: u64) -> bool {
     fabric_bytes > 0 && (lived >= LIVED || fabric_bytes >= MOVED)
 }

@@ -412,8 +412,14 @@ impl Pending {
         if !parts.withdraw() {
             parts.abandon();
         }
-        // The offer cost both sides and bought nothing.
-        crate::connect::judged(self.dst, false);
+        // A connection that ended, or went to a forked child, before its
+        // pair completed is one a pair never pays for. One whose pair
+        // failed for the listener's reasons (a burst it was slow to
+        // accept, a sibling worker holding the offer) says nothing of how
+        // long such connections live: it is not counted.
+        if matches!(reason, TcpReason::ShortLived | TcpReason::Forked) {
+            crate::connect::judged(self.dst, false);
+        }
         self.stay_tcp(sock, reason);
     }
 
