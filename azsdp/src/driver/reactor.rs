@@ -571,52 +571,59 @@ impl Reactor {
             slot,
             generation,
         };
-        let mut ev = libc::epoll_event {
-            events: events | libc::EPOLLRDHUP as u32 | libc::EPOLLONESHOT as u32,
-            u64: ONCE_FLAG | (u64::from(generation) << 32) | slot as u64,
-        };
         // The program's socket: its registration stays in the set after a
         // watch ends (one-shot, so it fires at most once more, for a token
         // nobody holds), and goes when the socket closes; the next watch
-        // re-arms it. By system call, not libc's: the shim hooks
-        // `epoll_ctl` for the program's upgraded sockets.
-        for op in [libc::EPOLL_CTL_MOD, libc::EPOLL_CTL_ADD] {
-            // SAFETY: an event we own, for the duration of the call.
-            let r = unsafe {
-                libc::syscall(
-                    libc::SYS_epoll_ctl,
-                    self.epoll.as_raw_fd(),
-                    op,
-                    fd,
-                    &raw mut ev,
-                )
-            };
-            // (A socket ready already wakes whoever waits on the set.)
-            if r == 0 {
-                return Ok(watch);
+        // re-arms it. (A socket ready already wakes whoever waits on the
+        // set.)
+        let events = events | libc::EPOLLRDHUP as u32 | libc::EPOLLONESHOT as u32;
+        let token = ONCE_FLAG | (u64::from(generation) << 32) | slot as u64;
+        match self.epoll_ctl(libc::EPOLL_CTL_MOD, fd, events, token) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                self.epoll_ctl(libc::EPOLL_CTL_ADD, fd, events, token)
             }
-            if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
-                break;
-            }
+            r => r,
         }
-        Err(os_err("epoll_ctl"))
+        .map(|()| watch)
+        .map_err(|_| os_err("epoll_ctl"))
     }
 
     fn ctl(&self, op: i32, fd: i32, token: u64, oneshot: bool) -> std::io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32
-                | if oneshot {
-                    libc::EPOLLONESHOT as u32
-                } else {
-                    0
-                },
-            u64: token,
+        let oneshot = if oneshot {
+            libc::EPOLLONESHOT as u32
+        } else {
+            0
         };
-        // SAFETY: an event we own, for the duration of the call.
-        if unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) } < 0 {
-            return Err(os_err("epoll_ctl"));
+        self.epoll_ctl(
+            op,
+            fd,
+            (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 | oneshot,
+            token,
+        )
+        .map_err(|_| os_err("epoll_ctl"))
+    }
+
+    /// `epoll_ctl` on our set, by system call: the shim hooks libc's for
+    /// the program's upgraded sockets, which `when_ready` watches and
+    /// which our own descriptors never are. `events` is unused by DEL.
+    fn epoll_ctl(&self, op: i32, fd: i32, events: u32, token: u64) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: an event we own, for the duration of the call (the
+        // kernel ignores it for EPOLL_CTL_DEL).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_epoll_ctl,
+                self.epoll.as_raw_fd(),
+                op,
+                fd,
+                &raw mut ev,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
         }
-        Ok(())
     }
 
     /// Drive `conn`, watching `fds` (one-shot; re-armed when its service
@@ -721,28 +728,14 @@ impl Reactor {
         };
         // Held until removed from the set, then closed if last.
         for fd in unwatched {
-            // SAFETY: removing a descriptor we hold (the Arc) from our set.
-            unsafe {
-                libc::epoll_ctl(
-                    self.epoll.as_raw_fd(),
-                    libc::EPOLL_CTL_DEL,
-                    fd.as_raw_fd(),
-                    std::ptr::null_mut(),
-                )
-            };
+            // (A descriptor we hold, the Arc, until it is out of the set.)
+            let _ = self.epoll_ctl(libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, 0);
         }
         self.live.fetch_sub(1, Ordering::SeqCst);
         for fd in fds {
-            // SAFETY: removing a descriptor the entry registered, which its
-            // owner closes only after this.
-            unsafe {
-                libc::epoll_ctl(
-                    self.epoll.as_raw_fd(),
-                    libc::EPOLL_CTL_DEL,
-                    fd,
-                    std::ptr::null_mut(),
-                )
-            };
+            // (One the entry registered, which its owner closes only after
+            // this.)
+            let _ = self.epoll_ctl(libc::EPOLL_CTL_DEL, fd, 0, 0);
         }
     }
 
@@ -1070,22 +1063,9 @@ impl Registration {
             return Ok(());
         }
         if st.family.is_none() {
-            let mut ev = libc::epoll_event {
-                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
-                u64: FAMILY_TOKEN,
-            };
-            // SAFETY: an event we own, for the duration of the call.
-            if unsafe {
-                libc::epoll_ctl(
-                    r.epoll.as_raw_fd(),
-                    libc::EPOLL_CTL_ADD,
-                    fd.as_raw_fd(),
-                    &mut ev,
-                )
-            } < 0
-            {
-                return Err(os_err("epoll_ctl"));
-            }
+            let events = (libc::EPOLLIN | libc::EPOLLET) as u32;
+            r.epoll_ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), events, FAMILY_TOKEN)
+                .map_err(|_| os_err("epoll_ctl"))?;
             st.family = Some(SharedWatch {
                 fd: Arc::clone(fd),
                 conns: Vec::new(),
@@ -1111,15 +1091,8 @@ impl Registration {
             st.unshare(raw, self.id, self.generation)
         };
         if let Some(fd) = gone {
-            // SAFETY: removing a descriptor we still hold from our set.
-            unsafe {
-                libc::epoll_ctl(
-                    r.epoll.as_raw_fd(),
-                    libc::EPOLL_CTL_DEL,
-                    fd.as_raw_fd(),
-                    std::ptr::null_mut(),
-                )
-            };
+            // (A descriptor we still hold.)
+            let _ = r.epoll_ctl(libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, 0);
         }
     }
 
