@@ -230,6 +230,11 @@ fn pidfd_pid(fd: BorrowedFd<'_>) -> Option<i64> {
     if let Ok(pid) = pidfd_info_pid(fd) {
         return Some(pid);
     }
+    fdinfo_pid(fd)
+}
+
+/// The `Pid:` a descriptor's fdinfo shows (a pidfd's: -1 once exited).
+fn fdinfo_pid(fd: BorrowedFd<'_>) -> Option<i64> {
     let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
     info.lines()
         .find_map(|l| l.strip_prefix("Pid:"))
@@ -467,13 +472,7 @@ mod tests {
     /// pidfd is none.
     #[test]
     fn a_pidfd_names_its_pid_by_ioctl_as_its_fdinfo_does() {
-        let fdinfo = |fd: BorrowedFd<'_>| -> Option<i64> {
-            let info =
-                std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
-            info.lines()
-                .find_map(|l| l.strip_prefix("Pid:"))
-                .and_then(|v| v.trim().parse().ok())
-        };
+        let fdinfo = fdinfo_pid;
         let own = pidfd_open(std::process::id()).expect("pidfd_open");
         assert_eq!(fdinfo(own.as_fd()), Some(i64::from(std::process::id())));
         assert_eq!(pidfd_pid(own.as_fd()), fdinfo(own.as_fd()));

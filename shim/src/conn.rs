@@ -352,11 +352,9 @@ impl Conn {
         }
         let (c, _, _) = self.driver.snapshot();
         if let Some((dst, at)) = self.judge.lock().take() {
-            let fabric = c.bytes_sent_async
-                + c.bytes_sent_sync
-                + c.bytes_sent_bsdp
-                + c.bytes_recv_zcopy
-                + c.bytes_recv_bsdp;
+            // (The engine counts the fabric's bytes only, never the TCP
+            // part before the join.)
+            let fabric = c.bytes_sent() + c.bytes_received();
             let repaid = azsdp::pair_history::repaid(at.elapsed(), fabric);
             crate::connect::judged(dst, repaid);
         }
