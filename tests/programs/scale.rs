@@ -40,13 +40,56 @@ fn client(s: &Scratch, name: &str, args: &[&str]) -> serde_json::Value {
 
 /// [`client`], given `within` to finish.
 fn client_within(s: &Scratch, name: &str, args: &[&str], within: Duration) -> serde_json::Value {
+    client_with(s, name, args, within, &[])
+}
+
+/// [`client_within`], with `env` set on top of the harness's.
+fn client_with(
+    s: &Scratch,
+    name: &str,
+    args: &[&str],
+    within: Duration,
+    env: &[(&str, &str)],
+) -> serde_json::Value {
     let echo = echo();
     let mut c = s.under_azsdp(name, echo.to_str().expect("path"), args);
-    c.env("AZSDP_LOG_LEVEL", "info").stdout(Stdio::piped());
+    c.env("AZSDP_LOG_LEVEL", "info")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped());
     let mut p = Proc::start(c, name);
     let out = p.stdout();
     p.expect_success(within, || s.log(name));
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// The most `look` returned, looked at every `every` from now until
+/// [`Sampler::most`].
+struct Sampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<usize>,
+}
+
+impl Sampler {
+    fn start(every: Duration, look: impl Fn() -> usize + Send + 'static) -> Sampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut most = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    most = most.max(look());
+                    std::thread::sleep(every);
+                }
+                most
+            })
+        };
+        Sampler { stop, thread }
+    }
+
+    fn most(self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.join().expect("sampler")
+    }
 }
 
 /// `azsdp-echo SHAPE PORT ARGS` under azsdp (`serve`: the epoll server),
@@ -151,19 +194,8 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
     let server_base = threads_of(srv.pid());
 
     // The server's threads, sampled while the client holds its connections.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let pid = srv.pid();
-    let watch = {
-        let stop = std::sync::Arc::clone(&stop);
-        std::thread::spawn(move || {
-            let mut most = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                most = most.max(threads_of(pid));
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            most
-        })
-    };
+    let watch = Sampler::start(Duration::from_millis(50), move || threads_of(pid));
     let n = N.to_string();
     let many = client_within(
         &s,
@@ -171,8 +203,7 @@ fn ten_thousand_connections_at_once_on_a_fixed_number_of_threads() {
         &["many", &p, &n, "1024"],
         Duration::from_secs(600),
     );
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let server_most = watch.join().expect("watcher");
+    let server_most = watch.most();
     eprintln!("{N} at once: {many}; server threads {server_base} -> at most {server_most}");
     assert_eq!(many["connections"], N);
     let log = s.log("many");
@@ -321,22 +352,13 @@ fn many_against(
     // The server's descriptors, sampled while the client holds its
     // connections (a thread blocked on its connection once held an
     // eventfd as well, for the rest of its life).
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watch = {
-        let (stop, pid) = (std::sync::Arc::clone(&stop), srv.pid());
-        std::thread::spawn(move || {
-            let mut most = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let now: usize = family_of(pid)
-                    .iter()
-                    .map(|p| std::fs::read_dir(format!("/proc/{p}/fd")).map_or(0, |d| d.count()))
-                    .sum();
-                most = most.max(now);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            most
-        })
-    };
+    let pid = srv.pid();
+    let watch = Sampler::start(Duration::from_millis(20), move || {
+        family_of(pid)
+            .iter()
+            .map(|p| std::fs::read_dir(format!("/proc/{p}/fd")).map_or(0, |d| d.count()))
+            .sum()
+    });
     let count = n.to_string();
     let many = client_within(
         &s,
@@ -344,8 +366,7 @@ fn many_against(
         &["many", &p, &count, "1024"],
         Duration::from_secs(600),
     );
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let most = watch.join().expect("sampler");
+    let most = watch.most();
     eprintln!(
         "{n} at once against {shape} {args:?}: {many}; server descriptors at most {most}, {} before",
         base.len()
@@ -382,22 +403,15 @@ fn pair_history_stops_offers_to_short_lived_destinations() {
     let mut srv = echo_server(&s, &["serve"], &p, "info", "1");
     for every in [false, true] {
         let name = format!("cycle-{every}");
-        let echo = echo();
-        let mut c = s.under_azsdp(
+        let every_env = every.to_string();
+        let out = client_with(
+            &s,
             &name,
-            echo.to_str().expect("path"),
             &["cycle", &p, "400", "1024"],
+            Duration::from_secs(300),
+            &[("AZSDP_PAIR_EVERY_CONNECTION", &every_env)],
         );
-        c.env("AZSDP_LOG_LEVEL", "info")
-            .env("AZSDP_PAIR_EVERY_CONNECTION", every.to_string())
-            .stdout(Stdio::piped());
-        let mut cli = Proc::start(c, &name);
-        let out = cli.stdout();
-        cli.expect_success(Duration::from_secs(300), || s.log(&name));
-        eprintln!(
-            "400 in turn (pair every connection: {every}): {}",
-            out.trim()
-        );
+        eprintln!("400 in turn (pair every connection: {every}): {out}");
         let log = s.log(&name);
         let (upgraded, tcp) = outcomes(&log);
         let skipped = tcp.get("not-worth-pairing").copied().unwrap_or(0);
