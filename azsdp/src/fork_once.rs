@@ -31,6 +31,11 @@ impl ForkOnce {
     /// Run `init` unless it ran (or another thread of this process runs it
     /// now: then wait for it).
     pub fn call(&self, init: impl FnOnce()) {
+        // Done is the common case, asked on every hooked call: it needs no
+        // `getpid` (a child inherits "done" as it is).
+        if self.state.load(Ordering::Acquire) & 3 == DONE {
+            return;
+        }
         let me = u64::from(crate::process::raw_pid());
         loop {
             let s = self.state.load(Ordering::Acquire);

@@ -377,16 +377,61 @@ static CACHE: Lock<Option<Arc<MemoryMap>>> = Lock::new(None);
 static STALE: AtomicBool = AtomicBool::new(true);
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
-/// The mappings changed (or may have): reread before the next answer.
+/// The ranges the last [`CHANGES`] changes touched: slot `g % CHANGES`
+/// holds (g, start, end) of generation `g`.
+static CHANGED: Lock<[(u64, u64, u64); CHANGES]> = Lock::new([(0, 0, 0); CHANGES]);
+const CHANGES: usize = 64;
+
+/// The mappings changed (or may have), anywhere: reread before the next
+/// answer.
 pub fn invalidate() {
-    STALE.store(true, Ordering::Release);
-    GENERATION.fetch_add(1, Ordering::AcqRel);
+    changed(0..u64::MAX);
 }
 
-/// Bumped by [`invalidate`]: an answer of [`accessible`] holds while this
-/// stays the same (as far as the interposed memory calls can tell).
+/// The mappings of `range` changed (unmapped, moved, replaced, protected
+/// anew): answers about it no longer hold; answers about other ranges do
+/// ([`untouched_since`]).
+pub fn changed(range: Range<u64>) {
+    // The kernel works in whole pages: a length that ends mid-page takes
+    // the rest of that page.
+    let page = crate::pages::system_page_size().max(1);
+    let range = range.start..range.end.checked_next_multiple_of(page).unwrap_or(u64::MAX);
+    STALE.store(true, Ordering::Release);
+    let mut c = CHANGED.lock();
+    let g = GENERATION.load(Ordering::Acquire) + 1;
+    c[(g % CHANGES as u64) as usize] = (g, range.start, range.end);
+    GENERATION.store(g, Ordering::Release);
+}
+
+/// A mapping was made where none was (`mmap` without `MAP_FIXED`): every
+/// accessible range stays so, but the parsed map is out of date.
+pub fn added() {
+    STALE.store(true, Ordering::Release);
+}
+
+/// Bumped by every change: an answer of [`accessible`] holds while this
+/// stays the same (as far as the interposed memory calls can tell), or
+/// while no change since touched its range ([`untouched_since`]).
 pub fn generation() -> u64 {
     GENERATION.load(Ordering::Acquire)
+}
+
+/// Did no change since generation `seen` touch `range`? (A server that maps
+/// and unmaps a file per request would otherwise ask the kernel about its
+/// stack on every call.) False when too many came to tell.
+pub fn untouched_since(range: &Range<u64>, seen: u64) -> bool {
+    let now = generation();
+    if now == seen {
+        return true;
+    }
+    if now < seen || now - seen > CHANGES as u64 {
+        return false;
+    }
+    let c = CHANGED.lock();
+    (seen + 1..=now).all(|g| {
+        let (cg, start, end) = c[(g % CHANGES as u64) as usize];
+        cg == g && (end <= range.start || range.end <= start)
+    })
 }
 
 /// May the program read (and, with `write`, write) all of `range`, as the
@@ -524,6 +569,38 @@ mod tests {
 7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]
 7ffd00100000-7ffd00102000 r-xp 00000000 00:00 0 [vdso]
 ";
+
+    #[test]
+    fn an_answer_holds_until_a_change_touches_its_range() {
+        let page = crate::pages::system_page_size();
+        let (a, b) = (
+            0x7000_0000_0000..0x7000_0000_0000 + 4 * page,
+            0x7100_0000_0000u64,
+        );
+        // (Other tests change the map meanwhile: one quiet round suffices.)
+        let held = (0..1000).any(|_| {
+            let seen = generation();
+            // Another range changed (a length that ends mid-page takes the
+            // page); then a new mapping, which changes nothing checked.
+            changed(b..b + 1);
+            added();
+            untouched_since(&a, seen)
+                && !untouched_since(&(b + page - 1..b + page), seen)
+                && untouched_since(&(b + page..b + 2 * page), seen)
+                && generation() == seen + 1
+        });
+        assert!(held);
+        let seen = generation();
+        // This range changed.
+        changed(a.start + page..a.start + 2 * page);
+        assert!(!untouched_since(&a, seen));
+        // More changes than are kept: no answer holds.
+        let seen = generation();
+        for _ in 0..=CHANGES {
+            changed(b..b + 1);
+        }
+        assert!(!untouched_since(&a, seen));
+    }
 
     #[test]
     fn kinds_and_protectability() {

@@ -159,6 +159,28 @@ static LIVE: Registry = Registry {
 /// Registered participants (a hint for the fast path; never under-counts
 /// a live one).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
+/// Participants not dropped yet (see [`Alive`]): [`COUNT`] keeps dropped
+/// ones until a sweep, which a worker that paired a connection once may
+/// never make.
+static ALIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// A participant's place in [`active`]'s count: held by it, given back
+/// when it drops.
+#[derive(Debug)]
+pub struct Alive(());
+
+impl Alive {
+    pub fn count() -> Alive {
+        ALIVE.fetch_add(1, Ordering::SeqCst);
+        Alive(())
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        ALIVE.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 /// How many entries the last sweep of dead ones left.
 static SWEPT_LEN: AtomicUsize = AtomicUsize::new(0);
 static ATFORK: crate::fork_once::ForkOnce = crate::fork_once::ForkOnce::new();
@@ -237,7 +259,7 @@ thread_local! {
 }
 
 /// Make a connection visible to the memory hooks and to fork handling (it
-/// leaves by itself when dropped).
+/// leaves by itself when dropped; [`active`] counts it by its [`Alive`]).
 pub fn register(p: Weak<dyn Participant>, held: Arc<HeldBounds>) {
     ensure_atfork();
     // Entries of dropped participants are freed here, in an ordinary
@@ -320,7 +342,7 @@ fn settle(range: Range<u64>) {
 /// Does any connection exist? (Callers skip their own work, e.g. the
 /// readiness hooks' look at our sockets, when not.)
 pub fn active() -> bool {
-    COUNT.load(Ordering::Relaxed) > 0
+    ALIVE.load(Ordering::Relaxed) > 0
 }
 
 /// Would [`before_free`] or [`before_realloc`] do anything now? Only while
@@ -353,7 +375,7 @@ pub fn before_unmap(addr: u64, len: u64) {
 
 /// After a successful `munmap(addr, len)`.
 pub fn after_unmap(addr: u64, len: u64) {
-    crate::memory_map::invalidate();
+    crate::memory_map::changed(addr..addr.saturating_add(len));
     crate::released_memory::record(addr..addr.saturating_add(len));
     forget(addr..addr.saturating_add(len));
 }
@@ -362,7 +384,8 @@ pub fn after_unmap(addr: u64, len: u64) {
 /// memory map changed, and shared anonymous memory made here belongs to
 /// this process alone (until it forks), so it may be protected.
 pub fn after_mmap(addr: u64, flags: i32) {
-    crate::memory_map::invalidate();
+    // (Over other mappings: `after_mmap_over` says which range changed.)
+    crate::memory_map::added();
     // (A mapping placed over others is recorded by `after_mmap_over`.)
     let shared_anon = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
     if flags & shared_anon == shared_anon {
@@ -373,6 +396,7 @@ pub fn after_mmap(addr: u64, flags: i32) {
 /// After a successful `mmap(addr, len, .., MAP_FIXED, ..)`: whatever was
 /// mapped at `[addr, addr+len)` is gone.
 pub fn after_mmap_over(addr: u64, len: u64) {
+    crate::memory_map::changed(addr..addr.saturating_add(len));
     crate::released_memory::record(addr..addr.saturating_add(len));
 }
 
@@ -384,7 +408,7 @@ pub fn before_remap(old: u64, old_len: u64) {
 
 /// After a successful `mremap`: the old range is no longer what it was.
 pub fn after_remap(old: u64, old_len: u64) {
-    crate::memory_map::invalidate();
+    crate::memory_map::changed(old..old.saturating_add(old_len));
     crate::released_memory::record(old..old.saturating_add(old_len));
     forget(old..old.saturating_add(old_len));
 }

@@ -112,13 +112,26 @@ pub fn check_buffer(p: *const u8, len: usize, write: bool) -> Result<(), c_int> 
     }
     let generation = azsdp::memory_map::generation();
     // (A signal handler's call in the middle of ours finds the cache
-    // borrowed: it asks the kernel, and caches nothing.)
+    // borrowed: it asks the kernel, and caches nothing.) A mapping seen
+    // before the last changes still holds if none of them touched it: it
+    // counts as seen now.
     let hit = KNOWN
         .try_with(|k| {
-            k.try_borrow().is_ok_and(|k| {
-                k.0.iter().any(|&(lo, hi, w, seen)| {
-                    seen == generation && lo <= start && end <= hi && (w || !write)
-                })
+            k.try_borrow_mut().is_ok_and(|mut k| {
+                let covers = |&(lo, hi, w, _): &(u64, u64, bool, u64)| {
+                    lo <= start && end <= hi && (w || !write)
+                };
+                if k.0.iter().any(|e| covers(e) && e.3 == generation) {
+                    return true;
+                }
+                let Some(e) = k.0.iter_mut().filter(|e| covers(e)).max_by_key(|e| e.3) else {
+                    return false;
+                };
+                let held = azsdp::memory_map::untouched_since(&(e.0..e.1), e.3);
+                if held {
+                    e.3 = generation;
+                }
+                held
             })
         })
         .unwrap_or(false);

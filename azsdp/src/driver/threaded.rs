@@ -109,6 +109,8 @@ struct Shared<F: Fabric, P: Protector> {
     /// The program closed its descriptor of the connection in this process
     /// (a child forked from here on does not hold it).
     closed_here: AtomicBool,
+    /// Counted in `process::active` until dropped.
+    _alive: process::Alive,
 }
 
 /// How long a process sharing a connection after a fork waits for the one
@@ -834,6 +836,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             family_watched: AtomicBool::new(false),
             runner_gone: AtomicBool::new(false),
             closed_here: AtomicBool::new(false),
+            _alive: process::Alive::count(),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
         process::register(weak, Arc::clone(&shared.held));

@@ -158,7 +158,9 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
     // SAFETY: libc's mprotect.
     let r = unsafe { real::mprotect(addr, len, prot) };
     if r == 0 && !azsdp::process::inside() {
-        quietly(azsdp::memory_map::invalidate);
+        quietly(|| {
+            azsdp::memory_map::changed(addr as u64..(addr as u64).saturating_add(len as u64))
+        });
     }
     r
 }
@@ -173,7 +175,9 @@ pub unsafe extern "C" fn pkey_mprotect(
     // SAFETY: libc's pkey_mprotect.
     let r = unsafe { real::pkey_mprotect(addr, len, prot, pkey) };
     if r == 0 && !azsdp::process::inside() {
-        quietly(azsdp::memory_map::invalidate);
+        quietly(|| {
+            azsdp::memory_map::changed(addr as u64..(addr as u64).saturating_add(len as u64))
+        });
     }
     r
 }
