@@ -235,12 +235,19 @@ pub fn connect(
     if settings.use_ == Use::Tcp {
         return plain(TcpReason::Rule);
     }
+    let to = effective_dst(dst);
+    let remote = !net::is_local(to.ip());
+    // Asked first: a connection that will not offer needs no other look.
+    // (A rule that says azsdp only always offers.)
+    let on_shm = !remote && settings.fabric != FabricChoice::Verbs;
+    let judged = on_shm && !settings.pair_every_connection && settings.use_ != Use::Azsdp;
+    if judged && !HISTORY.lock().offer(to) {
+        return plain(TcpReason::NotWorthPairing);
+    }
     if azsdp::sandbox::restricted() {
         // No thread may start here to run a connection.
         return plain(TcpReason::Sandboxed);
     }
-    let to = effective_dst(dst);
-    let remote = !net::is_local(to.ip());
     if settings.fabric == FabricChoice::Verbs || (remote && settings.fabric == FabricChoice::Auto) {
         #[cfg(feature = "verbs")]
         return crate::verbs_pairing::connect(fd, family, to, nonblocking, settings, &plain);
@@ -254,13 +261,14 @@ pub fn connect(
     if remote {
         return plain(TcpReason::PeerRemote);
     }
-    if !settings.pair_every_connection && !HISTORY.lock().offer(to) {
-        return plain(TcpReason::NotWorthPairing);
-    }
-    let reg = match find_listener(
+    let found = find_listener(
         to,
         (settings.pair_timeout / 4).min(Duration::from_millis(150)),
-    ) {
+    );
+    if found.is_err() {
+        HISTORY.lock().record_no_listener(to);
+    }
+    let reg = match found {
         Ok(reg) => reg,
         Err(_) if settings.use_ == Use::Azsdp => {
             debug!("connect {dst}: no azsdp listener and the rule says azsdp only");
