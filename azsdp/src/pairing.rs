@@ -19,6 +19,13 @@
 //! plain TCP, as does everything when anything fails, so a peer that is not
 //! under azsdp never sees a foreign byte.
 //!
+//! Right after its `connect()`, when the kernel has given its socket a
+//! port, the client adds a [`IntroKind::Connected`] note on the same
+//! stream: the address its connection comes from. A listener holding
+//! offers then knows, from the address `accept()` gives it, which of them
+//! can be the accepted connection's without asking the kernel; the kernel
+//! is still asked before any offer is taken up (the note is a claim too).
+//!
 //! After the pair is made, the same socket carries [`IntroKind::Claim`]s:
 //! a process that takes over one side of the connection after `fork()` says
 //! so with its kernel identity, and the peer follows it only then.
@@ -44,6 +51,10 @@ pub enum IntroKind {
     Answer,
     /// From a process taking over its side after a fork.
     Claim,
+    /// From a client after its `connect()`, on its offer's stream: its
+    /// connection's own address (in `pair.dst`) and its socket's cookie.
+    /// No identity or descriptors travel with it.
+    Connected,
 }
 
 impl IntroKind {
@@ -52,6 +63,7 @@ impl IntroKind {
             IntroKind::Offer => 1,
             IntroKind::Answer => 2,
             IntroKind::Claim => 3,
+            IntroKind::Connected => 4,
         }
     }
 }
@@ -64,7 +76,9 @@ pub struct Intro {
     /// The sender's page size.
     pub page_size: u32,
     /// For a client's offer: the address its TCP connection goes to (the
-    /// listener's) and the cookie of its socket.
+    /// listener's) and the cookie of its socket. For its
+    /// [`IntroKind::Connected`] note: the address the connection comes
+    /// from, and the same cookie.
     pub pair: Option<PairTarget>,
 }
 
@@ -143,6 +157,7 @@ impl Intro {
             1 => IntroKind::Offer,
             2 => IntroKind::Answer,
             3 => IntroKind::Claim,
+            4 => IntroKind::Connected,
             k => return Err(PairError::Kind(k)),
         };
         let page_size = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
@@ -258,7 +273,8 @@ mod tests {
             prop_oneof![
                 Just(IntroKind::Offer),
                 Just(IntroKind::Answer),
-                Just(IntroKind::Claim)
+                Just(IntroKind::Claim),
+                Just(IntroKind::Connected)
             ],
             12u32..=30,
             proptest::option::of((addr(), any::<u64>())),

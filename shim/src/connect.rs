@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use azsdp::config::{FabricChoice, Settings, Use};
-use azsdp::fabric::shm::send_intro;
+use azsdp::fabric::shm::{send_intro, send_note};
 use azsdp::identity::Received;
 use azsdp::pair_history::PairHistory;
 use azsdp::pairing::{Intro, IntroKind, PairTarget, registry_candidates};
@@ -48,13 +48,19 @@ pub enum Outcome {
     Azsdp(Arc<Conn>),
     /// The kernel's answer (return value, errno); the offer went to the
     /// listener, whose answer comes later (`crate::pending`).
-    Pairing {
-        r: c_int,
-        e: c_int,
-        reg: OwnedFd,
-        offer: <Active as Transport>::Offer,
-        to: SocketAddr,
-    },
+    Pairing(Box<Offered>),
+}
+
+/// A connection whose offer went to the listener (see [`Outcome::Pairing`]).
+pub struct Offered {
+    /// The kernel's answer (return value, errno).
+    pub r: c_int,
+    pub e: c_int,
+    pub reg: OwnedFd,
+    pub offer: <Active as Transport>::Offer,
+    pub to: SocketAddr,
+    /// The connection's own address (the kernel's port).
+    pub local: Option<SocketAddr>,
 }
 
 /// A listener's registration that answered and is the listener's: the
@@ -321,15 +327,31 @@ pub fn connect(
         crate::pending::withdraw(offer.agreement());
         return Outcome::Tcp(-1, e, None);
     }
+    // The port is the kernel's now: the note tells the listener which
+    // connection of those it accepts is this one, sparing it a question
+    // to the kernel for every other (protocol §10). Lost, it costs only
+    // that question.
+    let local = net::local_of(fd);
+    if let Some(from) = local {
+        let note = Intro {
+            kind: IntroKind::Connected,
+            page_size: intro.page_size,
+            pair: Some(PairTarget { dst: from, cookie }),
+        };
+        if let Err(e) = send_note(reg.sock.as_fd(), &note) {
+            debug!("connect {dst}: note not sent: {e}");
+        }
+    }
     debug!(
         "connect {dst}: offer sent to pid {}, pairing in the background",
         reg.pid
     );
-    Outcome::Pairing {
+    Outcome::Pairing(Box::new(Offered {
         r,
         e,
         reg: reg.sock,
         offer,
         to,
-    }
+        local,
+    }))
 }

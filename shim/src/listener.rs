@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use azsdp::config::Settings;
 use azsdp::conn::Role;
-use azsdp::fabric::shm::{recv_intro, send_intro};
+use azsdp::fabric::shm::{recv_intro, recv_note, send_intro};
 use azsdp::identity::PeerId;
 use azsdp::pairing::{Agreement, Intro, IntroKind, registry_name};
 use azsdp::sock_diag;
@@ -98,8 +98,10 @@ enum Until {
     /// The stats thread: takes in, reads what poll says is readable.
     Background,
     /// `accept()`, before it knows whether any offer is for its
-    /// connection: reads at once, stops at the first offer.
-    FirstOffer,
+    /// connection: reads at once, stops at the first offer that may be
+    /// for the connection from this address (its note names it, or no
+    /// note came yet).
+    From(SocketAddr),
     /// `accept()`: reads at once, stops at the offer claiming this cookie
     /// (the far end of the connection accepted).
     Cookie(u64),
@@ -131,6 +133,9 @@ struct Offer {
     /// When a look found its connection accepted (by a process that is not
     /// this one, unless its `accept()` was about to take it).
     accepted_at: Option<Instant>,
+    /// Where the connection comes from, as the client's note says
+    /// (protocol §10): `None` until the note is read.
+    from: Option<SocketAddr>,
 }
 
 impl Batch {
@@ -157,7 +162,42 @@ impl Offer {
     fn into_fds(self) -> impl Iterator<Item = OwnedFd> {
         std::iter::once(self.stream).chain(self.fds)
     }
+
+    /// Read the client's note if it came (one receive). `Err`: the client
+    /// closed its stream, or sent what is no note of this offer's: the
+    /// offer is no good.
+    fn read_note(&mut self) -> Result<(), String> {
+        if self.from.is_some() {
+            return Ok(());
+        }
+        match recv_note(self.stream.as_fd(), IntroKind::Connected) {
+            Ok(None) => Ok(()),
+            Ok(Some(n)) => match n.pair {
+                Some(t) if t.cookie == self.cookie => {
+                    self.from = Some(t.dst);
+                    Ok(())
+                }
+                _ => Err("a note for another connection".into()),
+            },
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// May this be the offer of the connection accepted from `peer`? Yes
+    /// if its note names `peer` or has not come.
+    fn may_be_from(&self, peer: SocketAddr) -> bool {
+        self.from.is_none_or(|f| same_addr(f, peer))
+    }
 }
+
+/// The same address, an IPv4 one and its IPv6-mapped form alike.
+fn same_addr(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port() && net::canonical(a.ip()) == net::canonical(b.ip())
+}
+
+/// Notes read per `accept()` at most: a client that never sends its note
+/// costs a look in the kernel, not a receive per held offer.
+const NOTE_READS: usize = 8;
 
 /// What one round of [`Listener::take_in`] took in.
 #[derive(Default)]
@@ -209,6 +249,49 @@ struct Pending {
 }
 
 impl Pending {
+    /// May an offer held be the one of the connection accepted from
+    /// `peer`? Reads the notes not yet read (up to [`NOTE_READS`]); an
+    /// offer whose note is bad is closed. Without notes every accepted
+    /// connection needs a look in the kernel while any offer is held, and a
+    /// pre-fork server's workers each hold offers of connections their
+    /// siblings accepted.
+    fn may_hold(&mut self, peer: SocketAddr, addr: SocketAddr) -> bool {
+        let mut reads = 0;
+        let mut bad = Vec::new();
+        let mut maybe = false;
+        for (cookie, v) in self.offers.iter_mut() {
+            for (i, o) in v.iter_mut().enumerate() {
+                if o.from.is_none() && reads < NOTE_READS {
+                    reads += 1;
+                    if let Err(e) = o.read_note() {
+                        debug!("listener {addr}: an offer closed: {e}");
+                        bad.push((*cookie, i));
+                        continue;
+                    }
+                }
+                maybe |= o.may_be_from(peer);
+            }
+        }
+        self.remove_offers(bad);
+        maybe
+    }
+
+    /// Close the offers at (cookie, index).
+    fn remove_offers(&mut self, mut at: Vec<(u64, usize)>) {
+        // Highest index first, so that the others stay where they are.
+        at.sort_unstable_by_key(|g| std::cmp::Reverse(g.1));
+        for (cookie, i) in at {
+            let Some(v) = self.offers.get_mut(&cookie) else {
+                continue;
+            };
+            let o = v.remove(i);
+            if v.is_empty() {
+                self.offers.remove(&cookie);
+            }
+            self.doomed.extend(o.into_fds());
+        }
+    }
+
     fn len(&self) -> usize {
         self.waiting.len()
             + self.offers.values().map(Vec::len).sum::<usize>()
@@ -272,11 +355,26 @@ impl Pending {
         if !any_due && !any_seen {
             return;
         }
-        // An offer names its client's socket by cookie only: the kernel's
-        // list of the sockets connected to this listener's port says which
-        // client port each cookie has (a dump, at most once a round, and
-        // only while an offer has waited this long).
-        let port_of: HashMap<u64, SocketAddr> = if any_due {
+        let mut bad = Vec::new();
+        let mut any_unnoted = false;
+        for (cookie, v) in self.offers.iter_mut() {
+            for (i, o) in v.iter_mut().enumerate() {
+                if due(o) {
+                    if o.read_note().is_err() {
+                        bad.push((*cookie, i));
+                    } else {
+                        any_unnoted |= o.from.is_none();
+                    }
+                }
+            }
+        }
+        self.remove_offers(bad);
+        // An offer's note says where its connection comes from. Without
+        // one, the kernel's list of the sockets connected to this
+        // listener's port says which client port each cookie has (a dump,
+        // at most once a round, and only while such an offer has waited
+        // this long).
+        let port_of: HashMap<u64, SocketAddr> = if any_unnoted {
             sock_diag::connected_to(addr.port())
                 .unwrap_or_default()
                 .iter()
@@ -299,7 +397,7 @@ impl Pending {
                     continue;
                 }
                 // Not connected (yet, or any more): nothing to look up.
-                let Some(client) = port_of.get(&o.cookie) else {
+                let Some(client) = o.from.as_ref().or_else(|| port_of.get(&o.cookie)) else {
                     continue;
                 };
                 looks += 1;
@@ -316,22 +414,13 @@ impl Pending {
                 }
             }
         }
-        // Highest index first, so that the others stay where they are.
-        gone.sort_unstable_by_key(|g| std::cmp::Reverse(g.1));
-        for (cookie, i) in gone {
-            let Some(v) = self.offers.get_mut(&cookie) else {
-                continue;
-            };
-            let o = v.remove(i);
-            if v.is_empty() {
-                self.offers.remove(&cookie);
-            }
+        for (cookie, _) in &gone {
             debug!(
                 "listener {addr}: the connection of cookie {cookie} was accepted by another \
                  process; its offer closed"
             );
-            self.doomed.extend(o.into_fds());
         }
+        self.remove_offers(gone);
     }
 
     /// Take the waiting connections out for [`Listener::take_in`], with
@@ -666,19 +755,18 @@ impl Listener {
             // Read at once, and stop at the offer of the connection being
             // accepted: the ones behind it are for other `accept()`s,
             // perhaps in other processes (see [`IN_ACCEPT`]).
-            let stop_at = match until {
-                Until::Background => {
-                    fresh.push(w);
-                    continue;
-                }
-                Until::FirstOffer => None,
-                Until::Cookie(c) => Some(c),
-            };
+            if let Until::Background = until {
+                fresh.push(w);
+                continue;
+            }
+            let taken = b.offers.len();
             self.read_offer(w, &mut b);
-            if b.offers
-                .last()
-                .is_some_and(|o| stop_at.is_none_or(|c| o.cookie == c))
-            {
+            let stop = b.offers[taken..].iter().any(|o| match until {
+                Until::Cookie(c) => o.cookie == c,
+                Until::From(peer) => o.may_be_from(peer),
+                Until::Background => false,
+            });
+            if stop {
                 break;
             }
         }
@@ -703,7 +791,7 @@ impl Listener {
                     None => "names no connection",
                     Some(t) if t.dst.port() != self.addr.port() => "is for another port",
                     Some(target) => {
-                        b.offers.push(Offer {
+                        let mut o = Offer {
                             stream: w.stream,
                             peer: r.peer,
                             uid: w.uid,
@@ -713,7 +801,17 @@ impl Listener {
                             cookie: target.cookie,
                             since: w.since,
                             accepted_at: None,
-                        });
+                            from: None,
+                        };
+                        // Its note is usually in too (the client sends it
+                        // right after its `connect()`).
+                        match o.read_note() {
+                            Ok(()) => b.offers.push(o),
+                            Err(e) => {
+                                debug!("listener {}: an offer closed: {e}", self.addr);
+                                b.discard(o.into_fds());
+                            }
+                        }
                         return;
                     }
                 };
@@ -845,7 +943,7 @@ impl Listener {
             let mut far: Option<sock_diag::TcpSocket> = None;
             let mut more = false;
             for round in 0..=IN_ACCEPT_ROUNDS {
-                if far.is_none() && !p.offers.is_empty() {
+                if far.is_none() && !p.offers.is_empty() && p.may_hold(peer, self.addr) {
                     far = match sock_diag::far_end(local, peer) {
                         Ok(Some(far)) => Some(far),
                         Ok(None) => return Err(TcpReason::PeerNotAzsdp),
@@ -866,7 +964,7 @@ impl Listener {
                 // In an honest burst the queue may hold many offers ahead
                 // of this one, each wanted by a later accept(): take them
                 // in until this one is among them.
-                let until = cookie.map_or(Until::FirstOffer, Until::Cookie);
+                let until = cookie.map_or(Until::From(peer), Until::Cookie);
                 more = self.pump(&mut p, IN_ACCEPT, until);
             }
             let ours = far.filter(|f| p.offers.contains_key(&f.cookie));
@@ -893,9 +991,13 @@ impl Listener {
             };
             self.take_offer(&mut p, &far)
         };
-        let Some(offer) = offer else {
+        let Some(mut offer) = offer else {
             return Err(TcpReason::PeerNotAzsdp);
         };
+        // Its note, if it came, is read now: a stream closed with it unread
+        // (after our answer) tells the client of a reset before the answer
+        // (which it then reads all the same, `pending::recv_answer`).
+        let _ = offer.read_note();
         if s.use_ == azsdp::config::Use::Tcp {
             // Dropping the side channel tells the client at once.
             return Err(TcpReason::Rule);

@@ -139,6 +139,21 @@ pub struct Pending {
     watch: Lock<Option<Registration>>,
 }
 
+/// The listener's answer, if it came. A listener that closes the stream
+/// before reading the client's note (protocol §10) leaves a reset that the
+/// kernel reports before the answer queued ahead of it: the reset is read
+/// once, and the answer after it.
+fn recv_answer(
+    reg: std::os::fd::BorrowedFd<'_>,
+) -> Result<(Intro, Received), azsdp::fabric::shm::IntroError> {
+    match recv_intro(reg, IntroKind::Answer, true) {
+        Err(e) if e.raw_os_error() == Some(libc::ECONNRESET) => {
+            recv_intro(reg, IntroKind::Answer, true)
+        }
+        r => r,
+    }
+}
+
 impl Pending {
     /// The offer went to the listener `reg` and the kernel's connect was
     /// made (or is under way).
@@ -210,7 +225,7 @@ impl Pending {
             && parts.answer.is_none()
             && let Some(reg) = parts.reg.as_ref()
         {
-            match recv_intro(reg.as_fd(), IntroKind::Answer, true) {
+            match recv_answer(reg.as_fd()) {
                 Ok(a) => parts.answer = Some(a),
                 Err(e) if e.would_block() => {
                     let late = Instant::now() >= self.deadline;
@@ -348,7 +363,7 @@ impl Pending {
             let Some(reg) = parts.reg.as_ref() else {
                 return done;
             };
-            match recv_intro(reg.as_fd(), IntroKind::Answer, true) {
+            match recv_answer(reg.as_fd()) {
                 Ok(a) => parts.answer = Some(a),
                 Err(e) if e.would_block() => {
                     return Next {

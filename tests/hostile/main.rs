@@ -847,6 +847,16 @@ fn junk(port: u16, count: usize, r: &mut Report) {
                 }
             }
         };
+        // Every other round of shapes: an offer first, the junk as its
+        // note (which the listener reads only after an offer).
+        if (k / JUNK_SHAPES) % 2 == 1 {
+            let _ = send_intro(
+                reg.as_fd(),
+                &offer_intro(port, k as u64 + 1),
+                &[extra.as_fd()],
+                true,
+            );
+        }
         if send_junk(reg.as_fd(), k, INTRO_LEN, extra.as_fd(), deadline) {
             r.offers += 1;
         }

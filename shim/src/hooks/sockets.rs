@@ -246,22 +246,16 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     epoll::adopt(&sock);
                     (0, 0)
                 }
-                Outcome::Pairing {
-                    r,
-                    e,
-                    reg,
-                    offer,
-                    to,
-                } => {
-                    let p = crate::pending::Pending::start(
-                        &sock,
-                        fd,
+                Outcome::Pairing(o) => {
+                    let connect::Offered {
+                        r,
+                        e,
                         reg,
                         offer,
                         to,
-                        net::local_of(fd),
-                        &s,
-                    );
+                        local,
+                    } = *o;
+                    let p = crate::pending::Pending::start(&sock, fd, reg, offer, to, local, &s);
                     sock.set_role(Role::Pairing(p));
                     (r, e)
                 }

@@ -2,7 +2,7 @@
 //! bell; the other maps it, checks it and answers with its own bell. Both
 //! messages carry the sender's kernel identity.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -49,6 +49,14 @@ impl IntroError {
     pub fn would_block(&self) -> bool {
         matches!(self, IntroError::Identity(IdentityError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock)
     }
+
+    /// The system call's error, if that is what it was.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            IntroError::Identity(IdentityError::Io(e)) => e.raw_os_error(),
+            _ => None,
+        }
+    }
 }
 
 impl From<IntroError> for std::io::Error {
@@ -77,6 +85,50 @@ pub fn recv_intro(
         });
     }
     Ok((intro, r))
+}
+
+/// Send `intro` as a note: a message on a stream whose first message
+/// carried the sender's identity, so it carries none, nor descriptors.
+/// Never blocks (EAGAIN if the stream has no room).
+pub fn send_note(sock: BorrowedFd<'_>, intro: &Intro) -> std::io::Result<()> {
+    let mut b = [0u8; INTRO_LEN];
+    intro.emit(&mut b);
+    let flags = nix::sys::socket::MsgFlags::MSG_DONTWAIT | nix::sys::socket::MsgFlags::MSG_NOSIGNAL;
+    let n = nix::sys::socket::send(sock.as_raw_fd(), &b, flags)?;
+    if n != INTRO_LEN {
+        return Err(std::io::Error::other("note sent short"));
+    }
+    Ok(())
+}
+
+/// Receive a note of kind `want` ([`send_note`]) without waiting;
+/// `Ok(None)`: none queued. Descriptors that came with it are closed, and
+/// a note that carries any is refused.
+pub fn recv_note(sock: BorrowedFd<'_>, want: IntroKind) -> Result<Option<Intro>, IntroError> {
+    let mut b = [0u8; INTRO_LEN];
+    let r = match crate::scm::recv(sock.as_raw_fd(), &mut b, libc::MSG_DONTWAIT) {
+        Ok(r) => r,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+        Err(e) => return Err(IntroError::Identity(IdentityError::Io(e))),
+    };
+    if r.bytes == 0 && !r.truncated {
+        return Err(IntroError::Identity(IdentityError::Io(
+            std::io::ErrorKind::UnexpectedEof.into(),
+        )));
+    }
+    if !r.fds.is_empty() || r.truncated {
+        return Err(IntroError::Format(crate::pairing::PairError::Length(
+            r.bytes,
+        )));
+    }
+    let intro = Intro::parse(&b[..r.bytes])?;
+    if intro.kind != want {
+        return Err(IntroError::Kind {
+            want,
+            got: intro.kind,
+        });
+    }
+    Ok(Some(intro))
 }
 
 /// A segment this side made, before the peer has joined.

@@ -66,7 +66,8 @@ mod waiter;
 
 pub use access::NoGet;
 pub use bootstrap::{
-    IntroError, ShmJoin, ShmJoined, ShmOffer, ShmOffered, ShmTransport, recv_intro, send_intro,
+    IntroError, ShmJoin, ShmJoined, ShmOffer, ShmOffered, ShmTransport, recv_intro, recv_note,
+    send_intro, send_note,
 };
 pub use endpoint::ShmEndpoint;
 pub use park::ParkedEndpoint;

@@ -190,6 +190,53 @@ fn bootstrap_rejects_garbage() {
     assert!(e.to_string().contains("a segment and a bell"), "{e}");
 }
 
+#[test]
+fn a_note_is_taken_whole_or_refused_with_what_came_with_it() {
+    use crate::pairing::PairTarget;
+    let seq = || {
+        let (a, b) = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::SeqPacket,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        (a, b)
+    };
+    let note = Intro {
+        kind: IntroKind::Connected,
+        page_size: 4096,
+        pair: Some(PairTarget {
+            dst: "127.0.0.1:40000".parse().unwrap(),
+            cookie: 7,
+        }),
+    };
+    let (a, b) = seq();
+    // Nothing yet.
+    assert!(matches!(
+        recv_note(b.as_fd(), IntroKind::Connected),
+        Ok(None)
+    ));
+    send_note(a.as_fd(), &note).unwrap();
+    let got = recv_note(b.as_fd(), IntroKind::Connected).unwrap();
+    assert_eq!(got, Some(note));
+    // Of another kind, or with descriptors (closed here), or garbage.
+    send_note(a.as_fd(), &Intro::new(IntroKind::Offer, 4096)).unwrap();
+    assert!(recv_note(b.as_fd(), IntroKind::Connected).is_err());
+    send_intro(a.as_fd(), &note, &[], false).unwrap();
+    assert!(recv_note(b.as_fd(), IntroKind::Connected).is_err());
+    nix::sys::socket::send(
+        std::os::fd::AsRawFd::as_raw_fd(&a),
+        &[0x5a; 30],
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .unwrap();
+    assert!(recv_note(b.as_fd(), IntroKind::Connected).is_err());
+    // The sender gone.
+    drop(a);
+    assert!(recv_note(b.as_fd(), IntroKind::Connected).is_err());
+}
+
 /// A way to spoil a segment before it is offered.
 type Spoil = Box<dyn FnOnce(&Segment, &OwnedFd)>;
 
