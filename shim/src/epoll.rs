@@ -100,6 +100,11 @@ struct Set {
     reactor_asked: Option<Instant>,
     /// How long a wait busy-polls its connections before it sleeps.
     spin: Budget,
+    /// Threads inside [`wait`] on this set.
+    waiters: usize,
+    /// Taken out of [`SETS`] with its entries out of the kernel set (see
+    /// [`enter`]): a `ctl` that finds it so makes a new one.
+    retired: bool,
 }
 
 /// The descriptors of one set whose readiness may have changed since it
@@ -195,14 +200,84 @@ impl Watchers {
 static SETS: Lock<BTreeMap<c_int, Arc<Lock<Set>>>> = Lock::new(BTreeMap::new());
 /// Sets in [`SETS`] (read without the lock on every `close` and `epoll_wait`).
 static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Was any set ever made here? Then a wait in the kernel may report our
+/// entries (see [`drop_ours`]), even after its set was retired.
+static EVER: AtomicBool = AtomicBool::new(false);
 
 /// Does the shim hold part of any epoll set?
 pub fn has_sets() -> bool {
-    COUNT.load(Ordering::Relaxed) > 0
+    COUNT.load(Ordering::SeqCst) > 0
 }
 
-fn set_of(epfd: c_int) -> Option<Arc<Lock<Set>>> {
-    SETS.lock().get(&epfd).cloned()
+/// May a wait in the kernel report entries of ours?
+pub fn ever_had_sets() -> bool {
+    EVER.load(Ordering::SeqCst)
+}
+
+/// The set of `epfd` for a wait in it, counted as waited in; `None` if
+/// the shim holds no part of it, or held one that has no upgraded socket
+/// left and no other waiter: that one is retired here, its entries taken
+/// out of the kernel set, so that the program's waits there go straight to
+/// the kernel again. (A client that paired one connection and then made
+/// thousands of plain ones paid for every wait in our set.)
+fn enter(epfd: c_int) -> Option<Arc<Lock<Set>>> {
+    let mut sets = SETS.lock();
+    let set = Arc::clone(sets.get(&epfd)?);
+    let mut s = set.lock();
+    if !(s.interests.is_empty() && s.tcp_watch.is_empty() && s.waiters == 0) {
+        s.waiters += 1;
+        drop(s);
+        return Some(set);
+    }
+    // Under both locks: a `ctl` that took this set before sees it retired
+    // and makes a new one, whose entries these deletions cannot touch.
+    s.retired = true;
+    let _keep = real::KeepErrno::new();
+    let nested = s.nested.take();
+    for fd in std::iter::once(s.wake.fd()).chain(nested) {
+        // SAFETY: deleting our own entry from the program's set.
+        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+    drop(s);
+    sets.remove(&epfd);
+    COUNT.store(sets.len(), Ordering::Relaxed);
+    drop(sets);
+    // Dropped unlocked: its eventfd's close comes back through `close`.
+    drop(set);
+    None
+}
+
+/// Threads inside `epoll_wait` (in our sets or the kernel's).
+static KERNEL_WAITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A thread's stay in the program's `epoll_wait`. A thread that found no
+/// set of ours for its descriptor sleeps in the kernel; a set made for that
+/// descriptor meanwhile (an upgraded socket added, from another thread)
+/// kicks its eventfd if any thread is counted here, so that the sleeper
+/// comes to wait in it. (Counted before the look for a set: either the
+/// look sees the new set or the maker sees the count.)
+pub struct KernelWait(());
+
+impl KernelWait {
+    pub fn begin() -> KernelWait {
+        KERNEL_WAITS.fetch_add(1, Ordering::SeqCst);
+        KernelWait(())
+    }
+}
+
+impl Drop for KernelWait {
+    fn drop(&mut self) {
+        KERNEL_WAITS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A thread's stay in [`wait`] (see [`enter`]).
+struct Waiting<'a>(&'a Lock<Set>);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.lock().waiters -= 1;
+    }
 }
 
 /// The shim's part of `epfd`, made (with its eventfd in the kernel set) if
@@ -232,9 +307,16 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         reactor_fired: false,
         reactor_asked: None,
         spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
+        waiters: 0,
+        retired: false,
     }));
     sets.insert(epfd, Arc::clone(&s));
-    COUNT.store(sets.len(), Ordering::Relaxed);
+    COUNT.store(sets.len(), Ordering::SeqCst);
+    EVER.store(true, Ordering::SeqCst);
+    if KERNEL_WAITS.load(Ordering::SeqCst) > 0 {
+        // Perhaps asleep in the kernel on `epfd` (see [`KernelWait`]).
+        s.lock().wake.kick();
+    }
     Some(s)
 }
 
@@ -304,11 +386,27 @@ fn watch_tcp(set: &mut Set, epfd: c_int, fd: c_int, on: bool) {
 
 /// `epoll_ctl` on an upgraded socket. Returns what epoll_ctl returns.
 pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_event>) -> c_int {
-    let Some(set) = set_for(epfd) else {
-        real::set_errno(libc::ENOMEM);
-        return -1;
-    };
-    let mut set = set.lock();
+    loop {
+        let Some(set) = set_for(epfd) else {
+            real::set_errno(libc::ENOMEM);
+            return -1;
+        };
+        let mut set = set.lock();
+        // Retired since `set_for` found it (see [`enter`]): a new one.
+        if !set.retired {
+            return ctl_in(&mut set, epfd, op, fd, sock, ev);
+        }
+    }
+}
+
+fn ctl_in(
+    set: &mut Set,
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    sock: Arc<Sock>,
+    ev: Option<epoll_event>,
+) -> c_int {
     let exists = set.interests.contains_key(&fd);
     match op {
         libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
@@ -346,7 +444,7 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
                 real::set_errno(libc::ENOENT);
                 return -1;
             };
-            watch_tcp(&mut set, epfd, fd, false);
+            watch_tcp(set, epfd, fd, false);
             if let Some(c) = it.sock.conn() {
                 c.watchers.remove(&set.dirty, fd);
             }
@@ -357,7 +455,6 @@ pub fn ctl(epfd: c_int, op: c_int, fd: c_int, sock: Arc<Sock>, ev: Option<epoll_
         }
     }
     // (A thread asleep in the set woke at the mark above.)
-    drop(set);
     0
 }
 
@@ -582,7 +679,8 @@ pub unsafe fn wait(
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> Option<c_int> {
-    let set = set_of(epfd)?;
+    let set = enter(epfd)?;
+    let _waiting = Waiting(&set);
     // The kernel's bounds (EP_MAX_EVENTS).
     let most = (i32::MAX as usize) / std::mem::size_of::<epoll_event>();
     if max <= 0 || max as usize > most {

@@ -107,6 +107,7 @@ real! {
     fn epoll_create1(flags: c_int) -> c_int;
     fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event) -> c_int;
     fn epoll_pwait(epfd: c_int, ev: *mut epoll_event, max: c_int, timeout: c_int, mask: *const sigset_t) -> c_int;
+    fn epoll_pwait2(epfd: c_int, ev: *mut epoll_event, max: c_int, timeout: *const timespec, mask: *const sigset_t) -> c_int;
     fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int;
     fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int;
     fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, count: size_t) -> ssize_t;

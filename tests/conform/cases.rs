@@ -849,6 +849,38 @@ fn epoll(t: &mut T, p: &mut Peer, l: c_int) -> R {
         || unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), 0, 0) } as isize,
     );
     recv(t, c, 100, 0, "recv 4");
+    epoll_ctl(
+        t,
+        ep,
+        libc::EPOLL_CTL_MOD,
+        c,
+        libc::EPOLLIN as u32,
+        "MOD to IN, for epoll_pwait2",
+    );
+    peer(t, p, "send 2 66");
+    wait_ready(c, libc::POLLIN);
+    let ts = libc::timespec {
+        tv_sec: 5,
+        tv_nsec: 0,
+    };
+    // SAFETY: epoll_pwait2(2) into our own array, with our own timeout.
+    t.call("epoll_pwait2 with the connection readable", || unsafe {
+        libc::epoll_pwait2(ep, evs.as_mut_ptr(), 2, &ts, &none)
+    }
+        as isize);
+    t.line(
+        "epoll_pwait2: event",
+        &format!("{:#x} {}", { evs[0].events }, { evs[0].u64 } == c as u64),
+    );
+    recv(t, c, 100, 0, "recv 2");
+    let bad = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 2_000_000_000,
+    };
+    // SAFETY: epoll_pwait2(2) with a timeout it refuses.
+    t.call("epoll_pwait2 bad timeout", || unsafe {
+        libc::epoll_pwait2(ep, evs.as_mut_ptr(), 2, &bad, std::ptr::null())
+    } as isize);
     // A pipe and the connection in one set.
     let (r0, w0) = pipe_pair();
     epoll_ctl(
@@ -864,6 +896,47 @@ fn epoll(t: &mut T, p: &mut Peer, l: c_int) -> R {
     peer(t, p, "send 6 64");
     wait_ready(c, libc::POLLIN);
     epoll_wait(t, ep, 0, "wait pipe and connection");
+    // SAFETY: read(2) of the pipe's byte into our own.
+    unsafe { libc::read(r0, [0u8; 1].as_mut_ptr().cast(), 1) };
+    recv(t, c, 100, 0, "recv 6");
+    // Emptied of the connection: waits there are the kernel's again. A
+    // thread asleep in it wakes for the connection added meanwhile from
+    // another thread, when its bytes come.
+    epoll_ctl(t, ep, libc::EPOLL_CTL_DEL, c, 0, "DEL the connection");
+    epoll_wait(t, ep, 0, "wait with the pipe alone");
+    let sleeper = std::thread::spawn(move || {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: epoll_wait(2) into this thread's own array.
+        let n = unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), 4, 10_000) };
+        let got: Vec<String> = evs[..n.max(0) as usize]
+            .iter()
+            .map(|e| {
+                // (Descriptor numbers differ under the shim: say whose.)
+                let (bits, data) = (e.events, e.u64);
+                let whose = if data == c as u64 {
+                    "the connection"
+                } else {
+                    "?"
+                };
+                format!("{bits:#x} {whose}")
+            })
+            .collect();
+        format!("{n} [{}]", got.join(", "))
+    });
+    // Asleep in the kernel by now (if not, it finds the connection).
+    sleep_ms(200);
+    epoll_ctl(
+        t,
+        ep,
+        libc::EPOLL_CTL_ADD,
+        c,
+        libc::EPOLLIN as u32,
+        "ADD from another thread",
+    );
+    peer(t, p, "send 7 65");
+    let woke = sleeper.join().unwrap_or_else(|_| "panicked".into());
+    t.line("the sleeping thread's wait", &woke);
+    recv(t, c, 100, 0, "recv 7");
     close(r0);
     close(w0);
     close(ep);

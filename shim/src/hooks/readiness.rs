@@ -226,29 +226,96 @@ pub unsafe extern "C" fn epoll_pwait(
     mask: *const sigset_t,
 ) -> c_int {
     hook(|| {
+        // SAFETY: the program's array of max entries, forwarded, and
+        // libc's epoll_pwait with the program's arguments.
+        unsafe {
+            epoll_waiting(epfd, ev, max, ready::ms_timeout(timeout), mask, |left| {
+                let ms = left.map_or(-1, |l| {
+                    l.as_micros().div_ceil(1000).min(i32::MAX as u128) as c_int
+                });
+                // (libc's epoll_pwait with the program's arguments.)
+                real::epoll_pwait(epfd, ev, max, ms, mask)
+            })
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    ev: *mut epoll_event,
+    max: c_int,
+    ts: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    hook(|| {
+        let timeout = match ready::ts_timeout(ts) {
+            Ok(t) => t,
+            Err(e) => return fail_with(e),
+        };
+        // SAFETY: the program's array of max entries, forwarded, and
+        // libc's epoll_pwait2 with the program's arguments.
+        unsafe {
+            epoll_waiting(epfd, ev, max, timeout, mask, |left| {
+                let t = left.map(|l| timespec {
+                    tv_sec: l.as_secs() as libc::time_t,
+                    tv_nsec: l.subsec_nanos() as libc::c_long,
+                });
+                let tp = t
+                    .as_ref()
+                    .map_or(std::ptr::null(), |t| t as *const timespec);
+                // (libc's epoll_pwait2 with the program's arguments and our
+                // own timeout.)
+                real::epoll_pwait2(epfd, ev, max, tp, mask)
+            })
+        }
+    })
+}
+
+/// An `epoll_pwait`-style wait for `timeout` (`None`: no end): in the
+/// shim's part of the set if it holds one, else in the kernel's
+/// (`kernel`, given the time left), dropping any entry of ours the kernel
+/// reports.
+///
+/// # Safety
+/// `ev` must be the program's array of `max` entries.
+unsafe fn epoll_waiting(
+    epfd: c_int,
+    ev: *mut epoll_event,
+    max: c_int,
+    timeout: Option<std::time::Duration>,
+    mask: *const sigset_t,
+    mut kernel: impl FnMut(Option<std::time::Duration>) -> c_int,
+) -> c_int {
+    // Counted, so that a set made meanwhile wakes this thread if it goes to
+    // the kernel (see `epoll::KernelWait`).
+    let _counted = epoll::KernelWait::begin();
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let mut first = true;
+    loop {
         if epoll::has_sets() {
             // SAFETY: the program's array of max entries.
             let r = guard(Some(-1), || unsafe {
-                epoll::wait(epfd, ev, max, ready::ms_timeout(timeout), mask)
+                epoll::wait(epfd, ev, max, left(), mask)
             });
             if let Some(r) = r {
                 return r;
             }
         }
-        // SAFETY: libc's epoll_pwait.
-        let r = unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) };
-        if r <= 0 || !epoll::has_sets() {
+        // (The program's own timeout, as given, on the first wait.)
+        let r = kernel(if first { timeout } else { left() });
+        first = false;
+        if r <= 0 || !epoll::ever_had_sets() {
             return r;
         }
-        // A socket of this set was upgraded while we slept in the kernel
-        // (a pair that completed): the wake-up was ours, not the program's.
+        // A socket of this set was upgraded while we slept in the kernel (a
+        // pair that completed), or a set was retired: a wake-up of ours,
+        // not the program's.
         // SAFETY: the program's array, as the kernel filled it.
         match unsafe { epoll::drop_ours(ev, r) } {
-            0 => guard(-1, || {
-                // SAFETY: the program's array of max entries.
-                unsafe { epoll::wait(epfd, ev, max, ready::ms_timeout(timeout), mask) }.unwrap_or(0)
-            }),
-            n => n,
+            0 => continue,
+            n => return n,
         }
-    })
+    }
 }
