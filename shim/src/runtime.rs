@@ -95,7 +95,8 @@ static STATS: Lock<Option<Stats>> = Lock::new(None);
 
 /// This process's stat file (a forked child makes its own).
 pub fn stat_file() -> Option<Arc<StatFile>> {
-    let pid = std::process::id();
+    // (Cached: asked at every connection; the fork handlers keep it true.)
+    let pid = azsdp::process::pid();
     let mut g = STATS.lock();
     if let Some(s) = g.as_ref() {
         if s.pid == pid {

@@ -140,7 +140,12 @@ unsafe fn accept_impl(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
         let sock = Sock::new(lsock.family, flags & libc::SOCK_NONBLOCK != 0);
         // SAFETY: the kernel wrote `sl` bytes.
         let peer = unsafe { net::from_raw((&raw const st).cast(), sl) };
-        let local = net::local_of(nfd);
+        // A listener on one address accepts on that address: only a
+        // wildcard's connections need the kernel's word.
+        let local = match &listener {
+            Ok(l) if !l.addr.ip().is_unspecified() => Some(l.addr),
+            _ => net::local_of(nfd),
+        };
         match (local, peer, listener) {
             (Some(local), Some(peer), Err(reason)) => {
                 info!("{local} <- {peer}: tcp ({})", reason.name());
