@@ -494,13 +494,7 @@ mod tests {
         std::os::unix::net::UnixStream,
         std::os::unix::net::UnixStream,
     ) {
-        let (a, b) = nix::sys::socket::socketpair(
-            nix::sys::socket::AddressFamily::Unix,
-            nix::sys::socket::SockType::SeqPacket,
-            None,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
+        let (a, b) = crate::scm::seqpacket_pair();
         (a.into(), b.into())
     }
 

@@ -167,18 +167,15 @@ static ALIVE: AtomicUsize = AtomicUsize::new(0);
 /// A participant's place in [`active`]'s count: held by it, given back
 /// when it drops.
 #[derive(Debug)]
-pub struct Alive(());
+pub struct Alive {
+    _counted: crate::sync::Counting,
+}
 
 impl Alive {
     pub fn count() -> Alive {
-        ALIVE.fetch_add(1, Ordering::SeqCst);
-        Alive(())
-    }
-}
-
-impl Drop for Alive {
-    fn drop(&mut self) {
-        ALIVE.fetch_sub(1, Ordering::SeqCst);
+        Alive {
+            _counted: crate::sync::Counting::new(&ALIVE),
+        }
     }
 }
 /// How many entries the last sweep of dead ones left.

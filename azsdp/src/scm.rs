@@ -201,21 +201,23 @@ fn owned(m: &libc::msghdr, space: &ControlSpace, n: usize) -> Received {
     r
 }
 
+/// A connected pair of Unix `SOCK_SEQPACKET` sockets (tests).
+#[cfg(test)]
+pub(crate) fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
+    nix::sys::socket::socketpair(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::SeqPacket,
+        None,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+    )
+    .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, OwnedFd};
     use std::os::unix::net::UnixDatagram;
-
-    fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
-        nix::sys::socket::socketpair(
-            nix::sys::socket::AddressFamily::Unix,
-            nix::sys::socket::SockType::SeqPacket,
-            None,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap()
-    }
 
     /// Send `payload` with `n` copies of `x` in `blocks` SCM_RIGHTS blocks.
     fn send_fds(sock: &OwnedFd, x: &UnixDatagram, payload: &[u8], n: usize, blocks: usize) {

@@ -268,6 +268,24 @@ impl<T> DerefMut for WriteGuard<'_, T> {
     }
 }
 
+/// One in a static count while it lives (a count that fast paths read
+/// without a lock).
+#[derive(Debug)]
+pub struct Counting(&'static AtomicUsize);
+
+impl Counting {
+    pub fn new(count: &'static AtomicUsize) -> Counting {
+        count.fetch_add(1, Ordering::SeqCst);
+        Counting(count)
+    }
+}
+
+impl Drop for Counting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -256,18 +256,15 @@ static KERNEL_WAITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicU
 /// kicks its eventfd if any thread is counted here, so that the sleeper
 /// comes to wait in it. (Counted before the look for a set: either the
 /// look sees the new set or the maker sees the count.)
-pub struct KernelWait(());
+pub struct KernelWait {
+    _counted: azsdp::sync::Counting,
+}
 
 impl KernelWait {
     pub fn begin() -> KernelWait {
-        KERNEL_WAITS.fetch_add(1, Ordering::SeqCst);
-        KernelWait(())
-    }
-}
-
-impl Drop for KernelWait {
-    fn drop(&mut self) {
-        KERNEL_WAITS.fetch_sub(1, Ordering::SeqCst);
+        KernelWait {
+            _counted: azsdp::sync::Counting::new(&KERNEL_WAITS),
+        }
     }
 }
 

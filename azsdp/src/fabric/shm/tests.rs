@@ -193,16 +193,6 @@ fn bootstrap_rejects_garbage() {
 #[test]
 fn a_note_is_taken_whole_or_refused_with_what_came_with_it() {
     use crate::pairing::PairTarget;
-    let seq = || {
-        let (a, b) = nix::sys::socket::socketpair(
-            nix::sys::socket::AddressFamily::Unix,
-            nix::sys::socket::SockType::SeqPacket,
-            None,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
-        (a, b)
-    };
     let note = Intro {
         kind: IntroKind::Connected,
         page_size: 4096,
@@ -211,7 +201,7 @@ fn a_note_is_taken_whole_or_refused_with_what_came_with_it() {
             cookie: 7,
         }),
     };
-    let (a, b) = seq();
+    let (a, b) = crate::scm::seqpacket_pair();
     // Nothing yet.
     assert!(matches!(
         recv_note(b.as_fd(), IntroKind::Connected),
