@@ -377,9 +377,27 @@ static CACHE: Lock<Option<Arc<MemoryMap>>> = Lock::new(None);
 static STALE: AtomicBool = AtomicBool::new(true);
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
+/// The range one change touched, by generation (see [`changed`]).
+struct Change {
+    /// Its generation; 0 while being written.
+    generation: AtomicU64,
+    start: AtomicU64,
+    end: AtomicU64,
+}
+
 /// The ranges the last [`CHANGES`] changes touched: slot `g % CHANGES`
-/// holds (g, start, end) of generation `g`.
-static CHANGED: Lock<[(u64, u64, u64); CHANGES]> = Lock::new([(0, 0, 0); CHANGES]);
+/// holds generation `g`'s. No lock: the memory hooks write here from any
+/// thread, and a signal handler's `munmap` may come in the middle of a
+/// read on the same thread. A slot is written as a sequence lock: claimed
+/// (generation 0), filled, then stamped; a reader that finds another stamp
+/// before or after its loads learns nothing from the slot.
+static CHANGED: [Change; CHANGES] = [const {
+    Change {
+        generation: AtomicU64::new(0),
+        start: AtomicU64::new(0),
+        end: AtomicU64::new(0),
+    }
+}; CHANGES];
 const CHANGES: usize = 64;
 
 /// The mappings changed (or may have), anywhere: reread before the next
@@ -397,10 +415,24 @@ pub fn changed(range: Range<u64>) {
     let page = crate::pages::system_page_size().max(1);
     let range = range.start..range.end.checked_next_multiple_of(page).unwrap_or(u64::MAX);
     STALE.store(true, Ordering::Release);
-    let mut c = CHANGED.lock();
-    let g = GENERATION.load(Ordering::Acquire) + 1;
-    c[(g % CHANGES as u64) as usize] = (g, range.start, range.end);
-    GENERATION.store(g, Ordering::Release);
+    let g = GENERATION.fetch_add(1, Ordering::AcqRel) + 1;
+    let slot = &CHANGED[(g % CHANGES as u64) as usize];
+    // A writer of a newer turn of the ring, or one writing now, keeps the
+    // slot: readers of `g` then find no stamp of theirs, and hold nothing.
+    let old = slot.generation.load(Ordering::Acquire);
+    if (old == 0 && g > CHANGES as u64) || old >= g {
+        return;
+    }
+    if slot
+        .generation
+        .compare_exchange(old, 0, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return;
+    }
+    slot.start.store(range.start, Ordering::Relaxed);
+    slot.end.store(range.end, Ordering::Relaxed);
+    slot.generation.store(g, Ordering::Release);
 }
 
 /// A mapping was made where none was (`mmap` without `MAP_FIXED`): every
@@ -427,10 +459,17 @@ pub fn untouched_since(range: &Range<u64>, seen: u64) -> bool {
     if now < seen || now - seen > CHANGES as u64 {
         return false;
     }
-    let c = CHANGED.lock();
     (seen + 1..=now).all(|g| {
-        let (cg, start, end) = c[(g % CHANGES as u64) as usize];
-        cg == g && (end <= range.start || range.end <= start)
+        let slot = &CHANGED[(g % CHANGES as u64) as usize];
+        if slot.generation.load(Ordering::Acquire) != g {
+            return false;
+        }
+        let (start, end) = (
+            slot.start.load(Ordering::Relaxed),
+            slot.end.load(Ordering::Relaxed),
+        );
+        std::sync::atomic::fence(Ordering::Acquire);
+        slot.generation.load(Ordering::Relaxed) == g && (end <= range.start || range.end <= start)
     })
 }
 
@@ -570,8 +609,39 @@ mod tests {
 7ffd00100000-7ffd00102000 r-xp 00000000 00:00 0 [vdso]
 ";
 
+    /// The two tests of change tracking, one at a time (the first changes
+    /// the map from other threads as fast as it can).
+    static CHANGING: Lock<()> = Lock::new(());
+
+    #[test]
+    fn a_change_is_never_missed_while_other_threads_change_the_map() {
+        let _one = CHANGING.lock();
+        let page = crate::pages::system_page_size();
+        let a = 0x7200_0000_0000..0x7200_0000_0000 + page;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let others: Vec<_> = (0..2)
+            .map(|k| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let b = 0x7300_0000_0000 + k * page;
+                    while !stop.load(Ordering::Relaxed) {
+                        changed(b..b + page);
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..20_000 {
+            let seen = generation();
+            changed(a.clone());
+            assert!(!untouched_since(&a, seen));
+        }
+        stop.store(true, Ordering::Relaxed);
+        others.into_iter().for_each(|t| t.join().unwrap());
+    }
+
     #[test]
     fn an_answer_holds_until_a_change_touches_its_range() {
+        let _one = CHANGING.lock();
         let page = crate::pages::system_page_size();
         let (a, b) = (
             0x7000_0000_0000..0x7000_0000_0000 + 4 * page,
