@@ -85,12 +85,9 @@ impl PairHistory {
     /// Should a connection to `dst` offer now? Counts it as skipped if
     /// not.
     pub fn offer(&mut self, dst: SocketAddr) -> bool {
-        self.clock += 1;
-        let now = self.clock;
-        let Some(d) = self.dests.iter_mut().find(|d| d.addr == dst) else {
+        let Some(d) = self.find(dst) else {
             return true;
         };
-        d.used = now;
         if d.short < SHORT_STREAK || d.skipped + 1 >= d.gap {
             d.skipped = 0;
             return true;
@@ -123,6 +120,7 @@ impl PairHistory {
         d.short = d.short.max(SHORT_STREAK);
     }
 
+    /// `dst`'s entry, if remembered, marked used.
     fn find(&mut self, dst: SocketAddr) -> Option<&mut Destination> {
         self.clock += 1;
         let now = self.clock;

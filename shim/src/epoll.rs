@@ -770,7 +770,7 @@ pub unsafe fn wait(
             0
         } else {
             // (Rounded up: a timer's wait that ends early would spin.)
-            left.map_or(100, |l| l.as_micros().div_ceil(1000).min(100) as c_int)
+            left.map_or(100, |l| crate::ready::ms_rounded_up(l).min(100))
         };
         let room = max - out.len();
         let n = if room == 0 {

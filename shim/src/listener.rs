@@ -256,24 +256,27 @@ impl Pending {
     /// pre-fork server's workers each hold offers of connections their
     /// siblings accepted.
     fn may_hold(&mut self, peer: SocketAddr, addr: SocketAddr) -> bool {
-        let mut reads = 0;
+        self.read_notes(NOTE_READS, |_| true, addr);
+        self.offers.values().flatten().any(|o| o.may_be_from(peer))
+    }
+
+    /// Read the notes not yet read of up to `most` offers that `which`
+    /// picks, and close the offers whose note is bad.
+    fn read_notes(&mut self, most: usize, which: impl Fn(&Offer) -> bool, addr: SocketAddr) {
         let mut bad = Vec::new();
-        let mut maybe = false;
-        for (cookie, v) in self.offers.iter_mut() {
-            for (i, o) in v.iter_mut().enumerate() {
-                if o.from.is_none() && reads < NOTE_READS {
-                    reads += 1;
-                    if let Err(e) = o.read_note() {
-                        debug!("listener {addr}: an offer closed: {e}");
-                        bad.push((*cookie, i));
-                        continue;
-                    }
-                }
-                maybe |= o.may_be_from(peer);
+        let unread = self
+            .offers
+            .iter_mut()
+            .flat_map(|(cookie, v)| v.iter_mut().enumerate().map(move |(i, o)| (*cookie, i, o)))
+            .filter(|(_, _, o)| o.from.is_none() && which(o))
+            .take(most);
+        for (cookie, i, o) in unread {
+            if let Err(e) = o.read_note() {
+                debug!("listener {addr}: an offer closed: {e}");
+                bad.push((cookie, i));
             }
         }
         self.remove_offers(bad);
-        maybe
     }
 
     /// Close the offers at (cookie, index).
@@ -355,20 +358,12 @@ impl Pending {
         if !any_due && !any_seen {
             return;
         }
-        let mut bad = Vec::new();
-        let mut any_unnoted = false;
-        for (cookie, v) in self.offers.iter_mut() {
-            for (i, o) in v.iter_mut().enumerate() {
-                if due(o) {
-                    if o.read_note().is_err() {
-                        bad.push((*cookie, i));
-                    } else {
-                        any_unnoted |= o.from.is_none();
-                    }
-                }
-            }
-        }
-        self.remove_offers(bad);
+        self.read_notes(usize::MAX, due, addr);
+        let any_unnoted = self
+            .offers
+            .values()
+            .flatten()
+            .any(|o| due(o) && o.from.is_none());
         // An offer's note says where its connection comes from. Without
         // one, the kernel's list of the sockets connected to this
         // listener's port says which client port each cookie has (a dump,

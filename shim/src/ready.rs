@@ -441,10 +441,7 @@ fn poll_upgraded(
         } else {
             wait
         };
-        let ts = libc::timespec {
-            tv_sec: wait.as_secs() as libc::time_t,
-            tv_nsec: wait.subsec_nanos() as libc::c_long,
-        };
+        let ts = timespec_of(wait);
         let with_wake = if wait.is_zero() {
             kernel.len() - usize::from(wake.is_some())
         } else {
@@ -475,6 +472,20 @@ fn poll_upgraded(
 /// A `poll`-style timeout in milliseconds (negative: none).
 pub fn ms_timeout(ms: c_int) -> Option<Duration> {
     (ms >= 0).then(|| Duration::from_millis(ms as u64))
+}
+
+/// `t` in whole milliseconds for a kernel wait, rounded up (a wait that
+/// ends early would spin).
+pub fn ms_rounded_up(t: Duration) -> c_int {
+    t.as_micros().div_ceil(1000).min(i32::MAX as u128) as c_int
+}
+
+/// `t` as a kernel `timespec`.
+pub fn timespec_of(t: Duration) -> libc::timespec {
+    libc::timespec {
+        tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    }
 }
 
 /// A `ppoll`/`pselect`/`epoll_pwait2`-style timeout (null: none), read
@@ -656,10 +667,7 @@ pub fn select(
         poll_upgraded(&mut fds, &conns, &pairing, timeout, mask)
     } else {
         // The upgraded socket is gone meanwhile: the kernel answers all.
-        let ts = timeout.map(|t| libc::timespec {
-            tv_sec: t.as_secs() as libc::time_t,
-            tv_nsec: t.subsec_nanos() as libc::c_long,
-        });
+        let ts = timeout.map(timespec_of);
         let tsp = ts
             .as_ref()
             .map_or(std::ptr::null(), |t| t as *const libc::timespec);

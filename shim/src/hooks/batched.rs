@@ -150,11 +150,7 @@ pub unsafe extern "C" fn recvmmsg(
             if let Some(d) = deadline {
                 // The kernel leaves the time that was left in *timeout.
                 let left = d.saturating_duration_since(Instant::now());
-                let t = timespec {
-                    tv_sec: left.as_secs() as libc::time_t,
-                    tv_nsec: left.subsec_nanos() as libc::c_long,
-                };
-                let _ = user_mem::write(timeout, &[t]);
+                let _ = user_mem::write(timeout, &[crate::ready::timespec_of(left)]);
             }
             done
         }),

@@ -230,9 +230,7 @@ pub unsafe extern "C" fn epoll_pwait(
         // libc's epoll_pwait with the program's arguments.
         unsafe {
             epoll_waiting(epfd, ev, max, ready::ms_timeout(timeout), mask, |left| {
-                let ms = left.map_or(-1, |l| {
-                    l.as_micros().div_ceil(1000).min(i32::MAX as u128) as c_int
-                });
+                let ms = left.map_or(-1, ready::ms_rounded_up);
                 // (libc's epoll_pwait with the program's arguments.)
                 real::epoll_pwait(epfd, ev, max, ms, mask)
             })
@@ -257,10 +255,7 @@ pub unsafe extern "C" fn epoll_pwait2(
         // libc's epoll_pwait2 with the program's arguments.
         unsafe {
             epoll_waiting(epfd, ev, max, timeout, mask, |left| {
-                let t = left.map(|l| timespec {
-                    tv_sec: l.as_secs() as libc::time_t,
-                    tv_nsec: l.subsec_nanos() as libc::c_long,
-                });
+                let t = left.map(ready::timespec_of);
                 let tp = t
                     .as_ref()
                     .map_or(std::ptr::null(), |t| t as *const timespec);
@@ -292,7 +287,6 @@ unsafe fn epoll_waiting(
     let _counted = epoll::KernelWait::begin();
     let deadline = timeout.map(|t| Instant::now() + t);
     let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
-    let mut first = true;
     loop {
         if epoll::has_sets() {
             // SAFETY: the program's array of max entries.
@@ -303,9 +297,7 @@ unsafe fn epoll_waiting(
                 return r;
             }
         }
-        // (The program's own timeout, as given, on the first wait.)
-        let r = kernel(if first { timeout } else { left() });
-        first = false;
+        let r = kernel(left());
         if r <= 0 || !epoll::ever_had_sets() {
             return r;
         }

@@ -42,6 +42,8 @@ pub enum IntroError {
     Format(#[from] crate::pairing::PairError),
     #[error("expected {want:?}, got {got:?}")]
     Kind { want: IntroKind, got: IntroKind },
+    #[error("a note that carries descriptors, or more than a message")]
+    NoteCarries,
 }
 
 impl IntroError {
@@ -117,9 +119,7 @@ pub fn recv_note(sock: BorrowedFd<'_>, want: IntroKind) -> Result<Option<Intro>,
         )));
     }
     if !r.fds.is_empty() || r.truncated {
-        return Err(IntroError::Format(crate::pairing::PairError::Length(
-            r.bytes,
-        )));
+        return Err(IntroError::NoteCarries);
     }
     let intro = Intro::parse(&b[..r.bytes])?;
     if intro.kind != want {
