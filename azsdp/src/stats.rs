@@ -69,6 +69,8 @@ mod w {
     pub const COPIED_MEMORY: usize = 38;
     /// The fabric an upgraded connection runs on ([`super::FABRICS`]).
     pub const FABRIC: usize = 39;
+    /// The peer's rings of this side's doorbell.
+    pub const RUNG: usize = 40;
 }
 
 /// Fabric names, by the code the stat word holds (0: none, TCP).
@@ -631,6 +633,15 @@ impl StatFile {
         set(w::COPIED_MEMORY, kind.map_or(0, |i| i as u64 + 1));
     }
 
+    /// How often the peer rang this side's doorbell (see
+    /// `ThreadedDriver::rung`).
+    pub fn set_rung(&self, slot: usize, rung: u64) {
+        if !self.mine() {
+            return;
+        }
+        self.slot_words(slot)[w::RUNG].store(rung, Ordering::Relaxed);
+    }
+
     /// The connection is gone: free its slot.
     pub fn close_slot(&self, slot: usize) {
         if !self.mine() {
@@ -679,6 +690,10 @@ pub struct ConnStat {
     pub cow_lost: u64,
     pub fallbacks: u64,
     pub armed_recvs: u64,
+    /// Wake-ups of this process's reactor that the peer's messages asked
+    /// (rings of its doorbell): few while a call or an event loop is
+    /// looking at the connection.
+    pub rung: u64,
     /// Bytes sent by copy, by [`CopyReason`] (index).
     pub copied: [u64; COPY_REASONS],
     /// What memory was copied for want of protection ([`CopyReason::Memory`]).
@@ -859,6 +874,7 @@ fn read_file(path: &Path, pid: u32, owner: u32) -> Option<Vec<ConnStat>> {
             cow_lost: s(w::COW_LOST),
             fallbacks: s(w::FALLBACKS),
             armed_recvs: s(w::ARMED_RECVS),
+            rung: s(w::RUNG),
             copied: std::array::from_fn(|i| s(w::COPIED + i)),
             copied_memory: (s(w::COPIED_MEMORY) as usize)
                 .checked_sub(1)

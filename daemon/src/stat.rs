@@ -139,6 +139,7 @@ fn to_json(c: &ConnStat, rates: Option<Rates>) -> serde_json::Value {
         "cow_lost": c.cow_lost,
         "fallbacks": c.fallbacks,
         "armed_recvs": c.armed_recvs,
+        "rung": c.rung,
         "copied": copied_json(c),
     });
     if let Some(r) = rates {
@@ -437,6 +438,7 @@ mod tests {
             cow_lost: 0,
             fallbacks: 0,
             armed_recvs: 0,
+            rung: 0,
             copied: {
                 let mut c = [0; COPY_REASONS];
                 c[CopyReason::Small.index()] = 1000;

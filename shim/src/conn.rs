@@ -235,6 +235,7 @@ impl Conn {
         }
         if let Some((f, slot)) = stat.as_ref() {
             f.publish(*slot, &counters, outstanding as u64, path);
+            f.set_rung(*slot, self.driver.rung());
         }
     }
 
@@ -283,6 +284,17 @@ impl Conn {
     /// `ThreadedDriver::ticket`): what a busy-poller watches.
     pub fn ticket(&self) -> u32 {
         self.driver.ticket()
+    }
+
+    /// An event loop looked at the connection's ticket and looks again
+    /// at its next wait (see `ThreadedDriver::watched_by_loop`).
+    pub fn watched_by_loop(&self, at_ns: u64) {
+        self.driver.watched_by_loop(at_ns);
+    }
+
+    /// That loop is about to sleep.
+    pub fn loop_sleeps(&self) {
+        self.driver.loop_sleeps();
     }
 
     /// The program changed the connection's state itself (a shutdown, a

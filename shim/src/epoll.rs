@@ -76,6 +76,8 @@ struct Interest {
     tcp_woke: u32,
     /// A one-shot interest that fired, until EPOLL_CTL_MOD.
     spent: bool,
+    /// The connection's ticket when a wait last looked (see [`sweep`]).
+    ticket: u32,
 }
 
 struct Set {
@@ -432,6 +434,7 @@ fn ctl_in(
                     last_progress: (u64::MAX, u64::MAX),
                     tcp_woke: 0,
                     spent: false,
+                    ticket: 0,
                 },
             );
             set.dirty.mark(fd);
@@ -644,6 +647,47 @@ fn collect(set: &mut Set, epfd: c_int, out: &mut Batch, max: usize) {
     }
 }
 
+/// A wait's look at every connection of a small set (a load of each
+/// one's ticket): those a message reached since the last look are marked
+/// to be looked at, and every one is kept watched by this loop rather
+/// than by the reactor's doorbell until the loop sleeps ([`unsweep`]).
+/// An event loop that never sleeps (it finds work at every wait) so hears
+/// of each message at its next wait, without a ring of the peer's (a
+/// system call there, and a turn of the reactor here that wakes this
+/// thread) per message. Bigger sets are left to the doorbells (see
+/// [`SPIN_CONNS`]).
+fn sweep(set: &mut Set) {
+    if set.interests.len() > SPIN_CONNS {
+        return;
+    }
+    let now = azsdp::driver::standby::now_ns();
+    for (fd, it) in set.interests.iter_mut() {
+        if it.spent {
+            continue;
+        }
+        let Some(c) = it.sock.conn() else { continue };
+        c.watched_by_loop(now);
+        let t = c.ticket();
+        if t != it.ticket {
+            it.ticket = t;
+            set.dirty.mark(*fd);
+        }
+    }
+}
+
+/// The wait is about to sleep: its connections go back to the reactor's
+/// watch (the sleep's `standby::end` arms their doorbells).
+fn unsweep(set: &Set) {
+    if set.interests.len() > SPIN_CONNS {
+        return;
+    }
+    for it in set.interests.values() {
+        if let Some(c) = it.sock.conn() {
+            c.loop_sleeps();
+        }
+    }
+}
+
 /// Drop our own entries (see [`TAG`], [`TCP_TAG`]) from the `n` events a
 /// wait in the kernel wrote into the program's array: a set that became
 /// partly ours while a thread slept in it. The count left.
@@ -704,6 +748,7 @@ pub unsafe fn wait(
     // this thread or of the reactor (and no `standby::end`, which sends
     // the reactor back to watching the connections the program drives).
     let mut out = Batch::default();
+    sweep(&mut set.lock());
     collect(&mut set.lock(), epfd, &mut out, max);
     let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     if !out.is_empty() || left.is_some_and(|l| l.is_zero()) {
@@ -736,6 +781,7 @@ pub unsafe fn wait(
         }
     }
     let slept_at = Instant::now();
+    unsweep(&set.lock());
     // The reactor's set, borrowed while this thread sleeps: the peer's ring
     // wakes this thread, not the reactor's (which would wake it in turn).
     let mut loan = Borrowed(None);
@@ -968,7 +1014,11 @@ fn spin(
             let now = c.ticket();
             if now != *t {
                 *t = now;
-                set.lock().dirty.mark(*fd);
+                let mut s = set.lock();
+                if let Some(it) = s.interests.get_mut(fd) {
+                    it.ticket = now;
+                }
+                s.dirty.mark(*fd);
                 moved = true;
             }
         }

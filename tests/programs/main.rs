@@ -34,7 +34,7 @@ pub(crate) const LISTEN: Duration = Duration::from_secs(15);
 /// close-range; 145 stopped peers; 146 malformed messages with
 /// descriptors; 147 a registry flood's cost to accept; 148-149 the
 /// scale tests' server shapes; 160-161 exec-late-close; 182 a child that
-/// accepts; 150-159, 162-181 and 183-255 free.
+/// accepts; 183 a busy event loop; 150-159, 162-181 and 184-255 free.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -709,6 +709,65 @@ fn epipe_and_sigpipe_unless_msg_nosignal() {
 #[test]
 fn epoll_level_and_edge_triggered_and_select() {
     sockcheck("readiness", 12);
+}
+
+/// Event loops that never sleep (both ends poll their epoll sets with a
+/// zero timeout over 8 connections, `busy_loop.py`): each wait looks at
+/// its connections itself, so the peers post without ringing the
+/// doorbell. A ring per message (a system call on the sender's side and a
+/// turn of the reactor here) made memcached under memaslap half as fast
+/// as TCP. Rings still come when a loop is off the CPU for a while (a
+/// loaded host), hence a bound, not zero.
+#[test]
+fn a_busy_event_loop_is_not_rung_per_message() {
+    if !have(&["python3"]) {
+        return;
+    }
+    let script = workspace().join("tests/programs/busy_loop.py");
+    let script = script.display().to_string();
+    let s = Scratch::new("busy-loop");
+    let p = port(183).to_string();
+    let (conns, rounds) = (8u64, 2000u64);
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "python3", &[&script, "server", &p, "8"]),
+        "python3 server",
+    );
+    wait_listening(p.parse().expect("port"), LISTEN);
+    let dir = s.0.display().to_string();
+    let mut cli = Proc::start(
+        s.under_azsdp(
+            "client",
+            "python3",
+            &[&script, "client", &p, "8", &rounds.to_string(), &dir],
+        ),
+        "python3 client",
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !s.path("done").exists() {
+        if let Some(st) = cli.wait(Duration::ZERO) {
+            panic!("client ended ({st}): {}", s.client_and_server_logs());
+        }
+        assert!(Instant::now() < deadline, "{}", s.client_and_server_logs());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The counters as published (the stats thread publishes every 100 ms).
+    std::thread::sleep(Duration::from_millis(300));
+    let stat = s.stat();
+    std::fs::write(s.path("close"), b"").expect("close file");
+    cli.expect_success(Duration::from_secs(30), || s.client_and_server_logs());
+    srv.expect_success(Duration::from_secs(30), || s.log("server"));
+    let upgraded: Vec<&serde_json::Value> =
+        stat.iter().filter(|c| text(c, "path") != "tcp").collect();
+    assert_eq!(upgraded.len() as u64, 2 * conns, "{stat:?}");
+    let rung: u64 = upgraded.iter().map(|c| num(c, &["rung"])).sum();
+    // Each side received `rounds` messages on each connection.
+    let messages = 2 * conns * rounds;
+    eprintln!("{rung} rings for {messages} messages");
+    let each: Vec<u64> = upgraded.iter().map(|c| num(c, &["rung"])).collect();
+    assert!(
+        rung * 4 < messages,
+        "{rung} rings for {messages} messages (by connection: {each:?})"
+    );
 }
 
 /// Keep-alive requests against an edge-triggered epoll server, as ab's

@@ -685,6 +685,13 @@ impl Reactor {
         self.signal();
     }
 
+    /// Ask for a plain service of `id` soon: not [`Wake::woken`], so the
+    /// connection's standby holds (see [`Registration::look_again`]).
+    fn look_again(&self, id: usize, generation: u32) {
+        self.inner.lock().queue(id, generation, false, false);
+        self.signal();
+    }
+
     /// Work is queued: get whoever watches the set to turn.
     fn signal(&self) {
         match self.lease.work_queued() {
@@ -1014,6 +1021,15 @@ impl Registration {
     pub fn wake(&self) {
         if self.reactor.pid == crate::process::pid() {
             self.reactor.wake(self.id, self.generation);
+        }
+    }
+
+    /// Service the connection soon, as it would be had its last service
+    /// not found it busy: a caller or an event loop that drives it now
+    /// keeps the reactor off it, where [`Registration::wake`] would not.
+    pub fn look_again(&self) {
+        if self.reactor.pid == crate::process::pid() {
+            self.reactor.look_again(self.id, self.generation);
         }
     }
 

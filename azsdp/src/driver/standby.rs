@@ -22,6 +22,13 @@ static ENDED_AT: AtomicU64 = AtomicU64::new(0);
 
 /// Calls ended less than this long ago keep the connection parked.
 pub const RECENT: Duration = Duration::from_micros(200);
+/// A loop that looked at the connection this recently still looks (see
+/// [`looped`]): between two waits it serves the program's work, or, on a
+/// loaded host, waits for a CPU, and its next wait hears what came. (At
+/// [`RECENT`], a loop preempted for a scheduler's slice left its
+/// connections to the doorbells, and their rings woke the reactor on the
+/// CPUs the loop waited for: every message rang.)
+pub const LOOP_RECENT: Duration = Duration::from_millis(10);
 /// The longest park between looks: when calls stop, the connection goes
 /// unwatched at most this long (unless [`end`] comes first).
 pub const LONGEST_NAP: Duration = Duration::from_millis(2);
@@ -39,6 +46,17 @@ pub fn wanted(in_calls: usize, last_exit: &AtomicU64) -> bool {
     at != 0
         && at > ENDED_AT.load(Ordering::SeqCst)
         && now_ns().saturating_sub(at) < RECENT.as_nanos() as u64
+}
+
+/// Should the reactor stand by for an event loop? Yes while a loop that
+/// looks at the connection at each of its waits (`loop_at`, from
+/// [`now_ns`], 0 when none does or it sleeps) looked within
+/// [`LOOP_RECENT`].
+/// Unlike [`wanted`], [`end`] does not cut this short: another thread's
+/// sleep is not this loop's, and the loop ends it itself when it sleeps.
+pub fn looped(loop_at: &AtomicU64) -> bool {
+    let at = loop_at.load(Ordering::SeqCst);
+    at != 0 && now_ns().saturating_sub(at) < LOOP_RECENT.as_nanos() as u64
 }
 
 /// Send every parked connection back to the reactor's watch (nothing when
@@ -85,5 +103,23 @@ mod tests {
         w.store(now_ns(), Ordering::SeqCst);
         std::thread::sleep(RECENT);
         assert!(!wanted(0, &w), "long ago");
+        looped_until_the_loop_sleeps_whatever_end_says();
+    }
+
+    fn looped_until_the_loop_sleeps_whatever_end_says() {
+        let l = AtomicU64::new(0);
+        assert!(!looped(&l), "no loop looked");
+        l.store(now_ns(), Ordering::SeqCst);
+        assert!(looped(&l), "a loop just looked");
+        end();
+        assert!(
+            looped(&l),
+            "another thread's end() is not this loop's sleep"
+        );
+        l.store(0, Ordering::SeqCst);
+        assert!(!looped(&l), "the loop sleeps");
+        l.store(now_ns(), Ordering::SeqCst);
+        std::thread::sleep(LOOP_RECENT);
+        assert!(!looped(&l), "the loop looked long ago");
     }
 }

@@ -60,6 +60,12 @@ struct Shared<F: Fabric, P: Protector> {
     in_calls: AtomicUsize,
     /// When the last call ended ([`standby::now_ns`]; 0: none yet).
     last_exit: AtomicU64,
+    /// When an event loop last looked at the connection, until it sleeps
+    /// (0: not watched so; see [`standby::looped`]).
+    loop_at: AtomicU64,
+    /// Services the peer's rings (or the connection's descriptors) asked
+    /// of the reactor: wake-ups its messages cost this process.
+    rung: AtomicU64,
     /// The reactor left the connection to callers: its next look backs off.
     standby_nap: Lock<Duration>,
     /// The reactor parked the connection longer than a quick call's
@@ -67,6 +73,8 @@ struct Shared<F: Fabric, P: Protector> {
     parked_long: AtomicBool,
     /// The reactor found the lock taken: whoever holds it wakes it.
     wanted: AtomicBool,
+    /// ... and that service was urgent (see [`Shared::service`]).
+    wanted_urgent: AtomicBool,
     /// Who runs the connection after a fork (see [`ownership`]).
     own: ForkOwnership,
     /// Makes a protector for a forked child that adopts the connection
@@ -126,6 +134,10 @@ const OTHERS_LEAVE: Duration = Duration::from_millis(500);
 /// How often an idle connection's TCP socket is looked at for bytes
 /// written behind azsdp's back.
 const STREAM_LOOK_NS: u64 = 1_000_000_000;
+
+/// How stale [`Shared::loop_at`] may grow before a loop's look renews it
+/// (a quarter of [`standby::LOOP_RECENT`]).
+const LOOP_MARK_EVERY_NS: u64 = standby::LOOP_RECENT.as_nanos() as u64 / 4;
 
 /// Bounds of a blocking call (see [`ThreadedDriver::send_bounded`]).
 pub struct CallLimits<'a> {
@@ -196,9 +208,17 @@ impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
         if pending {
             self.shared.waiter.kick();
         }
-        // The reactor found the lock taken while we held it.
-        if pending || self.shared.wanted.swap(false, Ordering::SeqCst) {
+        // The reactor found the lock taken while we held it: it looks
+        // again, as urgently as it looked then. (A plain look made urgent
+        // here kept a busy event loop's connections armed: every message
+        // rang, its service met the loop's lock, and the loop's unlock
+        // re-armed it.)
+        let wanted = self.shared.wanted.swap(false, Ordering::SeqCst);
+        let urgent = self.shared.wanted_urgent.swap(false, Ordering::SeqCst);
+        if pending || urgent {
             self.shared.wake_reactor();
+        } else if wanted && let Some(r) = self.shared.registration.lock().as_ref() {
+            r.look_again();
         }
     }
 }
@@ -815,9 +835,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             released: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
             last_exit: AtomicU64::new(0),
+            loop_at: AtomicU64::new(0),
+            rung: AtomicU64::new(0),
             standby_nap: Lock::new(standby::RECENT),
             parked_long: AtomicBool::new(false),
             wanted: AtomicBool::new(false),
+            wanted_urgent: AtomicBool::new(false),
             own: ForkOwnership::default(),
             refresh: Lock::new(None),
             this: this.clone(),
@@ -1174,6 +1197,32 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         self.shared.waiter.prepare()
     }
 
+    /// An event loop looked at the connection (at `at_ns`, from
+    /// [`standby::now_ns`]) and looks again at its next wait: as after a
+    /// call, the reactor stands by, and the peer posts without ringing,
+    /// until the loop sleeps ([`ThreadedDriver::loop_sleeps`]). Other
+    /// threads' sleeps leave it so (see [`standby::looped`]).
+    pub fn watched_by_loop(&self, at_ns: u64) {
+        // A busy loop's waits come microseconds apart: a store per wait
+        // would only bounce the line with the reactor's reads.
+        let was = self.shared.loop_at.load(Ordering::Relaxed);
+        if was == 0 || at_ns.saturating_sub(was) >= LOOP_MARK_EVERY_NS {
+            self.shared.loop_at.store(at_ns.max(1), Ordering::SeqCst);
+        }
+    }
+
+    /// How often the peer rang the connection (or its descriptors fired):
+    /// the reactor's wake-ups it cost (see `stats`).
+    pub fn rung(&self) -> u64 {
+        self.shared.rung.load(Ordering::Relaxed)
+    }
+
+    /// The loop of [`ThreadedDriver::watched_by_loop`] is about to sleep:
+    /// only the reactor sees messages come now.
+    pub fn loop_sleeps(&self) {
+        self.shared.loop_at.store(0, Ordering::SeqCst);
+    }
+
     /// Is the connection on its TCP socket now: moved there by this
     /// process, or by the one that runs it at this one's request?
     pub fn on_tcp(&self) -> bool {
@@ -1513,6 +1562,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Sha
             shared_fired,
             mail,
         } = wake;
+        if fired {
+            self.rung.fetch_add(1, Ordering::Relaxed);
+        }
         // Handed to the fabric by whoever turns the engine next.
         self.keep_mail(mail, shared_fired);
         if self.stop.load(Ordering::SeqCst) || self.orphaned() {
@@ -1526,7 +1578,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Sha
         // `standby`), looking again after a nap that doubles. A fault or a
         // kick while no call is in it cuts the standby short.
         let urgent = woken && self.in_calls.load(Ordering::SeqCst) == 0;
-        if !urgent && standby::wanted(self.in_calls.load(Ordering::SeqCst), &self.last_exit) {
+        if !urgent
+            && (standby::wanted(self.in_calls.load(Ordering::SeqCst), &self.last_exit)
+                || standby::looped(&self.loop_at))
+        {
             let mut nap = self.standby_nap.lock();
             let longest = if *nap >= standby::LONGEST_NAP && self.park_for_blocked_call() {
                 LONGEST_CALL_NAP
@@ -1546,10 +1601,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Serviced for Sha
         let Some(d) = self.try_lock() else {
             // Whoever holds it wakes us when it lets go (or, if it let go
             // meanwhile, the second try gets it).
+            if urgent {
+                self.wanted_urgent.store(true, Ordering::SeqCst);
+            }
             self.wanted.store(true, Ordering::SeqCst);
             match self.try_lock() {
                 Some(d) => {
                     self.wanted.store(false, Ordering::SeqCst);
+                    self.wanted_urgent.store(false, Ordering::SeqCst);
                     return self.service_locked(d, fired, now);
                 }
                 // The holder wakes us when it lets go (the backstop look
