@@ -118,6 +118,9 @@ impl FabricWaiter for AnyWaiter {
     fn fd(&self) -> Option<i32> {
         each!(AnyWaiter, self, w => w.fd())
     }
+    fn ticket_moves_on_arrival(&self) -> bool {
+        each!(AnyWaiter, self, w => w.ticket_moves_on_arrival())
+    }
 }
 
 impl Fabric for AnyEndpoint {

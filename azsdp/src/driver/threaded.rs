@@ -1203,6 +1203,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// until the loop sleeps ([`ThreadedDriver::loop_sleeps`]). Other
     /// threads' sleeps leave it so (see [`standby::looped`]).
     pub fn watched_by_loop(&self, at_ns: u64) {
+        // A loop cannot hear a fabric whose ticket moves only when someone
+        // waits (verbs: a completion channel): the reactor watches that.
+        if !self.shared.waiter.ticket_moves_on_arrival() {
+            return;
+        }
         // A busy loop's waits come microseconds apart: a store per wait
         // would only bounce the line with the reactor's reads.
         let was = self.shared.loop_at.load(Ordering::Relaxed);

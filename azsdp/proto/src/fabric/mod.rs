@@ -122,6 +122,14 @@ pub trait FabricWaiter: Send + Sync {
     fn fd(&self) -> Option<i32> {
         None
     }
+    /// Does the ticket of [`FabricWaiter::prepare`] move when a message
+    /// arrives, with no one waiting (a counter the sender bumps in memory
+    /// both see)? Then a loop that compares tickets at each of its waits
+    /// hears of messages by itself; otherwise only a wait or a kick moves
+    /// it, and the reactor must watch.
+    fn ticket_moves_on_arrival(&self) -> bool {
+        false
+    }
 }
 
 /// A verbs-like fabric endpoint (one per connection).

@@ -104,6 +104,11 @@ impl crate::fabric::FabricWaiter for ShmWaiter {
         self.rx.wait_words().0.load(Ordering::Acquire)
     }
 
+    /// The peer bumps the ring's futex word with each message.
+    fn ticket_moves_on_arrival(&self) -> bool {
+        true
+    }
+
     fn wait(&self, ticket: u32, timeout: Duration, spin: bool) {
         let poll = if spin { self.poll } else { Duration::ZERO };
         wait_ring(&self.rx, &self.seg, self.peer, poll, timeout, ticket);
