@@ -1225,7 +1225,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// The loop of [`ThreadedDriver::watched_by_loop`] is about to sleep:
     /// only the reactor sees messages come now.
     pub fn loop_sleeps(&self) {
-        self.shared.loop_at.store(0, Ordering::SeqCst);
+        if self.shared.loop_at.load(Ordering::Relaxed) != 0 {
+            self.shared.loop_at.store(0, Ordering::SeqCst);
+        }
     }
 
     /// Is the connection on its TCP socket now: moved there by this
