@@ -51,9 +51,28 @@ fn closing_line(log: &str) -> Option<&str> {
 fn count_after(line: &str, key: &str) -> u64 {
     line.split(key)
         .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.trim_end_matches([',', ';']).parse().ok())
+        .and_then(|r| {
+            let r = r.trim_start();
+            let end = r.find(|c: char| !c.is_ascii_digit()).unwrap_or(r.len());
+            r[..end].parse().ok()
+        })
         .unwrap_or(0)
+}
+
+/// The helper reads every count of a closing line, including one that a
+/// parenthesis closes (CI once read 0 for "before joining: 2752719);").
+#[test]
+fn count_after_reads_each_count_of_a_closing_line() {
+    let line = "a -> b: closed; sent azsdp 1 zsdp 2 bsdp 3 bytes (on TCP before joining: 87), \
+                received zero-copy 40 bsdp 5 bytes (on TCP before joining: 2752719); gets 6";
+    let received = line.split("received").nth(1).unwrap();
+    assert_eq!(count_after(line, "sent azsdp"), 1);
+    assert_eq!(count_after(line, " zsdp"), 2);
+    assert_eq!(count_after(received, "zero-copy"), 40);
+    assert_eq!(count_after(received, "bsdp"), 5);
+    assert_eq!(count_after(received, "before joining:"), 2_752_719);
+    assert_eq!(count_after(line, "gets"), 6);
+    assert_eq!(count_after(line, "absent"), 0);
 }
 
 /// socat copies `files.0` to `files.1` over TCP port `p`, receiver and
