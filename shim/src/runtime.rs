@@ -148,7 +148,10 @@ pub fn closing(c: Arc<Conn>) {
 /// listeners' pairing queues moving.
 pub fn start_publisher() {
     static STARTED_IN: AtomicU32 = AtomicU32::new(0);
-    let pid = std::process::id();
+    let pid = azsdp::process::pid();
+    if STARTED_IN.load(Ordering::Relaxed) == pid {
+        return;
+    }
     if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
         return;
     }

@@ -66,6 +66,9 @@ struct Shared<F: Fabric, P: Protector> {
     /// Services the peer's rings (or the connection's descriptors) asked
     /// of the reactor: wake-ups its messages cost this process.
     rung: AtomicU64,
+    /// Someone held the driver's lock since the stats last looked (so
+    /// ten thousand idle connections cost the stats thread no locks).
+    touched: AtomicBool,
     /// The reactor left the connection to callers: its next look backs off.
     standby_nap: Lock<Duration>,
     /// The reactor parked the connection longer than a quick call's
@@ -191,6 +194,8 @@ pub type Notify = Arc<dyn Fn() + Send + Sync>;
 struct Locked<'a, F: Fabric, P: Protector> {
     guard: Option<LockGuard<'a, Driver<F, P>>>,
     shared: &'a Shared<F, P>,
+    /// Only looked (the stats' snapshot): leaves `touched` alone.
+    looked_only: bool,
     _inside: Inside,
 }
 
@@ -201,6 +206,11 @@ impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
         };
         // Publish where pages are held for the memory hooks' lock-free look.
         self.shared.held.set(guard.connection().held_bounds());
+        // (Set before the unlock: a snapshot that cleared it either sees
+        // this holder's changes or leaves it set for the next one.)
+        if !self.looked_only && !self.shared.touched.load(Ordering::Relaxed) {
+            self.shared.touched.store(true, Ordering::Release);
+        }
         // Completions this thread's actions produced but did not deliver
         // would wake nobody (they are not messages): whoever waits, look.
         let pending = guard.fabric().completions_pending();
@@ -253,8 +263,16 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         Locked {
             guard: Some(guard),
             shared: self,
+            looked_only: false,
             _inside,
         }
+    }
+
+    /// [`Shared::lock`] for a look that changes nothing.
+    fn lock_to_look(&self) -> Locked<'_, F, P> {
+        let mut l = self.lock();
+        l.looked_only = true;
+        l
     }
 
     fn try_lock(&self) -> Option<Locked<'_, F, P>> {
@@ -263,6 +281,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         Some(Locked {
             guard: Some(guard),
             shared: self,
+            looked_only: false,
             _inside,
         })
     }
@@ -837,6 +856,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             last_exit: AtomicU64::new(0),
             loop_at: AtomicU64::new(0),
             rung: AtomicU64::new(0),
+            touched: AtomicBool::new(true),
             standby_nap: Lock::new(standby::RECENT),
             parked_long: AtomicBool::new(false),
             wanted: AtomicBool::new(false),
@@ -1373,9 +1393,25 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         if self.shared.orphaned() {
             return (Counters::default(), 0, TxMode::Buffered);
         }
-        let d = self.shared.lock();
+        let d = self.shared.lock_to_look();
         let c = d.connection();
         (c.counters().clone(), c.outstanding_avails(), c.tx_mode())
+    }
+
+    /// [`ThreadedDriver::snapshot`] if anyone held the driver since the
+    /// last one that this returned (or that [`ThreadedDriver::touch`]
+    /// asked for).
+    pub fn snapshot_if_touched(&self) -> Option<(Counters, usize, TxMode)> {
+        let t = &self.shared.touched;
+        if !t.load(Ordering::Relaxed) || !t.swap(false, Ordering::AcqRel) {
+            return None;
+        }
+        Some(self.snapshot())
+    }
+
+    /// Have the next [`ThreadedDriver::snapshot_if_touched`] look.
+    pub fn touch(&self) {
+        self.shared.touched.store(true, Ordering::Release);
     }
 
     pub fn counters(&self) -> Counters {
