@@ -46,6 +46,18 @@ pub fn marked() -> bool {
     MARKED.load(Ordering::SeqCst)
 }
 
+/// Might a seccomp filter stand between azsdp and a system call newer
+/// than the program's own: one the process started with (its launcher's,
+/// which may date from before that call), or one the program installed?
+/// Cheap: two loads. (Such a filter may kill where it would refuse.)
+pub fn filtered() -> bool {
+    if BASELINE.load(Ordering::Relaxed) < 0 {
+        // (Outside the shim: not read at load. Filters present now count.)
+        note_start();
+    }
+    MARKED.load(Ordering::Relaxed) || BASELINE.load(Ordering::Relaxed) != 0
+}
+
 /// May azsdp start threads in this process?
 pub fn restricted() -> bool {
     if MARKED.load(Ordering::SeqCst) {

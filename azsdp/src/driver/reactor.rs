@@ -390,7 +390,7 @@ impl Loan {
             return;
         }
         for _ in 0..LOAN_ROUNDS {
-            let n = r.wait(&mut self.events, 0);
+            let n = r.wait(&mut self.events, Some(Duration::ZERO));
             r.turn(&self.events[..n]);
             if n < LOAN_BATCH {
                 return;
@@ -759,16 +759,11 @@ impl Reactor {
                 self.sleeping.store(true, Ordering::SeqCst);
                 let st = self.inner.lock();
                 if !st.ready.is_empty() {
-                    0
+                    Some(Duration::ZERO)
                 } else {
-                    match st.timers.peek() {
-                        Some(Reverse((at, _, _))) => {
-                            let left = at.saturating_duration_since(Instant::now());
-                            // Round up: waking early would spin.
-                            left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
-                        }
-                        None => -1,
-                    }
+                    st.timers
+                        .peek()
+                        .map(|Reverse((at, _, _))| at.saturating_duration_since(Instant::now()))
                 }
             };
             // What was queued so far, this turn takes.
@@ -782,19 +777,12 @@ impl Reactor {
         }
     }
 
-    /// Wait up to `timeout` ms for the set; the events taken.
-    fn wait(&self, events: &mut [libc::epoll_event], timeout: i32) -> usize {
-        // SAFETY: `events` is ours for the kernel to fill, at most its length.
-        let n = unsafe {
-            libc::epoll_wait(
-                self.epoll.as_raw_fd(),
-                events.as_mut_ptr(),
-                events.len() as i32,
-                timeout,
-            )
-        };
+    /// Wait up to `timeout` (`None`: for ever) for the set; the events
+    /// taken.
+    fn wait(&self, events: &mut [libc::epoll_event], timeout: Option<Duration>) -> usize {
+        let n = crate::poll_fd::epoll_wait_own(self.epoll.as_fd(), events, timeout);
         self.sleeping.store(false, Ordering::SeqCst);
-        usize::try_from(n).unwrap_or(0)
+        n
     }
 
     /// One turn, the caller holding `turning`: collect what `events` and
