@@ -12,7 +12,9 @@
 //! azsdp-echo hold                  a process holding the secret, not serving
 //! azsdp-echo send PORT BYTES       connect, send a pattern, check the echo
 //! azsdp-echo many PORT N BYTES     hold N connections at once, each checked
-//!                                  (connect all, echo on each, close all)
+//!                                  (connect all, echo on each, close all;
+//!                                  ECHO_PAUSE_MS=T pauses T ms between the
+//!                                  connects and the echoes, to profile one)
 //! azsdp-echo cycle PORT N BYTES    N connections one after another, each checked
 //! ```
 //!
@@ -204,9 +206,21 @@ fn many(port: u16, n: usize, bytes: u64) {
         conns.push(s);
     }
     let connect_all = t0.elapsed();
-    for (i, s) in conns.iter().enumerate() {
-        exchange(s, bytes).unwrap_or_else(|e| die(format!("connection {i}: {e}")));
+    // A pause between the phases (for profiling one phase alone).
+    if let Some(ms) = std::env::var("ECHO_PAUSE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
+    let t_exchange = Instant::now();
+    let mut exchange_us = Vec::with_capacity(n);
+    for (i, s) in conns.iter().enumerate() {
+        let t = Instant::now();
+        exchange(s, bytes).unwrap_or_else(|e| die(format!("connection {i}: {e}")));
+        exchange_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let exchange_all = t_exchange.elapsed();
     let during = own_counts();
     let t1 = Instant::now();
     let mut close_us = Vec::with_capacity(n);
@@ -219,14 +233,17 @@ fn many(port: u16, n: usize, bytes: u64) {
     let total = t0.elapsed();
     let (c50, c99, cmax) = quantiles(connect_us);
     let (d50, d99, dmax) = quantiles(close_us);
+    let (e50, e99, emax) = quantiles(exchange_us);
     let per = |a: u64, b: u64| (b as f64 - a as f64) / n as f64;
     println!(
         "{{\"ok\":true,\"connections\":{n},\"total_ms\":{:.1},\"connect_all_ms\":{:.1},\"connect_us\":[{c50:.0},{c99:.0},{cmax:.0}],\
+         \"exchange_all_ms\":{:.1},\"exchange_us\":[{e50:.0},{e99:.0},{emax:.0}],\
          \"close_all_ms\":{:.1},\"close_us\":[{d50:.0},{d99:.0},{dmax:.0}],\
          \"rss_kb_per_conn\":{:.1},\"threads_per_conn\":{:.2},\"fds_per_conn\":{:.2},\
          \"rss_kb\":{},\"threads\":{},\"fds\":{}}}",
         total.as_secs_f64() * 1e3,
         connect_all.as_secs_f64() * 1e3,
+        exchange_all.as_secs_f64() * 1e3,
         close_all.as_secs_f64() * 1e3,
         per(before.0, during.0),
         per(before.1, during.1),
