@@ -388,9 +388,6 @@ fn wait(c: &Conn, fd: c_int, events: i16, most: Duration) {
         return;
     };
     w.arm_alone();
-    // (The send just before this wait left the connection on the
-    // reactor's standby: no one would see the peer's reply for that long.)
-    c.driver.watch_for_sleeper();
     let mut listening = crate::ready::Listening::new(Some(&w));
     listening.add(&c.watchers);
     // Read after arming, before the last look: a change from now on moves

@@ -1290,13 +1290,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
     }
 
-    /// A thread sleeps for this connection outside its calls (until the
-    /// pair joins): only the reactor sees what comes now, so it stops
-    /// standing by for the call that just ended and watches at once.
-    pub fn watch_for_sleeper(&self) {
-        self.shared.end_standby();
-    }
-
     /// On TCP at once, with no SWITCH, if this process runs the connection
     /// and nothing joined the fabric either way, nor can
     /// (`Driver::stay_on_tcp_now`). Whether it is.
