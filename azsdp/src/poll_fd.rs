@@ -27,9 +27,6 @@ pub fn poll_fd(fd: BorrowedFd<'_>, events: i16, timeout: Option<Duration>) -> i1
         revents: 0,
     };
     let ts = timeout.map(timespec);
-    let tsp = ts
-        .as_ref()
-        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: ppoll on one pollfd on our stack, a timespec that outlives
     // the call (or null), and no signal mask.
     let n = unsafe {
@@ -37,7 +34,7 @@ pub fn poll_fd(fd: BorrowedFd<'_>, events: i16, timeout: Option<Duration>) -> i1
             libc::SYS_ppoll,
             &mut p as *mut libc::pollfd,
             1 as libc::nfds_t,
-            tsp,
+            or_null(&ts),
             std::ptr::null::<libc::sigset_t>(),
             0usize,
         )
@@ -50,6 +47,12 @@ fn timespec(t: Duration) -> libc::timespec {
         tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
         tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),
     }
+}
+
+/// A kernel timeout argument: `ts`, or null for none (for ever).
+fn or_null(ts: &Option<libc::timespec>) -> *const libc::timespec {
+    ts.as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec)
 }
 
 /// The kernel refused `epoll_pwait2` (before Linux 5.11, or a seccomp
@@ -69,9 +72,6 @@ pub fn epoll_wait_own(
     // (A filter that predates the call might kill for it: not tried.)
     if !NO_PWAIT2.load(Ordering::Relaxed) && !crate::sandbox::filtered() {
         let ts = timeout.map(timespec);
-        let tsp = ts
-            .as_ref()
-            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
         // SAFETY: `events` is ours for the kernel to fill, at most `max`
         // entries; a timespec that outlives the call (or null), and no
         // signal mask.
@@ -81,7 +81,7 @@ pub fn epoll_wait_own(
                 epfd.as_raw_fd(),
                 events.as_mut_ptr(),
                 max,
-                tsp,
+                or_null(&ts),
                 std::ptr::null::<libc::sigset_t>(),
                 0usize,
             )

@@ -1399,19 +1399,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// [`ThreadedDriver::snapshot`] if anyone held the driver since the
-    /// last one that this returned (or that [`ThreadedDriver::touch`]
-    /// asked for).
+    /// last one that this returned.
     pub fn snapshot_if_touched(&self) -> Option<(Counters, usize, TxMode)> {
         let t = &self.shared.touched;
         if !t.load(Ordering::Relaxed) || !t.swap(false, Ordering::AcqRel) {
             return None;
         }
         Some(self.snapshot())
-    }
-
-    /// Have the next [`ThreadedDriver::snapshot_if_touched`] look.
-    pub fn touch(&self) {
-        self.shared.touched.store(true, Ordering::Release);
     }
 
     pub fn counters(&self) -> Counters {
