@@ -32,6 +32,7 @@ pub mod file_size;
 pub mod fork_once;
 pub mod futex;
 pub mod identity;
+pub mod listener_proofs;
 pub mod memory_map;
 pub mod monotonic;
 pub mod notes;

@@ -17,6 +17,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 const NETLINK_SOCK_DIAG: i32 = 4;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -133,8 +134,51 @@ fn read_at<T: Copy + Default>(b: &[u8], at: usize) -> Option<T> {
     Some(unsafe { std::ptr::read_unaligned(b[at..].as_ptr().cast::<T>()) })
 }
 
-/// One request, answered by zero or more socket descriptions.
-fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
+/// A netlink socket kept for the next query: making and closing one costs
+/// more than the question, and a pair asks two. It is kept with the
+/// process and the network namespace it was made in (a forked child, or a
+/// thread that moved to another namespace, makes its own).
+struct Spare {
+    fd: OwnedFd,
+    pid: u32,
+    netns: u64,
+}
+
+static SPARE: crate::sync::Lock<Option<Spare>> = crate::sync::Lock::new(None);
+
+/// Numbers each request, so that an answer left unread by a query that
+/// failed half-way is never taken for another's.
+static SEQ: AtomicU32 = AtomicU32::new(1);
+
+/// Where a query runs: in the network namespace of a socket the caller
+/// holds (the kept netlink socket may serve), or where the calling thread
+/// is (a socket of its own).
+#[derive(Clone, Copy, Debug)]
+pub enum Netns<'a> {
+    Of(BorrowedFd<'a>),
+    Here,
+}
+
+/// The kernel's cookie of the network namespace of socket `fd`
+/// (`SO_NETNS_COOKIE`, Linux 5.14).
+pub fn netns_cookie(fd: BorrowedFd<'_>) -> Option<u64> {
+    let mut v: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into our own u64, within `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut v).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(v)
+}
+
+/// A new sock_diag socket.
+fn new_socket() -> std::io::Result<OwnedFd> {
     // SAFETY: plain system call.
     let fd = unsafe {
         libc::socket(
@@ -147,7 +191,47 @@ fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: a new descriptor we own.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// One request, answered by zero or more socket descriptions.
+fn query(req: ReqV2, dump: bool, ns: Netns<'_>) -> std::io::Result<Vec<TcpSocket>> {
+    let netns = match ns {
+        Netns::Of(fd) => netns_cookie(fd),
+        Netns::Here => None,
+    };
+    let pid = crate::process::pid();
+    let kept = netns.and_then(|netns| {
+        let mut spare = SPARE.lock();
+        match spare.take() {
+            Some(s) if s.pid == pid && s.netns == netns => Some(s.fd),
+            // Another namespace's: it goes; a forked child's copy of its
+            // parent's is closed here without touching the parent's.
+            _ => None,
+        }
+    });
+    let sock = match kept {
+        Some(fd) => fd,
+        None => new_socket()?,
+    };
+    let out = ask(&sock, req, dump)?;
+    // Kept only after a whole answer: nothing is left unread in it.
+    if let Some(netns) = netns {
+        let mut spare = SPARE.lock();
+        if spare.is_none() {
+            *spare = Some(Spare {
+                fd: sock,
+                pid,
+                netns,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Send `req` on `sock` and read its whole answer.
+fn ask(sock: &OwnedFd, req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     let mut flags = libc::NLM_F_REQUEST as u16;
     if dump {
         flags |= libc::NLM_F_DUMP as u16;
@@ -156,7 +240,7 @@ fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
         len: (std::mem::size_of::<NlMsgHdr>() + std::mem::size_of::<ReqV2>()) as u32,
         ty: SOCK_DIAG_BY_FAMILY,
         flags,
-        seq: 1,
+        seq,
         pid: 0,
     };
     let mut msg = Vec::with_capacity(hdr.len as usize);
@@ -188,6 +272,11 @@ fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
                 return Err(std::io::Error::other("malformed sock_diag answer"));
             }
             let body = at + std::mem::size_of::<NlMsgHdr>();
+            if h.seq != seq {
+                // A late answer to an earlier request: not ours.
+                at += len.next_multiple_of(4);
+                continue;
+            }
             match h.ty {
                 NLMSG_DONE => return Ok(out),
                 NLMSG_ERROR => {
@@ -225,7 +314,11 @@ fn query(req: ReqV2, dump: bool) -> std::io::Result<Vec<TcpSocket>> {
 /// listener on `local`, which the kernel answers with when it finds no
 /// connection: a caller asking whether a connection was accepted would
 /// read the listener's inode as a yes.
-pub fn socket(local: SocketAddr, remote: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
+pub fn socket(
+    local: SocketAddr,
+    remote: SocketAddr,
+    ns: Netns<'_>,
+) -> std::io::Result<Option<TcpSocket>> {
     let (family, src) = addr_bytes(local.ip());
     let (f2, dst) = addr_bytes(remote.ip());
     if family != f2 {
@@ -245,7 +338,7 @@ pub fn socket(local: SocketAddr, remote: SocketAddr) -> std::io::Result<Option<T
         },
         ..ReqV2::default()
     };
-    match query(req, false) {
+    match query(req, false, ns) {
         Ok(v) => Ok(v
             .into_iter()
             .find(|t| t.state != TCP_LISTEN as u8 && t.remote.port() == remote.port())),
@@ -256,8 +349,12 @@ pub fn socket(local: SocketAddr, remote: SocketAddr) -> std::io::Result<Option<T
 
 /// The far end of the connection of socket `fd`: the socket whose local
 /// address is `fd`'s peer and whose remote address is `fd`'s own.
-pub fn far_end(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
-    socket(peer, local)
+pub fn far_end(
+    local: SocketAddr,
+    peer: SocketAddr,
+    ns: Netns<'_>,
+) -> std::io::Result<Option<TcpSocket>> {
+    socket(peer, local, ns)
 }
 
 /// The listening socket a connection to `dst` from this host reaches, as
@@ -265,7 +362,7 @@ pub fn far_end(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<Tc
 /// a dual-stack `[::]` for IPv4): one request, no dump. Asked as a
 /// connection from port 0, which no connection has, so the kernel's lookup
 /// falls back to the listener.
-pub fn listener_reached(dst: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
+pub fn listener_reached(dst: SocketAddr, ns: Netns<'_>) -> std::io::Result<Option<TcpSocket>> {
     let (family, local) = addr_bytes(dst.ip());
     let req = ReqV2 {
         family,
@@ -281,7 +378,7 @@ pub fn listener_reached(dst: SocketAddr) -> std::io::Result<Option<TcpSocket>> {
         },
         ..ReqV2::default()
     };
-    match query(req, false) {
+    match query(req, false, ns) {
         Ok(v) => Ok(v.into_iter().find(|t| t.state == TCP_LISTEN as u8)),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(e) => Err(e),
@@ -300,7 +397,7 @@ pub fn connected_to(port: u16) -> std::io::Result<Vec<TcpSocket>> {
             states: !((1 << TCP_LISTEN) | (1 << TCP_TIME_WAIT)),
             ..ReqV2::default()
         };
-        match query(req, true) {
+        match query(req, true, Netns::Here) {
             Ok(v) => out.extend(v.into_iter().filter(|s| s.remote.port() == port)),
             // A kernel without IPv6 has no such family to dump.
             Err(_) if family == libc::AF_INET6 as u8 => {}
@@ -360,35 +457,41 @@ mod tests {
         let c = TcpStream::connect(addr).unwrap();
         let (s, _) = l.accept().unwrap();
         let (cl, sl) = (c.local_addr().unwrap(), s.local_addr().unwrap());
-        let far = far_end(cl, c.peer_addr().unwrap()).unwrap().unwrap();
+        let far = far_end(cl, c.peer_addr().unwrap(), Netns::Of(c.as_fd()))
+            .unwrap()
+            .unwrap();
         assert_eq!(far.cookie, cookie_of(s.as_fd()).unwrap());
         assert_eq!(far.uid, nix::unistd::getuid().as_raw());
-        let far = far_end(sl, s.peer_addr().unwrap()).unwrap().unwrap();
+        let far = far_end(sl, s.peer_addr().unwrap(), Netns::Here)
+            .unwrap()
+            .unwrap();
         assert_eq!(far.cookie, cookie_of(c.as_fd()).unwrap());
         assert_ne!(cookie_of(c.as_fd()).unwrap(), cookie_of(s.as_fd()).unwrap());
-        let found = listener_reached(addr).unwrap().unwrap();
+        let found = listener_reached(addr, Netns::Of(l.as_fd()))
+            .unwrap()
+            .unwrap();
         assert_eq!(found.cookie, cookie_of(l.as_fd()).unwrap());
         assert!(is_tcp(c.as_fd()));
         // No such connection.
         let nobody: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        assert_eq!(far_end(cl, nobody).unwrap(), None);
+        assert_eq!(far_end(cl, nobody, Netns::Of(c.as_fd())).unwrap(), None);
         // Nor a connection to the listener from a port with none: the
         // kernel's lookup falls back to the listener, which is no answer.
-        assert_eq!(socket(addr, nobody).unwrap(), None);
-        let own = socket(sl, cl).unwrap().unwrap();
+        assert_eq!(socket(addr, nobody, Netns::Here).unwrap(), None);
+        let own = socket(sl, cl, Netns::Of(s.as_fd())).unwrap().unwrap();
         assert_eq!(own.cookie, cookie_of(s.as_fd()).unwrap());
     }
 
     #[test]
     fn the_listener_reached_is_the_kernels_pick() {
         let cookie = |l: &TcpListener| cookie_of(l.as_fd()).unwrap();
-        let reached = |a: SocketAddr| listener_reached(a).unwrap().map(|l| l.cookie);
+        let reached = |a: SocketAddr| listener_reached(a, Netns::Here).unwrap().map(|l| l.cookie);
         // Where none of ours may answer: nothing, or a listener of another
         // test that took the same port meanwhile (the standard library
         // binds with SO_REUSEADDR), which must be listening, and not one
         // of `ours`.
         let none_of_ours = |a: SocketAddr, ours: &[u64]| {
-            if let Some(l) = listener_reached(a).unwrap() {
+            if let Some(l) = listener_reached(a, Netns::Here).unwrap() {
                 assert_eq!(l.state, TCP_LISTEN as u8, "{a}: {l:?}");
                 assert!(!ours.contains(&l.cookie), "{a}: {l:?}");
             }
@@ -427,5 +530,88 @@ mod tests {
         ];
         drop(l);
         none_of_ours(a, &ours);
+    }
+
+    #[test]
+    fn the_kept_socket_answers_each_question_with_its_own_answer() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let c = TcpStream::connect(addr).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let here = Netns::Of(c.as_fd());
+        // An answer nobody read, left in the kept socket (a query that
+        // failed half-way): later questions must not take it for theirs.
+        let _ = far_end(c.local_addr().unwrap(), addr, here).unwrap();
+        if let Some(spare) = SPARE.lock().as_ref() {
+            let req = ReqV2 {
+                family: libc::AF_INET as u8,
+                protocol: libc::IPPROTO_TCP as u8,
+                states: !0,
+                ..ReqV2::default()
+            };
+            let hdr = NlMsgHdr {
+                len: (std::mem::size_of::<NlMsgHdr>() + std::mem::size_of::<ReqV2>()) as u32,
+                ty: SOCK_DIAG_BY_FAMILY,
+                flags: (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16,
+                seq: 0,
+                pid: 0,
+            };
+            let mut msg = as_bytes(&hdr).to_vec();
+            msg.extend_from_slice(as_bytes(&req));
+            // SAFETY: a send of our own buffer on the kept socket.
+            let n = unsafe { libc::send(spare.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
+            assert_eq!(n, msg.len() as isize);
+        }
+        for _ in 0..3 {
+            let far = far_end(c.local_addr().unwrap(), addr, here)
+                .unwrap()
+                .unwrap();
+            assert_eq!(far.cookie, cookie_of(s.as_fd()).unwrap());
+            let back = far_end(s.local_addr().unwrap(), c.local_addr().unwrap(), here)
+                .unwrap()
+                .unwrap();
+            assert_eq!(back.cookie, cookie_of(c.as_fd()).unwrap());
+            let found = listener_reached(addr, here).unwrap().unwrap();
+            assert_eq!(found.cookie, cookie_of(l.as_fd()).unwrap());
+        }
+    }
+
+    #[test]
+    fn a_thread_in_another_network_namespace_asks_there() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        // Fill the spare with this namespace's socket.
+        assert!(
+            listener_reached(addr, Netns::Of(l.as_fd()))
+                .unwrap()
+                .is_some()
+        );
+        let theirs = std::thread::spawn(move || {
+            // SAFETY: moves only this thread to a new network namespace.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return None; // unprivileged: nothing to test
+            }
+            // Loopback is down in a new namespace; a listener still binds.
+            let lo = TcpListener::bind("0.0.0.0:0").ok()?;
+            let port = lo.local_addr().unwrap().port();
+            let there: SocketAddr = ([127, 0, 0, 1], port).into();
+            let mine = cookie_of(lo.as_fd()).unwrap();
+            // The listener of the first namespace is not here...
+            let first = listener_reached(addr, Netns::Of(lo.as_fd())).unwrap();
+            // ...and this one is.
+            let found = listener_reached(there, Netns::Of(lo.as_fd())).unwrap();
+            Some((first.map(|f| f.cookie), found.map(|f| f.cookie), mine))
+        })
+        .join()
+        .unwrap();
+        if let Some((first, found, mine)) = theirs {
+            assert_ne!(first, Some(cookie_of(l.as_fd()).unwrap()));
+            assert_eq!(found, Some(mine));
+        }
+        // And back here, the first namespace's listener again.
+        let again = listener_reached(addr, Netns::Of(l.as_fd()))
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.cookie, cookie_of(l.as_fd()).unwrap());
     }
 }

@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 use azsdp::config::{FabricChoice, Settings, Use};
 use azsdp::fabric::shm::{send_intro, send_note};
 use azsdp::identity::Received;
+use azsdp::listener_proofs::ProvenListeners;
 use azsdp::pair_history::PairHistory;
 use azsdp::pairing::{Intro, IntroKind, PairTarget, registry_candidates};
-use azsdp::sock_diag;
+use azsdp::sock_diag::{self, Netns};
 use azsdp::stats::TcpReason;
 use azsdp::transport::{Offer, Transport};
 use libc::c_int;
@@ -32,6 +33,9 @@ use crate::real;
 /// What this process's connections to each destination made of their
 /// pairs (`azsdp::pair_history`).
 static HISTORY: azsdp::sync::Lock<PairHistory> = azsdp::sync::Lock::new(PairHistory::new());
+
+/// Listeners the kernel said a registry's owner owns, a moment ago.
+static PROVEN: azsdp::sync::Lock<ProvenListeners> = azsdp::sync::Lock::new(ProvenListeners::new());
 
 /// A connection to `dst` that offered ended: did its pair repay it?
 pub fn judged(dst: SocketAddr, repaid: bool) {
@@ -74,7 +78,11 @@ struct Registry {
 /// answers and whose owner the kernel says owns the socket listening for
 /// `dst`. `Err(None)`: no name answers; `Err(Some(why))`: names answer,
 /// but none is proven to be the listener's (squatted).
-fn find_listener(dst: SocketAddr, patience: Duration) -> Result<Registry, Option<String>> {
+fn find_listener(
+    dst: SocketAddr,
+    patience: Duration,
+    tcp: BorrowedFd<'_>,
+) -> Result<Registry, Option<String>> {
     let mut refused = None;
     for name in registry_candidates(dst) {
         let Some((a, len)) = abstract_addr(&name) else {
@@ -107,7 +115,7 @@ fn find_listener(dst: SocketAddr, patience: Duration) -> Result<Registry, Option
         let Some((pid, uid)) = peer_cred(&sock) else {
             continue;
         };
-        match owner_of_listener(dst, uid) {
+        match owner_of_listener(dst, uid, tcp) {
             Ok(()) => return Ok(Registry { sock, pid }),
             Err(why) => {
                 info!(
@@ -120,10 +128,18 @@ fn find_listener(dst: SocketAddr, patience: Duration) -> Result<Registry, Option
     Err(refused)
 }
 
-/// Does the kernel say the registry's owner (`uid`) owns the socket that
-/// listens for `dst`? `Err` says why not.
-fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
-    let l = sock_diag::listener_reached(dst)
+/// Does the kernel say (or did it, a moment ago: `azsdp::listener_proofs`)
+/// that the registry's owner (`uid`) owns the socket that listens for
+/// `dst`? `Err` says why not.
+fn owner_of_listener(dst: SocketAddr, uid: u32, tcp: BorrowedFd<'_>) -> Result<(), String> {
+    let netns = sock_diag::netns_cookie(tcp);
+    let now = Instant::now();
+    if let Some(ns) = netns
+        && PROVEN.lock().holds(ns, dst, uid, now)
+    {
+        return Ok(());
+    }
+    let l = sock_diag::listener_reached(dst, Netns::Of(tcp))
         .map_err(|e| format!("sock_diag: {e}"))?
         .ok_or("no socket listens there")?;
     if l.uid != uid {
@@ -132,7 +148,16 @@ fn owner_of_listener(dst: SocketAddr, uid: u32) -> Result<(), String> {
             l.uid
         ));
     }
+    if let Some(ns) = netns {
+        PROVEN.lock().proven(ns, dst, uid, now);
+    }
     Ok(())
+}
+
+/// An answer for the listener at `dst` did not hold up: prove its owner
+/// afresh next time.
+pub(crate) fn doubt_listener(dst: SocketAddr) {
+    PROVEN.lock().forget(dst);
 }
 
 /// The kernel's `connect()`; for a non-blocking socket, wait up to
@@ -196,7 +221,9 @@ pub(crate) fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), 
     let (local, peer) = net::local_of(fd)
         .zip(net::peer_of(fd))
         .ok_or("our socket has no addresses")?;
-    let far = sock_diag::far_end(local, peer)
+    // SAFETY: `fd` is the program's socket, open for this call.
+    let ours = unsafe { BorrowedFd::borrow_raw(fd) };
+    let far = sock_diag::far_end(local, peer, Netns::Of(ours))
         .map_err(|e| format!("sock_diag: {e}"))?
         .ok_or("the kernel knows no far end of our connection")?;
     if far.cookie != theirs {
@@ -267,9 +294,12 @@ pub fn connect(
     if remote {
         return plain(TcpReason::PeerRemote);
     }
+    // SAFETY: `fd` is the program's socket, open for this call.
+    let tcp = unsafe { BorrowedFd::borrow_raw(fd) };
     let found = find_listener(
         to,
         (settings.pair_timeout / 4).min(Duration::from_millis(150)),
+        tcp,
     );
     if found.is_err() {
         HISTORY.lock().record_no_listener(to);
@@ -287,8 +317,6 @@ pub fn connect(
     // TCP (a bind's search of the port range grows with every socket bound
     // and takes a port from every destination). The cookie names the
     // connection; the listener finds it at the far end of what it accepts.
-    // SAFETY: `fd` is the program's socket, open for this call.
-    let tcp = unsafe { BorrowedFd::borrow_raw(fd) };
     let Ok(cookie) = sock_diag::cookie_of(tcp) else {
         return plain(TcpReason::SetupFailed);
     };

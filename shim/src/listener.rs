@@ -12,7 +12,7 @@
 use azsdp::sync::Lock;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ use azsdp::conn::Role;
 use azsdp::fabric::shm::{recv_intro, recv_note, send_intro};
 use azsdp::identity::PeerId;
 use azsdp::pairing::{Agreement, Intro, IntroKind, registry_name};
-use azsdp::sock_diag;
+use azsdp::sock_diag::{self, Netns};
 use azsdp::stats::TcpReason;
 use azsdp::transport::{Join, Transport};
 use libc::c_int;
@@ -401,7 +401,7 @@ impl Pending {
                 // process that accepted it can do. Not TIME_WAIT: an
                 // earlier connection of the same four-tuple lingers there
                 // (ten thousand connections in a row reuse client ports).
-                let accepted = sock_diag::socket(o.dst, *client).is_ok_and(|t| {
+                let accepted = sock_diag::socket(o.dst, *client, Netns::Here).is_ok_and(|t| {
                     t.is_some_and(|t| t.inode != 0 || matches!(t.state, 4 | 5 | 9 | 11))
                 });
                 if accepted {
@@ -936,10 +936,13 @@ impl Listener {
             // asked for only once an offer is held (a plain client's
             // connection costs no lookup).
             let mut far: Option<sock_diag::TcpSocket> = None;
+            // SAFETY: `fd` is the socket accept() just returned, open for
+            // this call.
+            let here = Netns::Of(unsafe { BorrowedFd::borrow_raw(fd) });
             let mut more = false;
             for round in 0..=IN_ACCEPT_ROUNDS {
                 if far.is_none() && !p.offers.is_empty() && p.may_hold(peer, self.addr) {
-                    far = match sock_diag::far_end(local, peer) {
+                    far = match sock_diag::far_end(local, peer, here) {
                         Ok(Some(far)) => Some(far),
                         Ok(None) => return Err(TcpReason::PeerNotAzsdp),
                         Err(e) => {
@@ -969,7 +972,7 @@ impl Listener {
                 let unseen = more || flooded || p.taking_in.is_some();
                 if unseen && p.on_tcp.len() < self.limits.total {
                     let cookie = far.map(|f| f.cookie).or_else(|| {
-                        sock_diag::far_end(local, peer)
+                        sock_diag::far_end(local, peer, here)
                             .ok()
                             .flatten()
                             .map(|f| f.cookie)

@@ -323,6 +323,7 @@ impl Pending {
             return Err(TcpReason::SetupFailed);
         };
         if let Err(why) = crate::connect::answer_holds_our_peer(fd, &answer) {
+            crate::connect::doubt_listener(self.dst);
             warning!(
                 "connect {}: pid {} (uid {}) answered for the listener but {why}; staying on TCP",
                 self.dst,

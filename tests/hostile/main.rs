@@ -925,9 +925,13 @@ fn server(port: u16, attack: &str, secs: u64, r: &mut Report) {
             }
         }
         if let Ok((tcp, peer)) = l.accept() {
-            let far = sock_diag::far_end(tcp.local_addr().expect("local"), peer)
-                .ok()
-                .flatten();
+            let far = sock_diag::far_end(
+                tcp.local_addr().expect("local"),
+                peer,
+                sock_diag::Netns::Here,
+            )
+            .ok()
+            .flatten();
             let i = far.and_then(|f| {
                 offers
                     .iter()
