@@ -193,7 +193,7 @@ impl Pending {
         // (a sandbox), the program's next call does.
         if let Ok(r) = Reactor::get() {
             let weak: Weak<dyn Serviced> = Arc::downgrade(&p) as Weak<Pending>;
-            if let Ok(w) = r.register(weak, &[reg_fd]) {
+            if let Ok(w) = r.register_watching(weak, &[reg_fd]) {
                 *p.watch.lock() = Some(w);
             }
         }
@@ -279,6 +279,8 @@ impl Pending {
             counts.sent.load(Ordering::SeqCst),
             counts.taken.load(Ordering::SeqCst),
         );
+        // Starting and joining post a message each: one ring for both.
+        let rings = azsdp::fabric::shm::hold_rings();
         let c = Conn::start(
             ep,
             fd,
@@ -299,6 +301,7 @@ impl Pending {
         if let Some(j) = c.joining.as_ref() {
             j.join_now(&c);
         }
+        drop(rings);
         c.judge_at_close(self.dst, self.deadline - self.settings.pair_timeout);
         info!(
             "{local} -> {}: azsdp (fabric {}, peer pid {}; after {sent} bytes sent and {taken} taken on TCP)",

@@ -633,6 +633,20 @@ impl Reactor {
         conn: Weak<dyn Serviced>,
         fds: &[i32],
     ) -> std::io::Result<Registration> {
+        let reg = self.register_watching(conn, fds)?;
+        reg.wake();
+        Ok(reg)
+    }
+
+    /// As [`Reactor::register`], but serviced first when one of `fds`
+    /// fires (the kernel reports one that is ready already as it is
+    /// added): no wake-up of the reactor for a look that would find
+    /// nothing, such as a pair's answer that has yet to come.
+    pub fn register_watching(
+        self: &Arc<Self>,
+        conn: Weak<dyn Serviced>,
+        fds: &[i32],
+    ) -> std::io::Result<Registration> {
         let (id, generation) = {
             let mut st = self.inner.lock();
             st.next_generation = (st.next_generation + 1) % GENERATIONS;
@@ -674,7 +688,6 @@ impl Reactor {
                 e.fds.push(fd);
             }
         }
-        reg.wake();
         Ok(reg)
     }
 

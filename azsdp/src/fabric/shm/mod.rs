@@ -72,7 +72,7 @@ pub use bootstrap::{
 pub use endpoint::ShmEndpoint;
 pub use park::ParkedEndpoint;
 pub use segment::{MAX_RING, ShmParams};
-pub use waiter::ShmWaiter;
+pub use waiter::{RingsHeld, ShmWaiter, hold_rings};
 
 #[cfg(test)]
 mod tests;

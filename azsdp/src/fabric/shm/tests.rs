@@ -609,3 +609,48 @@ fn two_processes_get_and_cas() {
         }
     }
 }
+
+/// Rings held by a thread go once per bell and token when the hold ends,
+/// and none before; a full bell leaves the doorbell armed.
+#[test]
+fn held_rings_go_once_when_the_hold_ends() {
+    let (mut a, _b) = pair();
+    let (bell_r, bell_w) = std::os::unix::net::UnixDatagram::pair().unwrap();
+    bell_r.set_nonblocking(true).unwrap();
+    a.peer_bell = std::sync::Arc::new(OwnedFd::from(bell_w));
+    let token = 0x5eed_u64;
+    a.seg.hdr().bell[1 - a.side].store(token, Ordering::Release);
+    let rings = || {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 16];
+        while let Ok(n) = bell_r.recv(&mut buf) {
+            got.push(u64::from_le_bytes(buf[..n].try_into().unwrap()));
+        }
+        got
+    };
+    // Not held: each message to an armed peer rings.
+    for _ in 0..2 {
+        a.tx.armed().store(1, Ordering::Release);
+        a.post_message(b"x").unwrap();
+    }
+    assert_eq!(rings(), vec![token, token]);
+    // Held: nothing until the hold ends, then one ring.
+    let held = hold_rings();
+    let inner = hold_rings();
+    for _ in 0..3 {
+        a.tx.armed().store(1, Ordering::Release);
+        a.post_message(b"y").unwrap();
+    }
+    drop(inner);
+    assert_eq!(rings(), Vec::<u64>::new(), "an inner hold rings nothing");
+    drop(held);
+    assert_eq!(rings(), vec![token]);
+    assert_eq!(a.tx.armed().load(Ordering::Acquire), 0);
+    // A bell that is gone when the hold ends: the doorbell stays armed.
+    drop(bell_r);
+    let held = hold_rings();
+    a.tx.armed().store(1, Ordering::Release);
+    a.post_message(b"z").unwrap();
+    drop(held);
+    assert_eq!(a.tx.armed().load(Ordering::Acquire), 1);
+}

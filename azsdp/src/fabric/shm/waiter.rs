@@ -1,7 +1,8 @@
 //! Waking and waiting: the peer's futex and doorbell, busy-polling that
 //! pays, and the waiter a thread or the reactor sleeps on.
 
-use std::os::fd::AsFd;
+use std::cell::RefCell;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -41,10 +42,87 @@ impl ShmEndpoint {
     /// The peer's token on its process's bell. A bell that is full (or a
     /// peer with no token yet) leaves the ring armed: the next message
     /// rings again, and the peer's reactor looks at least once a second.
+    /// While this thread holds its rings ([`hold_rings`]), the ring waits
+    /// for the hold to end.
     fn ring_doorbell(&self) {
         let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
-        if token == 0 || !reactor::ring(self.peer_bell.as_fd(), token) {
+        if token == 0 {
             self.tx.armed().store(1, Ordering::Release);
+            return;
+        }
+        let held = HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            let Some(rings) = h.as_mut() else {
+                return false;
+            };
+            let bell = &self.peer_bell;
+            if !rings
+                .iter()
+                .any(|r| Arc::ptr_eq(&r.bell, bell) && r.token == token)
+            {
+                rings.push(HeldRing {
+                    bell: Arc::clone(bell),
+                    token,
+                    armed: self.tx.watch(),
+                    _seg: Arc::clone(&self.seg),
+                });
+            }
+            true
+        });
+        if !held && !reactor::ring(self.peer_bell.as_fd(), token) {
+            self.tx.armed().store(1, Ordering::Release);
+        }
+    }
+}
+
+/// A ring held back (see [`hold_rings`]).
+struct HeldRing {
+    bell: Arc<OwnedFd>,
+    token: u64,
+    /// The ring whose doorbell flag goes back up if the bell is full.
+    armed: RingWatch,
+    /// Keeps the ring's memory mapped (the watch's contract).
+    _seg: Arc<Segment>,
+}
+
+thread_local! {
+    /// This thread's held rings, while it holds them.
+    static HELD: RefCell<Option<Vec<HeldRing>>> = const { RefCell::new(None) };
+}
+
+/// Held rings, rung when this drops (see [`hold_rings`]).
+#[must_use]
+#[derive(Debug)]
+pub struct RingsHeld {
+    outermost: bool,
+}
+
+/// Hold back this thread's doorbell rings until the guard drops, then ring
+/// each peer's bell once per connection. A call that starts a connection
+/// and joins it posts a message for each, and each ring wakes the peer's
+/// reactor, which rearms between them. The holder must not wait for the
+/// peer while it holds them.
+pub fn hold_rings() -> RingsHeld {
+    HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        let outermost = h.is_none();
+        if outermost {
+            *h = Some(Vec::new());
+        }
+        RingsHeld { outermost }
+    })
+}
+
+impl Drop for RingsHeld {
+    fn drop(&mut self) {
+        if !self.outermost {
+            return;
+        }
+        let rings = HELD.with(|h| h.borrow_mut().take()).unwrap_or_default();
+        for r in rings {
+            if !reactor::ring(r.bell.as_fd(), r.token) {
+                r.armed.armed().store(1, Ordering::Release);
+            }
         }
     }
 }
