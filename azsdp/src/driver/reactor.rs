@@ -55,7 +55,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd};
 
 use super::lease::{Borrow, Lease, Signal};
@@ -185,7 +185,9 @@ struct Entry {
 /// A descriptor several connections watch, held while watched.
 struct SharedWatch {
     fd: Arc<std::os::fd::OwnedFd>,
-    conns: Vec<(usize, u32)>,
+    /// A set: ten thousand connections to one peer process share its
+    /// pidfd, and each leaves on its own.
+    conns: HashSet<(usize, u32)>,
 }
 
 #[derive(Default)]
@@ -219,7 +221,7 @@ impl Inner {
         generation: u32,
     ) -> Option<Arc<std::os::fd::OwnedFd>> {
         let w = self.shared.get_mut(&fd)?;
-        w.conns.retain(|c| *c != (id, generation));
+        w.conns.remove(&(id, generation));
         if w.conns.is_empty() {
             return self.shared.remove(&fd).map(|w| w.fd);
         }
@@ -735,7 +737,7 @@ impl Reactor {
                     st.entries[id] = None;
                     st.free.push(id);
                     if let Some(f) = st.family.as_mut() {
-                        f.conns.retain(|c| *c != (id, generation));
+                        f.conns.remove(&(id, generation));
                     }
                     let unwatched: Vec<_> = shared
                         .into_iter()
@@ -823,7 +825,7 @@ impl Reactor {
                     let conns = st
                         .family
                         .as_ref()
-                        .map(|f| f.conns.clone())
+                        .map(|f| f.conns.iter().copied().collect::<Vec<_>>())
                         .unwrap_or_default();
                     for (id, generation) in conns {
                         st.queue(id, generation, false, true);
@@ -848,7 +850,7 @@ impl Reactor {
                     let conns = st
                         .shared
                         .get(&((t & !SHARED_FLAG) as i32))
-                        .map(|w| w.conns.clone())
+                        .map(|w| w.conns.iter().copied().collect::<Vec<_>>())
                         .unwrap_or_default();
                     for (id, generation) in conns {
                         if let Some(e) = st.entry(id, generation) {
@@ -1057,13 +1059,12 @@ impl Registration {
         }
         let w = st.shared.entry(raw).or_insert_with(|| SharedWatch {
             fd,
-            conns: Vec::new(),
+            conns: HashSet::new(),
         });
-        if !w.conns.contains(&me) {
-            w.conns.push(me);
-            if let Some(e) = st.entry(self.id, self.generation) {
-                e.shared.push(raw);
-            }
+        if w.conns.insert(me)
+            && let Some(e) = st.entry(self.id, self.generation)
+        {
+            e.shared.push(raw);
         }
         Ok(())
     }
@@ -1085,13 +1086,11 @@ impl Registration {
                 .map_err(|_| os_err("epoll_ctl"))?;
             st.family = Some(SharedWatch {
                 fd: Arc::clone(fd),
-                conns: Vec::new(),
+                conns: HashSet::new(),
             });
         }
-        if let Some(f) = st.family.as_mut()
-            && !f.conns.contains(&me)
-        {
-            f.conns.push(me);
+        if let Some(f) = st.family.as_mut() {
+            f.conns.insert(me);
         }
         Ok(())
     }
