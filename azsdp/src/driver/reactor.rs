@@ -174,6 +174,9 @@ struct Entry {
     timer: Option<Instant>,
     /// In the ready list already.
     queued: bool,
+    /// In the parked list already (a set, so that ten thousand parked
+    /// connections cost no search each).
+    parked: bool,
     fired: bool,
     woken: bool,
     shared_fired: bool,
@@ -292,6 +295,9 @@ pub fn unpark_all(signal: bool) {
         let parked = std::mem::take(&mut st.parked);
         r.parked.store(0, Ordering::SeqCst);
         for (id, generation) in parked {
+            if let Some(e) = st.entry(id, generation) {
+                e.parked = false;
+            }
             st.queue(id, generation, false, false);
         }
     }
@@ -660,6 +666,7 @@ impl Reactor {
                 watching: true,
                 timer: None,
                 queued: false,
+                parked: false,
                 fired: false,
                 woken: false,
                 shared_fired: false,
@@ -983,10 +990,11 @@ impl Reactor {
                 e.watching = true;
                 e.fds.clone()
             });
+            let park = next.parked && !std::mem::replace(&mut e.parked, true);
             if let Some(at) = push {
                 st.timers.push(Reverse((at, id, generation)));
             }
-            if next.parked && !st.parked.contains(&(id, generation)) {
+            if park {
                 st.parked.push((id, generation));
                 self.parked.store(st.parked.len(), Ordering::SeqCst);
             }
