@@ -162,6 +162,11 @@ pub enum Netns<'a> {
 /// The kernel's cookie of the network namespace of socket `fd`
 /// (`SO_NETNS_COOKIE`, Linux 5.14).
 pub fn netns_cookie(fd: BorrowedFd<'_>) -> Option<u64> {
+    sockopt_u64(fd, libc::SO_NETNS_COOKIE).ok()
+}
+
+/// A 64-bit `SOL_SOCKET` option of socket `fd`.
+fn sockopt_u64(fd: BorrowedFd<'_>, opt: libc::c_int) -> std::io::Result<u64> {
     let mut v: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: getsockopt into our own u64, within `len`.
@@ -169,12 +174,15 @@ pub fn netns_cookie(fd: BorrowedFd<'_>) -> Option<u64> {
         libc::getsockopt(
             fd.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_NETNS_COOKIE,
+            opt,
             (&raw mut v).cast(),
             &mut len,
         )
     };
-    (r == 0).then_some(v)
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(v)
 }
 
 /// A new sock_diag socket.
@@ -409,22 +417,7 @@ pub fn connected_to(port: u16) -> std::io::Result<Vec<TcpSocket>> {
 
 /// The kernel's cookie of socket `fd` (`SO_COOKIE`).
 pub fn cookie_of(fd: BorrowedFd<'_>) -> std::io::Result<u64> {
-    let mut v: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: getsockopt into our own u64, within `len`.
-    let r = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_COOKIE,
-            (&raw mut v).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(v)
+    sockopt_u64(fd, libc::SO_COOKIE)
 }
 
 /// Is `fd` a TCP socket? (`SO_PROTOCOL`)
