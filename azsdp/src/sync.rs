@@ -74,7 +74,8 @@ fn holders() -> usize {
     HELD.iter().map(|s| s.0.load(Ordering::SeqCst)).sum()
 }
 
-fn tid() -> i32 {
+/// The calling thread's kernel id (a system call: not for hot paths).
+pub fn tid() -> i32 {
     // SAFETY: gettid has no arguments and cannot fail.
     unsafe { libc::gettid() }
 }

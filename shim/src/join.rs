@@ -131,6 +131,16 @@ impl Joining {
             return true;
         }
         let tx = self.tx.lock();
+        self.try_join_locked(c, &tx, force)
+    }
+
+    /// [`Joining::try_join`] with the sending side's lock held (so that a
+    /// send that finds it cannot join yet is counted in flight before
+    /// another thread can join).
+    fn try_join_locked(&self, c: &Conn, tx: &Tx, force: bool) -> bool {
+        if self.tx_done() {
+            return true;
+        }
         if c.driver.tx_joined() {
             self.tx_done.store(true, Ordering::Release);
             return true;
@@ -183,10 +193,16 @@ impl Joining {
         flags: c_int,
     ) -> Option<ssize_t> {
         self.allow(c);
-        if self.try_join(c, false) {
-            return None;
+        {
+            // Decided and counted under one hold of the lock: a join by
+            // another thread in between would leave this send uncounted
+            // on TCP after the JOIN.
+            let mut tx = self.tx.lock();
+            if self.try_join_locked(c, &tx, false) {
+                return None;
+            }
+            tx.inflight += 1;
         }
-        self.tx.lock().inflight += 1;
         // SAFETY: the program's buffers, as it passed them.
         let r = unsafe { real::io(fd, true, bufs, flags) };
         let _errno = real::KeepErrno::new();

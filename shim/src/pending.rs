@@ -46,9 +46,11 @@ static FORKS: AtomicU64 = AtomicU64::new(0);
 static UNDECIDED: AtomicUsize = AtomicUsize::new(0);
 
 /// Is a pair under way in this process? (Polls over its sockets are the
-/// shim's then, even before any connection is upgraded.)
+/// shim's then, even before any connection is upgraded.) Asked before
+/// `process::active()`: a pair stops counting here only once its
+/// connection counts there (Release/Acquire), so one of the two holds.
 pub fn any() -> bool {
-    UNDECIDED.load(Ordering::Relaxed) > 0
+    UNDECIDED.load(Ordering::Acquire) > 0
 }
 
 /// Forks of this process so far (and of the one it was forked from).
@@ -69,8 +71,58 @@ static UNDER_WAY: Lock<Vec<(Weak<Pending>, Weak<Sock>)>> = Lock::new(Vec::new())
 pub struct Counts {
     pub sent: AtomicU64,
     pub taken: AtomicU64,
-    /// The program's calls on the socket now.
+    /// The program's calls on the socket now (each holds a [`Ticket`]
+    /// from before it chose TCP until it is over).
     pub busy: AtomicUsize,
+    /// The thread completing the pair (0: none). With `busy`, a gate: the
+    /// completion raises it, then looks for calls; a call counts itself,
+    /// then looks for a completion. Whichever comes second backs off, so
+    /// no call moves bytes on TCP after the completion took the counts.
+    completing: std::sync::atomic::AtomicI32,
+}
+
+/// A call's place on the TCP socket of a pair under way: the pair does
+/// not complete while it is held (see [`Counts`]).
+pub struct Ticket(Arc<TcpConn>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.counts() {
+            c.busy.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A decided pair still counted as under way (see
+/// [`Pending::decide_later`]).
+struct StillCounted;
+
+impl Drop for StillCounted {
+    fn drop(&mut self) {
+        UNDECIDED.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// The completion's side of the gate: lowered when dropped.
+struct Completing<'a>(&'a Counts);
+
+impl Completing<'_> {
+    /// Raise the gate; `None` if a call holds the socket.
+    fn raise(c: &Counts) -> Option<Completing<'_>> {
+        c.completing
+            .store(azsdp::sync::tid().max(1), Ordering::SeqCst);
+        if c.busy.load(Ordering::SeqCst) > 0 {
+            c.completing.store(0, Ordering::SeqCst);
+            return None;
+        }
+        Some(Completing(c))
+    }
+}
+
+impl Drop for Completing<'_> {
+    fn drop(&mut self) {
+        self.0.completing.store(0, Ordering::SeqCst);
+    }
 }
 
 /// Bytes the program moved, and what it was doing, while the pair of its
@@ -258,10 +310,13 @@ impl Pending {
                 return None;
             }
         }
-        // Committed: ours to take up now.
+        // Committed: ours to take up now, unless a call of another thread
+        // chose TCP meanwhile (it would move bytes the counts miss).
+        let _gate = Completing::raise(counts)?;
         let parts = guard.take()?;
         drop(guard);
-        self.decide();
+        // Counted as under way until the role says what it became.
+        let _counted = self.decide_later();
         let made = match (parts.made, parts.offer) {
             (Some(made), _) => made,
             (None, Some(offer)) => self.endpoint(fd, offer, parts.answer),
@@ -311,6 +366,45 @@ impl Pending {
         crate::epoll::adopt(sock);
         c.touched();
         Some(c)
+    }
+
+    /// A call is about to move bytes on the socket: its ticket, or `None`
+    /// while another thread completes the pair, or once it is decided (wait
+    /// with [`Pending::wait_completed`], then look at the socket's role
+    /// again).
+    pub fn enter(&self) -> Option<Ticket> {
+        let c = self.tcp.counts()?;
+        c.busy.fetch_add(1, Ordering::SeqCst);
+        if azsdp::process::pid() != self.pid {
+            // A forked child's copy (a completion it copied mid-way has no
+            // thread here to finish it): the parent speaks for the pair,
+            // and the child's calls are TCP's.
+            return Some(Ticket(Arc::clone(&self.tcp)));
+        }
+        let by = c.completing.load(Ordering::SeqCst);
+        // (A signal handler on the completing thread itself cannot wait
+        // for it: it goes on as before the gate.)
+        // (A signal handler on the completing thread itself cannot wait
+        // for it: it goes on as before the gate.)
+        let waits = by != 0 && by != azsdp::sync::tid();
+        // Completed (or given up) since the caller looked at the role:
+        // the role says where the call goes now.
+        if waits || self.decided.load(Ordering::SeqCst) {
+            c.busy.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Ticket(Arc::clone(&self.tcp)))
+    }
+
+    /// Wait until no thread is completing the pair (a completion makes no
+    /// call of its own and waits for nobody's, so this is short).
+    pub fn wait_completed(&self) {
+        let Some(c) = self.tcp.counts() else {
+            return;
+        };
+        while c.completing.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
     }
 
     /// The endpoint of a committed pair, from the listener's answer, which
@@ -410,9 +504,15 @@ impl Pending {
 
     /// Decided, one way or the other (once).
     fn decide(&self) {
-        if !self.decided.swap(true, Ordering::AcqRel) {
-            UNDECIDED.fetch_sub(1, Ordering::Relaxed);
-        }
+        drop(self.decide_later());
+    }
+
+    /// [`Pending::decide`], but counted among the pairs under way until
+    /// the guard drops: a poll of another thread that finds neither a
+    /// pair under way nor a live connection asks the kernel alone, and
+    /// would sleep through what comes on the fabric.
+    fn decide_later(&self) -> Option<StillCounted> {
+        (!self.decided.swap(true, Ordering::AcqRel)).then_some(StillCounted)
     }
 
     /// The pair will not be: withdraw (or, if the listener committed just

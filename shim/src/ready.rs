@@ -268,7 +268,7 @@ pub unsafe fn poll(
     timeout: Option<Duration>,
     mask: *const libc::sigset_t,
 ) -> Option<c_int> {
-    if !(azsdp::process::active() || crate::pending::any()) || azsdp::sandbox::marked() {
+    if !(crate::pending::any() || azsdp::process::active()) || azsdp::sandbox::marked() {
         // No upgraded socket in this process (a sandboxed one's all moved
         // onto TCP): nothing to look at.
         return None;
@@ -317,8 +317,13 @@ fn resolve(fds: &[pollfd]) -> (Vec<Option<Arc<crate::conn::Conn>>>, Vec<bool>) {
                 if let Some(c) = pp.try_complete(&s, p.fd) {
                     return Some(c);
                 }
-                *pairing = matches!(s.role(), crate::sock::Role::Pairing(_));
-                return None;
+                if matches!(s.role(), crate::sock::Role::Pairing(_)) {
+                    *pairing = true;
+                    return None;
+                }
+                // Decided by another thread's call meanwhile: what it
+                // became (a connection left to the kernel alone would
+                // never see what comes on the fabric).
             }
             crate::switch::driven_here(&s)
         })
@@ -376,14 +381,17 @@ fn poll_upgraded(
                         listening.add(&x.watchers);
                         *c = Some(x);
                     }
-                    crate::sock::Role::Pairing(pp) => match pp.try_complete(&s, p.fd) {
-                        Some(x) => {
-                            listening.add(&x.watchers);
-                            *c = Some(x);
+                    crate::sock::Role::Pairing(pp) => {
+                        match pp.try_complete(&s, p.fd) {
+                            Some(x) => *c = Some(x),
+                            None if matches!(s.role(), crate::sock::Role::Pairing(_)) => continue,
+                            // Decided by another thread's call meanwhile.
+                            None => *c = crate::switch::driven_here(&s),
                         }
-                        None if matches!(s.role(), crate::sock::Role::Pairing(_)) => continue,
-                        None => {}
-                    },
+                        if let Some(x) = c.as_ref() {
+                            listening.add(&x.watchers);
+                        }
+                    }
                     _ => {}
                 }
                 *pairing = false;

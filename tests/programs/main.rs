@@ -829,6 +829,36 @@ fn an_edge_triggered_server_hears_requests_while_connections_join() {
     );
 }
 
+/// A reader and a writer thread on each new connection from its first
+/// byte (`duplex_pairing.py`): the pair completes at a call of one thread
+/// while the other's call is on the TCP socket, or about to be. A call
+/// that chose TCP just before the completion took the counts once moved
+/// bytes the JOIN did not count: the listener reset the connection ("JOIN
+/// says fewer bytes went over TCP than arrived there") within the first
+/// few connections. 300 connections of 64 KiB each, every byte checked.
+#[test]
+fn a_reader_and_a_writer_thread_lose_nothing_while_their_connection_pairs() {
+    if !have(&["python3"]) {
+        return;
+    }
+    let s = python_pair(
+        "duplex-pairing",
+        "duplex_pairing.py",
+        port(184),
+        &["300", "65536"],
+        Duration::from_secs(180),
+        Duration::ZERO,
+    );
+    let client = s.log("client");
+    assert!(client.contains("ok 300"), "{}", s.client_and_server_logs());
+    // The case under test happened: connections paired mid-stream.
+    assert!(
+        client.contains("joined the fabric"),
+        "no connection joined:\n{}",
+        s.client_and_server_logs()
+    );
+}
+
 #[test]
 fn two_threads_send_and_receive_on_one_socket() {
     sockcheck("threads", 13);

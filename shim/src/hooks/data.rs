@@ -161,7 +161,7 @@ fn on_tcp<T>(
     let t = if c.driver.has_rx_tail() {
         None
     } else {
-        crate::switch::moved(sock, c)
+        crate::switch::moved(sock, c).map(TcpCall::from)
     };
     // SAFETY: the program's buffers, as it passed them.
     plain_flags(t, sent, flags, || unsafe {
@@ -353,43 +353,87 @@ fn recv_engine(
 pub(super) enum Target {
     Azsdp(Arc<Sock>, Arc<Conn>),
     /// libc's call; counted when it is a connection left on TCP.
-    Plain(Option<Arc<crate::conn::TcpConn>>),
+    Plain(Option<TcpCall>),
 }
 
+/// A call on a connection's TCP socket, counted; while its pair is under
+/// way, with the ticket that keeps the pair from completing until the
+/// call is over (`crate::pending::Counts`).
+pub(super) struct TcpCall {
+    conn: Arc<crate::conn::TcpConn>,
+    _ticket: Option<crate::pending::Ticket>,
+}
+
+impl From<Arc<crate::conn::TcpConn>> for TcpCall {
+    fn from(conn: Arc<crate::conn::TcpConn>) -> TcpCall {
+        TcpCall {
+            conn,
+            _ticket: None,
+        }
+    }
+}
+
+impl std::ops::Deref for TcpCall {
+    type Target = crate::conn::TcpConn;
+    fn deref(&self) -> &crate::conn::TcpConn {
+        &self.conn
+    }
+}
+
+/// Looks at a socket whose pair another thread was completing, at most
+/// (then the call goes on TCP as it would have before the gate).
+const RELOOKS: u32 = 10_000;
+
 pub(super) fn target(fd: c_int) -> Target {
-    match fdtable::get(fd) {
-        None => Target::Plain(None),
-        Some(s) => match s.role() {
+    for _ in 0..RELOOKS {
+        let Some(s) = fdtable::get(fd) else {
+            return Target::Plain(None);
+        };
+        let p = match s.role() {
             // Moved onto its TCP socket: plain from now on.
-            Role::Azsdp(c) if c.driver.is_switched() => Target::Plain(crate::switch::moved(&s, &c)),
-            Role::Azsdp(c) => Target::Azsdp(s, c),
-            Role::Tcp(t) => Target::Plain(Some(t)),
-            // A pair under way completes here if it can (no other call
-            // of ours is on the socket), else the call is TCP's, counted.
-            Role::Pairing(p) => match p.try_complete(&s, fd) {
-                Some(c) => Target::Azsdp(s, c),
-                None => match s.role() {
-                    Role::Tcp(t) => Target::Plain(Some(t)),
-                    _ => Target::Plain(Some(Arc::clone(&p.tcp))),
-                },
-            },
-            _ => Target::Plain(None),
-        },
+            Role::Azsdp(c) if c.driver.is_switched() => {
+                return Target::Plain(crate::switch::moved(&s, &c).map(TcpCall::from));
+            }
+            Role::Azsdp(c) => return Target::Azsdp(s, c),
+            Role::Tcp(t) => return Target::Plain(Some(t.into())),
+            Role::Pairing(p) => p,
+            _ => return Target::Plain(None),
+        };
+        // A pair under way completes here if it can (no other call of
+        // ours is on the socket), else the call is TCP's, counted, and
+        // holds the pair off until it is over.
+        if let Some(c) = p.try_complete(&s, fd) {
+            return Target::Azsdp(s, c);
+        }
+        match s.role() {
+            Role::Pairing(q) if Arc::ptr_eq(&p, &q) => {}
+            _ => continue,
+        }
+        match p.enter() {
+            Some(ticket) => {
+                return Target::Plain(Some(TcpCall {
+                    conn: Arc::clone(&p.tcp),
+                    _ticket: Some(ticket),
+                }));
+            }
+            None => p.wait_completed(),
+        }
+    }
+    match fdtable::get(fd).map(|s| s.role()) {
+        Some(Role::Pairing(p)) => Target::Plain(Some(Arc::clone(&p.tcp).into())),
+        Some(Role::Tcp(t)) => Target::Plain(Some(t.into())),
+        _ => Target::Plain(None),
     }
 }
 
 /// Make libc's `call`, counting what it moved on a TCP connection.
-pub(super) fn plain(
-    t: Option<Arc<crate::conn::TcpConn>>,
-    sent: bool,
-    call: impl FnOnce() -> ssize_t,
-) -> ssize_t {
+pub(super) fn plain(t: Option<TcpCall>, sent: bool, call: impl FnOnce() -> ssize_t) -> ssize_t {
     plain_flags(t, sent, 0, call)
 }
 
 /// [`plain`] for a call with `flags` (a peek takes nothing).
 pub(super) fn plain_flags(
-    t: Option<Arc<crate::conn::TcpConn>>,
+    t: Option<TcpCall>,
     sent: bool,
     flags: c_int,
     call: impl FnOnce() -> ssize_t,

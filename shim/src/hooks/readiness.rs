@@ -38,7 +38,7 @@ pub unsafe extern "C" fn ppoll(
     mask: *const sigset_t,
 ) -> c_int {
     hook(|| {
-        let timeout = if azsdp::process::active() || crate::pending::any() {
+        let timeout = if crate::pending::any() || azsdp::process::active() {
             match ready::ts_timeout(ts) {
                 Ok(t) => t,
                 Err(e) => return fail_with(e),
@@ -97,7 +97,7 @@ pub unsafe extern "C" fn select(
 /// The program's fd_sets if they involve an upgraded socket (`None`: let
 /// the kernel do it all), or `select`'s error for them.
 fn upgraded_sets(n: c_int, ptrs: [*mut fd_set; 3]) -> Result<Option<ready::Sets>, c_int> {
-    if !(azsdp::process::active() || crate::pending::any()) {
+    if !(crate::pending::any() || azsdp::process::active()) {
         return Ok(None);
     }
     let sets = ready::Sets::read(n, ptrs)?;
