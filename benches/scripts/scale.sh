@@ -12,7 +12,7 @@
 #   benches/scripts/scale.sh [N=10000] [ROUNDS=2]
 #
 # Needs a release build (cargo build --release -p azsdp-shim
-# -p azsdp-daemon --bins) and a descriptor limit above 2N.
+# -p azsdp-daemon --bins) and a hard descriptor limit above N + 1000.
 set -uo pipefail
 N=${1:-10000}
 ROUNDS=${2:-2}
@@ -21,7 +21,14 @@ BIN=${BIN:-$ROOT/target/release}
 for b in azsdp azsdp-echo; do
   [ -x "$BIN/$b" ] || { echo "scale: no $BIN/$b (cargo build --release first)" >&2; exit 2; }
 done
-ulimit -n $((2 * N + 1000)) || { echo "scale: cannot raise the descriptor limit" >&2; exit 2; }
+# Each process holds N connections, and a few descriptors of its own.
+want=$((N + 1000))
+hard=$(ulimit -Hn)
+if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
+  echo "scale: $N connections need $want descriptors; the hard limit is $hard" >&2
+  exit 2
+fi
+ulimit -n "$want"
 export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
 DIR=$(mktemp -d /tmp/azsdp-scale.XXXXXX)
 trap 'rm -rf "$DIR"' EXIT
