@@ -384,8 +384,6 @@ impl Pending {
         let by = c.completing.load(Ordering::SeqCst);
         // (A signal handler on the completing thread itself cannot wait
         // for it: it goes on as before the gate.)
-        // (A signal handler on the completing thread itself cannot wait
-        // for it: it goes on as before the gate.)
         let waits = by != 0 && by != azsdp::sync::tid();
         // Completed (or given up) since the caller looked at the role:
         // the role says where the call goes now.
