@@ -16,7 +16,7 @@
 //! buffers, and `getsockopt`.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 const NETLINK_SOCK_DIAG: i32 = 4;
@@ -136,8 +136,9 @@ fn read_at<T: Copy + Default>(b: &[u8], at: usize) -> Option<T> {
 
 /// A netlink socket kept for the next query: making and closing one costs
 /// more than the question, and a pair asks two. It is kept with the
-/// process and the network namespace it was made in (a forked child, or a
-/// thread that moved to another namespace, makes its own).
+/// process and the network namespace it was made in, and serves only a
+/// question about a socket of that namespace (a forked child, or a thread
+/// asking about a socket of another namespace, makes its own).
 struct Spare {
     fd: OwnedFd,
     pid: u32,
@@ -218,13 +219,19 @@ fn query(req: ReqV2, dump: bool, ns: Netns<'_>) -> std::io::Result<Vec<TcpSocket
             _ => None,
         }
     });
-    let sock = match kept {
-        Some(fd) => fd,
-        None => new_socket()?,
+    let (sock, own) = match kept {
+        Some(fd) => (fd, netns),
+        // Tagged with its own namespace, the calling thread's, which need
+        // not be the one of the socket asked about.
+        None => {
+            let fd = new_socket()?;
+            let own = netns.and_then(|_| netns_cookie(fd.as_fd()));
+            (fd, own)
+        }
     };
     let out = ask(&sock, req, dump)?;
     // Kept only after a whole answer: nothing is left unread in it.
-    if let Some(netns) = netns {
+    if let Some(netns) = own {
         let mut spare = SPARE.lock();
         if spare.is_none() {
             *spare = Some(Spare {
@@ -579,6 +586,7 @@ mod tests {
                 .unwrap()
                 .is_some()
         );
+        let first_ns = l.as_raw_fd();
         let theirs = std::thread::spawn(move || {
             // SAFETY: moves only this thread to a new network namespace.
             if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
@@ -593,6 +601,14 @@ mod tests {
             let first = listener_reached(addr, Netns::Of(lo.as_fd())).unwrap();
             // ...and this one is.
             let found = listener_reached(there, Netns::Of(lo.as_fd())).unwrap();
+            // Last, a question asked from here, that this namespace
+            // answers, but said to be about the first namespace's socket,
+            // with no spare to take: the socket made here must not be kept
+            // as the first namespace's (the look below would then ask here).
+            drop(SPARE.lock().take());
+            // SAFETY: the main thread's listener, open until we are joined.
+            let l = unsafe { BorrowedFd::borrow_raw(first_ns) };
+            assert!(listener_reached(there, Netns::Of(l)).unwrap().is_some());
             Some((first.map(|f| f.cookie), found.map(|f| f.cookie), mine))
         })
         .join()
