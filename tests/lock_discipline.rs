@@ -2,9 +2,10 @@
 //! holder counts as inside azsdp so that the memory hooks (which run inside
 //! any allocation, ours included) let it pass instead of re-entering. A bare
 //! `std::sync` mutex held across an allocation froze processes at about 130
-//! connections; this test keeps the whole class out. (And two more
+//! connections; this test keeps the whole class out. (And three more
 //! classes of the same kind below: threads started without blocking
-//! signals, descriptors received without owning them.)
+//! signals, descriptors received without owning them, thread-locals read
+//! where they may be gone.)
 
 use std::path::{Path, PathBuf};
 
@@ -318,4 +319,57 @@ fn flagged_lines(dirs: &[&str], except: &str, bad: impl Fn(&str) -> bool) -> Vec
         }
     }
     found
+}
+
+/// Thread-locals are read with `try_with`: the shim's code runs at
+/// `exit()` (closes, destructors), after the exiting thread's locals with a
+/// destructor are gone, where `with` panics. (A forked child that left with
+/// `exit()` while its peer's ring was armed panicked in the doorbell's
+/// `HELD.with`, and lost its connection's close.)
+#[test]
+fn thread_locals_are_read_with_try_with() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for dir in ["azsdp/src", "shim/src"] {
+        sources(&root.join(dir), &mut files);
+    }
+    let mut names = Vec::new();
+    let mut texts = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).expect("read source");
+        let text = text.split("#[cfg(test)]").next().unwrap_or("").to_string();
+        let mut inside = false;
+        for line in text.lines() {
+            let code = line.split("//").next().unwrap_or("").trim();
+            if code.starts_with("thread_local!") {
+                inside = true;
+            } else if inside && code.starts_with('}') {
+                inside = false;
+            } else if inside && let Some(rest) = code.strip_prefix("static ") {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                names.push(name);
+            }
+        }
+        texts.push((f.clone(), text));
+    }
+    assert!(names.len() >= 5, "found only {names:?}");
+    let mut found = Vec::new();
+    for (f, text) in &texts {
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for name in &names {
+                if code.contains(&format!("{name}.with(")) {
+                    found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "read thread-locals with try_with (they may be gone at exit):\n{}",
+        found.join("\n")
+    );
 }

@@ -443,7 +443,7 @@ impl Pending {
     /// The reactor: take the answer in, and once the listener committed,
     /// make the endpoint; the registration goes (to `SPENT`).
     fn intake(&self) -> Next {
-        SPENT.with(|s| s.borrow_mut().clear());
+        let _ = SPENT.try_with(|s| s.borrow_mut().clear());
         let done = Next {
             done: true,
             ..Next::default()
@@ -496,7 +496,8 @@ impl Pending {
             parts.made = Some(self.endpoint(self.fd, offer, parts.answer.take()));
         }
         drop(guard);
-        SPENT.with(|s| s.borrow_mut().extend(spent));
+        // (Closed now, with the closure, if the thread's locals are gone.)
+        let _ = SPENT.try_with(|s| s.borrow_mut().extend(spent));
         done
     }
 

@@ -50,25 +50,29 @@ impl ShmEndpoint {
             self.tx.armed().store(1, Ordering::Release);
             return;
         }
-        let held = HELD.with(|h| {
-            let mut h = h.borrow_mut();
-            let Some(rings) = h.as_mut() else {
-                return false;
-            };
-            let bell = &self.peer_bell;
-            if !rings
-                .iter()
-                .any(|r| Arc::ptr_eq(&r.bell, bell) && r.token == token)
-            {
-                rings.push(HeldRing {
-                    bell: Arc::clone(bell),
-                    token,
-                    armed: self.tx.watch(),
-                    _seg: Arc::clone(&self.seg),
-                });
-            }
-            true
-        });
+        // (Not held at all once the thread's locals are gone: a close at
+        // `exit()`, after they were destroyed, rings at once.)
+        let held = HELD
+            .try_with(|h| {
+                let mut h = h.borrow_mut();
+                let Some(rings) = h.as_mut() else {
+                    return false;
+                };
+                let bell = &self.peer_bell;
+                if !rings
+                    .iter()
+                    .any(|r| Arc::ptr_eq(&r.bell, bell) && r.token == token)
+                {
+                    rings.push(HeldRing {
+                        bell: Arc::clone(bell),
+                        token,
+                        armed: self.tx.watch(),
+                        _seg: Arc::clone(&self.seg),
+                    });
+                }
+                true
+            })
+            .unwrap_or(false);
         if !held && !reactor::ring(self.peer_bell.as_fd(), token) {
             self.tx.armed().store(1, Ordering::Release);
         }
@@ -103,7 +107,7 @@ pub struct RingsHeld {
 /// reactor, which rearms between them. The holder must not wait for the
 /// peer while it holds them.
 pub fn hold_rings() -> RingsHeld {
-    HELD.with(|h| {
+    HELD.try_with(|h| {
         let mut h = h.borrow_mut();
         let outermost = h.is_none();
         if outermost {
@@ -111,6 +115,7 @@ pub fn hold_rings() -> RingsHeld {
         }
         RingsHeld { outermost }
     })
+    .unwrap_or(RingsHeld { outermost: false })
 }
 
 impl Drop for RingsHeld {
@@ -118,7 +123,11 @@ impl Drop for RingsHeld {
         if !self.outermost {
             return;
         }
-        let rings = HELD.with(|h| h.borrow_mut().take()).unwrap_or_default();
+        let rings = HELD
+            .try_with(|h| h.borrow_mut().take())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         for r in rings {
             if !reactor::ring(r.bell.as_fd(), r.token) {
                 r.armed.armed().store(1, Ordering::Release);
