@@ -55,6 +55,9 @@ pub enum IntroKind {
     /// connection's own address (in `pair.dst`) and its socket's cookie.
     /// No identity or descriptors travel with it.
     Connected,
+    /// Mail on a peer's bell: the writing end of one of the sender's loop
+    /// bells (`fabric::shm::loop_bell`), with this id (never 0).
+    LoopBell(u32),
 }
 
 impl IntroKind {
@@ -64,6 +67,7 @@ impl IntroKind {
             IntroKind::Answer => 2,
             IntroKind::Claim => 3,
             IntroKind::Connected => 4,
+            IntroKind::LoopBell(_) => 5,
         }
     }
 }
@@ -128,6 +132,9 @@ impl Intro {
         out[0..4].copy_from_slice(&MAGIC);
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         out[6] = self.kind.code();
+        if let IntroKind::LoopBell(id) = self.kind {
+            out[40..44].copy_from_slice(&id.to_le_bytes());
+        }
         out[8..12].copy_from_slice(&self.page_size.to_le_bytes());
         if let Some(p) = self.pair {
             let (family, ip) = match p.dst.ip() {
@@ -158,13 +165,22 @@ impl Intro {
             2 => IntroKind::Answer,
             3 => IntroKind::Claim,
             4 => IntroKind::Connected,
+            5 => match u32::from_le_bytes([b[40], b[41], b[42], b[43]]) {
+                0 => return Err(PairError::Reserved),
+                id => IntroKind::LoopBell(id),
+            },
             k => return Err(PairError::Kind(k)),
         };
         let page_size = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
         if !page_size.is_power_of_two() || !(4096..=1 << 30).contains(&page_size) {
             return Err(PairError::PageSize(page_size));
         }
-        if b[30..32] != [0; 2] || b[40..] != [0; INTRO_LEN - 40] {
+        let reserved_from = if matches!(kind, IntroKind::LoopBell(_)) {
+            44
+        } else {
+            40
+        };
+        if b[30..32] != [0; 2] || b[reserved_from..].iter().any(|&x| x != 0) {
             return Err(PairError::Reserved);
         }
         let mut c = [0u8; 8];
@@ -274,7 +290,8 @@ mod tests {
                 Just(IntroKind::Offer),
                 Just(IntroKind::Answer),
                 Just(IntroKind::Claim),
-                Just(IntroKind::Connected)
+                Just(IntroKind::Connected),
+                (1u32..).prop_map(IntroKind::LoopBell)
             ],
             12u32..=30,
             proptest::option::of((addr(), any::<u64>())),

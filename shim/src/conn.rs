@@ -296,9 +296,15 @@ impl Conn {
         self.driver.watched_by_loop(at_ns);
     }
 
-    /// That loop is about to sleep.
-    pub fn loop_sleeps(&self) {
-        self.driver.loop_sleeps();
+    /// That loop is about to sleep, with its bell `loop_bell` (0: none):
+    /// `true` if a message may have come already.
+    pub fn loop_sleeps(&self, loop_bell: u32) -> bool {
+        self.driver.loop_sleeps(loop_bell)
+    }
+
+    /// The loop with bell `loop_bell` no longer watches the connection.
+    pub fn loop_left(&self, loop_bell: u32) {
+        self.driver.loop_left(loop_bell);
     }
 
     /// The program changed the connection's state itself (a shutdown, a

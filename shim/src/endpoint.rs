@@ -245,6 +245,9 @@ impl Watched for AnyEndpoint {
     fn peer_suspect(&mut self) {
         each!(AnyEndpoint, self, e => e.peer_suspect())
     }
+    fn ring_at(&mut self, loop_bell: u32) {
+        each!(AnyEndpoint, self, e => e.ring_at(loop_bell))
+    }
 }
 
 impl Endpoint for AnyEndpoint {

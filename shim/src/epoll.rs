@@ -29,6 +29,8 @@ use libc::{
 };
 
 use azsdp::busy_poll::Budget;
+use azsdp::fabric::shm::loop_bell::LoopBell;
+use std::os::fd::AsRawFd;
 
 use crate::ready::Wakeup;
 use crate::real;
@@ -60,6 +62,11 @@ const TCP_TAG: u64 = 0xa25d_b0e2;
 /// wakes the waiting thread, which turns the reactor itself.
 const REACTOR_TAG: u64 = 0xa25d_b0e3_0000_0000;
 
+/// The data of the set's loop bell in the kernel set (see
+/// `azsdp::fabric::shm::loop_bell`): a peer rang one of the connections
+/// this loop watched when it went to sleep.
+const LOOP_BELL_TAG: u64 = 0xa25d_b0e4_0000_0000;
+
 struct Interest {
     sock: Arc<Sock>,
     events: u32,
@@ -81,6 +88,20 @@ struct Interest {
     /// connection and wait cost more than the look at its ticket).
     ticket: u32,
     swept: Option<Arc<crate::conn::Conn>>,
+    /// The set's loop bell the connection was armed to ring (0: none).
+    routed: u32,
+}
+
+/// A connection that rings the set's loop bell stops when it leaves the
+/// set (or the set goes): nobody would hear it there.
+impl Drop for Interest {
+    fn drop(&mut self) {
+        if self.routed != 0
+            && let Some(c) = self.swept.as_ref()
+        {
+            c.loop_left(self.routed);
+        }
+    }
 }
 
 struct Set {
@@ -110,6 +131,11 @@ struct Set {
     /// Taken out of [`SETS`] with its entries out of the kernel set (see
     /// [`enter`]): a `ctl` that finds it so makes a new one.
     retired: bool,
+    /// The loop's bell, in the kernel set, made at its first sleep (see
+    /// [`unsweep`]); `Err` once making it failed.
+    bell: Option<Result<LoopBell, ()>>,
+    /// Some connection may ring it (see [`unsweep`]).
+    routed_any: bool,
 }
 
 /// The descriptors of one set whose readiness may have changed since it
@@ -239,7 +265,9 @@ fn enter(epfd: c_int) -> Option<Arc<Lock<Set>>> {
     s.retired = true;
     let _keep = real::KeepErrno::new();
     let nested = s.nested.take();
-    for fd in std::iter::once(s.wake.fd()).chain(nested) {
+    let bell = s.bell.take().and_then(Result::ok);
+    let bell_fd = bell.as_ref().map(|b| b.fd().as_raw_fd());
+    for fd in std::iter::once(s.wake.fd()).chain(nested).chain(bell_fd) {
         // SAFETY: deleting our own entry from the program's set.
         unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
     }
@@ -249,6 +277,7 @@ fn enter(epfd: c_int) -> Option<Arc<Lock<Set>>> {
     drop(sets);
     // Dropped unlocked: its eventfd's close comes back through `close`.
     drop(set);
+    drop(bell);
     None
 }
 
@@ -311,6 +340,8 @@ fn set_for(epfd: c_int) -> Option<Arc<Lock<Set>>> {
         spin: Budget::new(crate::runtime::config().map_or(SPIN_MOST, |c| c.global.poll)),
         waiters: 0,
         retired: false,
+        bell: None,
+        routed_any: false,
     }));
     sets.insert(epfd, Arc::clone(&s));
     COUNT.store(sets.len(), Ordering::SeqCst);
@@ -427,20 +458,31 @@ fn ctl_in(
             if let Some(c) = sock.conn() {
                 c.watchers.add(&set.dirty, fd);
             }
-            set.interests.insert(
-                fd,
-                Interest {
-                    sock,
-                    events: ev.events,
-                    data: ev.u64,
-                    last_bits: 0,
-                    last_progress: (u64::MAX, u64::MAX),
-                    tcp_woke: 0,
-                    spent: false,
-                    ticket: 0,
-                    swept: None,
-                },
-            );
+            let fresh = Interest {
+                sock,
+                events: ev.events,
+                data: ev.u64,
+                last_bits: 0,
+                last_progress: (u64::MAX, u64::MAX),
+                tcp_woke: 0,
+                spent: false,
+                ticket: 0,
+                swept: None,
+                routed: 0,
+            };
+            match set.interests.get_mut(&fd) {
+                // Modified in place: the connection stays routed to this
+                // loop's bell.
+                Some(it) if Arc::ptr_eq(&it.sock, &fresh.sock) => {
+                    let mut fresh = fresh;
+                    std::mem::swap(&mut it.swept, &mut fresh.swept);
+                    std::mem::swap(&mut it.routed, &mut fresh.routed);
+                    std::mem::swap(it, &mut fresh);
+                }
+                _ => {
+                    set.interests.insert(fd, fresh);
+                }
+            }
             set.dirty.mark(fd);
         }
         libc::EPOLL_CTL_DEL => {
@@ -691,17 +733,70 @@ fn sweep(set: &mut Set) {
     }
 }
 
-/// The wait is about to sleep: its connections go back to the reactor's
-/// watch (the sleep's `standby::end` arms their doorbells).
-fn unsweep(set: &Set) {
+/// The wait is about to sleep: its connections are armed to ring the
+/// loop's own bell, so that a message for one wakes this loop and no other
+/// thread (see `azsdp::fabric::shm::loop_bell`); those it could not arm go
+/// back to the reactor's watch (the sleep's `standby::end` arms their
+/// doorbells). Connections where a message may have come already are
+/// marked to be looked at (the wait then does not sleep).
+fn unsweep(set: &mut Set, epfd: c_int) {
     if set.interests.len() > SPIN_CONNS {
+        // Grown past the sweep's bound: what rings the loop's bell would
+        // go unseen.
+        if std::mem::take(&mut set.routed_any) {
+            for it in set.interests.values_mut() {
+                if let Some(c) = it.swept.as_ref()
+                    && it.routed != 0
+                {
+                    c.loop_left(std::mem::take(&mut it.routed));
+                }
+            }
+        }
         return;
     }
-    for it in set.interests.values() {
-        if let Some(c) = it.swept.as_ref() {
-            c.loop_sleeps();
+    let bell = loop_bell(set, epfd);
+    for (fd, it) in set.interests.iter_mut() {
+        let Some(c) = it.swept.as_ref() else { continue };
+        // (A spent one-shot interest is not this loop's to hear.)
+        let bell = if it.spent { 0 } else { bell };
+        if it.routed != 0 && it.routed != bell {
+            c.loop_left(it.routed);
+        }
+        it.routed = bell;
+        set.routed_any |= bell != 0;
+        if c.loop_sleeps(bell) {
+            set.dirty.mark(*fd);
         }
     }
+}
+
+/// The set's loop bell's id, made and watched in the kernel set at the
+/// first sleep (0: none, the process's bell serves; so in a forked child,
+/// whose set, shared with its parent, rings the parent's loop).
+fn loop_bell(set: &mut Set, epfd: c_int) -> u32 {
+    if set
+        .bell
+        .as_ref()
+        .is_some_and(|b| b.as_ref().is_ok_and(|b| !b.made_here()))
+    {
+        return 0;
+    }
+    let made = set.bell.get_or_insert_with(|| {
+        let bell = LoopBell::new().map_err(|_| ())?;
+        let mut ev = epoll_event {
+            events: EPOLLIN as u32,
+            u64: LOOP_BELL_TAG,
+        };
+        let _keep = real::KeepErrno::new();
+        // SAFETY: adding our own socket to the program's epoll set.
+        let r =
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, bell.fd().as_raw_fd(), &mut ev) };
+        if r != 0 {
+            return Err(());
+        }
+        Ok(bell)
+    });
+    made.as_ref().map_or(0, LoopBell::id)
 }
 
 /// Drop our own entries (see [`TAG`], [`TCP_TAG`]) from the `n` events a
@@ -716,7 +811,9 @@ pub unsafe fn drop_ours(events: *mut epoll_event, n: c_int) -> c_int {
     };
     let kept: Vec<epoll_event> = got
         .into_iter()
-        .filter(|e| e.u64 != TAG && e.u64 != REACTOR_TAG && e.u64 >> 32 != TCP_TAG)
+        .filter(|e| {
+            e.u64 != TAG && e.u64 != REACTOR_TAG && e.u64 != LOOP_BELL_TAG && e.u64 >> 32 != TCP_TAG
+        })
         .collect();
     if kept.len() as c_int != n && crate::user_mem::write(events, &kept).is_err() {
         return n;
@@ -797,11 +894,13 @@ pub unsafe fn wait(
         }
     }
     let slept_at = Instant::now();
-    unsweep(&set.lock());
     // The reactor's set, borrowed while this thread sleeps: the peer's ring
     // wakes this thread, not the reactor's (which would wake it in turn).
     let mut loan = Borrowed(None);
     loop {
+        // (Again after each wake-up that found nothing to report: a ring
+        // of the loop's bell took the connection's arming with it.)
+        unsweep(&mut set.lock(), epfd);
         if loan.0.is_none() {
             loan.0 = borrow_reactor(&set, epfd);
         }
@@ -974,6 +1073,14 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> (bool, 
         if ev.u64 == REACTOR_TAG {
             set.lock().reactor_fired = true;
             rang = true;
+        } else if ev.u64 == LOOP_BELL_TAG {
+            // What rang is seen by a look at each connection's ticket.
+            let mut s = set.lock();
+            if let Some(Ok(b)) = s.bell.as_ref() {
+                b.drain();
+            }
+            sweep(&mut s);
+            looked = true;
         } else if ev.u64 >> 32 == TCP_TAG {
             let fd = ev.u64 as u32 as c_int;
             if out.reported(fd) {

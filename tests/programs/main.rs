@@ -789,6 +789,68 @@ fn a_busy_event_loop_is_not_rung_per_message() {
     );
 }
 
+/// Several event loops that sleep between requests, each in its own epoll
+/// set, as memcached's workers do (`sleeping_loops.py`, 4 loops, 8
+/// connections, one request at a time). A request for a sleeping loop
+/// rings that loop's own bell (`azsdp::fabric::shm::loop_bell`): it used
+/// to ring the process's bell, whose watcher (the reactor, or another
+/// loop that borrowed its set) turned the reactor and woke the loop in
+/// turn, two wake-ups in series per request where TCP makes one, and
+/// memcached with 4 workers ran at 0.6x TCP's rate. The reactor's
+/// services on rings (`rung`) are counted on the server's side; every
+/// answer is checked.
+#[test]
+fn a_request_for_a_sleeping_loop_rings_that_loop_alone() {
+    if !have(&["python3"]) {
+        return;
+    }
+    let script = workspace().join("tests/programs/sleeping_loops.py");
+    let script = script.display().to_string();
+    let s = Scratch::new("sleeping-loops");
+    let p = port(185).to_string();
+    let (conns, rounds) = (8u64, 500u64);
+    let mut srv = Proc::start(
+        s.under_azsdp("server", "python3", &[&script, "server", &p, "8", "4"]),
+        "python3 server",
+    );
+    wait_listening(p.parse().expect("port"), LISTEN);
+    let dir = s.0.display().to_string();
+    let mut cli = Proc::start(
+        s.under_azsdp(
+            "client",
+            "python3",
+            &[&script, "client", &p, "8", &rounds.to_string(), &dir],
+        ),
+        "python3 client",
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !s.path("done").exists() {
+        if let Some(st) = cli.wait(Duration::ZERO) {
+            panic!("client ended ({st}): {}", s.client_and_server_logs());
+        }
+        assert!(Instant::now() < deadline, "{}", s.client_and_server_logs());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The counters as published (the stats thread publishes every 100 ms).
+    std::thread::sleep(Duration::from_millis(300));
+    let stat = s.stat();
+    std::fs::write(s.path("close"), b"").expect("close file");
+    cli.expect_success(Duration::from_secs(30), || s.client_and_server_logs());
+    srv.expect_success(Duration::from_secs(30), || s.log("server"));
+    let served: Vec<&serde_json::Value> = stat
+        .iter()
+        .filter(|c| text(c, "path") != "tcp" && text(c, "role") == "server")
+        .collect();
+    assert_eq!(served.len() as u64, conns, "{stat:?}");
+    let rung: u64 = served.iter().map(|c| num(c, &["rung"])).sum();
+    let requests = conns * rounds;
+    eprintln!("{rung} rings of the process's bell for {requests} requests");
+    assert!(
+        rung * 4 < requests,
+        "{rung} rings of the process's bell for {requests} requests"
+    );
+}
+
 /// Keep-alive requests against an edge-triggered epoll server, as ab's
 /// against nginx (`keepalive_edges.py`): a new connection's second request
 /// comes on its TCP socket while the connection joins the fabric. That

@@ -21,7 +21,7 @@
 
 use crate::sync::{Lock, LockGuard};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -63,6 +63,13 @@ struct Shared<F: Fabric, P: Protector> {
     /// When an event loop last looked at the connection, until it sleeps
     /// (0: not watched so; see [`standby::looped`]).
     loop_at: AtomicU64,
+    /// The loop bell of the last loop that slept watching the connection
+    /// (0: none): while no loop looks (`loop_at` is 0), the peer rings it
+    /// there (see `fabric::shm::loop_bell`).
+    loop_bell: AtomicU32,
+    /// The loop bell and ticket when a sleeping loop last armed the
+    /// connection itself (see [`ThreadedDriver::loop_sleeps`]; 0: not).
+    loop_armed: AtomicU64,
     /// Services the peer's rings (or the connection's descriptors) asked
     /// of the reactor: wake-ups its messages cost this process.
     rung: AtomicU64,
@@ -256,6 +263,25 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
 }
 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
+    /// Arm the connection to ring `loop_bell` (0: the process's bell), as
+    /// the reactor would, from an event loop's thread; `None` if its lock
+    /// is held (its holder's unlock brings the reactor, which arms it),
+    /// or nothing of the fabric is this process's to arm.
+    fn arm_for(&self, loop_bell: u32) -> Option<Armed> {
+        // (Asked before the second try: a holder that lets go meanwhile
+        // leaves the lock to it.)
+        let mut d = self.try_lock().or_else(|| {
+            self.wanted.store(true, Ordering::SeqCst);
+            self.try_lock()
+        })?;
+        d.looked_only = true;
+        if d.peer_left() || self.stop.load(Ordering::SeqCst) || !self.own.runs_here(d.fabric()) {
+            return None;
+        }
+        d.fabric_mut().ring_at(loop_bell);
+        Some(d.fabric_mut().arm(false))
+    }
+
     fn lock(&self) -> Locked<'_, F, P> {
         let _inside = Inside::enter();
         // A panic elsewhere must not wedge the connection: keep going.
@@ -855,6 +881,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             in_calls: AtomicUsize::new(0),
             last_exit: AtomicU64::new(0),
             loop_at: AtomicU64::new(0),
+            loop_bell: AtomicU32::new(0),
+            loop_armed: AtomicU64::new(0),
             rung: AtomicU64::new(0),
             touched: AtomicBool::new(true),
             standby_nap: Lock::new(standby::RECENT),
@@ -1243,10 +1271,54 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     }
 
     /// The loop of [`ThreadedDriver::watched_by_loop`] is about to sleep:
-    /// only the reactor sees messages come now.
-    pub fn loop_sleeps(&self) {
-        if self.shared.loop_at.load(Ordering::Relaxed) != 0 {
-            self.shared.loop_at.store(0, Ordering::SeqCst);
+    /// only the reactor sees messages come now, or, with `loop_bell` (one
+    /// of this process's, see `fabric::shm::loop_bell`; 0: none), the loop
+    /// itself: the connection is armed to ring that bell, here if its
+    /// lock is free (else by the reactor, which the holder's unlock
+    /// brings). `true` if a message may have come already (the loop looks
+    /// instead of sleeping).
+    pub fn loop_sleeps(&self, loop_bell: u32) -> bool {
+        let sh = &self.shared;
+        if sh.loop_at.load(Ordering::Relaxed) != 0 {
+            sh.loop_at.store(0, Ordering::SeqCst);
+        }
+        if loop_bell == 0 || !sh.waiter.ticket_moves_on_arrival() {
+            return false;
+        }
+        // Armed for this bell, and nothing came since (a message would
+        // have moved the ticket): it still is.
+        let ticket = sh.waiter.prepare();
+        let armed = (u64::from(loop_bell) << 32) | u64::from(ticket);
+        if sh.loop_bell.load(Ordering::Relaxed) == loop_bell
+            && sh.loop_armed.load(Ordering::Relaxed) == armed
+        {
+            return false;
+        }
+        if sh.loop_bell.load(Ordering::Relaxed) != loop_bell {
+            sh.loop_bell.store(loop_bell, Ordering::SeqCst);
+        }
+        let ready = sh.arm_for(loop_bell) == Some(Armed::Ready);
+        sh.loop_armed
+            .store(if ready { 0 } else { armed }, Ordering::Relaxed);
+        ready
+    }
+
+    /// The loop whose bell is `loop_bell` no longer watches the connection
+    /// (it left the set, or the set went): the connection is armed again
+    /// to ring the process's bell, and what may have rung the loop's
+    /// meanwhile goes to the reactor.
+    pub fn loop_left(&self, loop_bell: u32) {
+        let sh = &self.shared;
+        if sh
+            .loop_bell
+            .compare_exchange(loop_bell, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            sh.loop_at.store(0, Ordering::SeqCst);
+            sh.loop_armed.store(0, Ordering::Relaxed);
+            if sh.arm_for(0) == Some(Armed::Ready) {
+                sh.wake_reactor();
+            }
         }
     }
 
@@ -1777,6 +1849,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 // Nothing more comes from the fabric: timers only.
                 Armed::Deaf
             } else {
+                // A sleeping loop's bell, or (no loop, or one that looks
+                // but is busy) the process's.
+                let bell = if self.loop_at.load(Ordering::SeqCst) == 0 {
+                    self.loop_bell.load(Ordering::Relaxed)
+                } else {
+                    0
+                };
+                d.fabric_mut().ring_at(bell);
                 d.fabric_mut().arm(std::mem::take(&mut fired))
             };
             if armed == Armed::Ready {

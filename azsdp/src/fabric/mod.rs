@@ -27,6 +27,9 @@ pub trait Watched: Fabric {
     fn take_mail(&mut self, _mail: Mail) {}
     /// The peer's process may have exited: ask now, not at the next look.
     fn peer_suspect(&mut self) {}
+    /// Where the peer rings this side once armed: one of this process's
+    /// loop bells (`shm::loop_bell`), or its bell (0).
+    fn ring_at(&mut self, _loop_bell: u32) {}
 }
 
 pub mod pool;

@@ -58,6 +58,9 @@ pub struct ShmEndpoint {
     /// Our claim (after taking this side over in a forked child) has not
     /// reached the peer yet: [`Fabric::poll`] sends it again.
     pub(super) claim_unsent: std::sync::atomic::AtomicBool,
+    /// The last of our loop bells the peer's process was found to hold
+    /// (see `Watched::ring_at`; 0: none).
+    pub(super) given_bell: u32,
 }
 
 /// An endpoint this process runs and lets go of says so in the segment:
@@ -108,6 +111,7 @@ impl ShmEndpoint {
             fork_gen: AtomicU32::new(0),
             first_failure: std::sync::atomic::AtomicU8::new(0),
             claim_unsent: std::sync::atomic::AtomicBool::new(false),
+            given_bell: 0,
         })
     }
 

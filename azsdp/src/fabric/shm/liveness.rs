@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::access::get_permission;
 use super::endpoint::{ShmEndpoint, page_size};
+use super::loop_bell;
 use super::segment::PID_MASK;
 use crate::conn::{OpId, RemoteBuf};
 use crate::driver::reactor::{self, Mail, Reactor};
@@ -166,6 +167,16 @@ impl crate::fabric::Watched for ShmEndpoint {
         let Ok(intro) = Intro::parse(&mail.body) else {
             return;
         };
+        if let IntroKind::LoopBell(id) = intro.kind {
+            // From the peer's own process only.
+            if mail.from.peer.uid() == self.peer.uid()
+                && mail.from.peer.pid() == self.peer.pid()
+                && let Some(bell) = mail.from.fds.into_iter().next()
+            {
+                loop_bell::take(&self.peer.pidfd_shared(), self.peer.uid(), id, bell);
+            }
+            return;
+        }
         let owner = self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) & PID_MASK;
         if intro.kind != IntroKind::Claim
             || mail.from.peer.uid() != self.peer.uid()
@@ -184,5 +195,47 @@ impl crate::fabric::Watched for ShmEndpoint {
 
     fn peer_suspect(&mut self) {
         self.alive_suspect = true;
+    }
+
+    /// Rings for this side go to our loop bell `bell` (0: the process's
+    /// bell), once the peer's process holds it: the first time, it is
+    /// passed to it as mail on its bell.
+    fn ring_at(&mut self, bell: u32) {
+        let route = if bell == 0 || bell == self.given_bell || self.give_loop_bell(bell) {
+            bell
+        } else {
+            0
+        };
+        let word = &self.seg.hdr().route[self.side];
+        if word.load(Ordering::Relaxed) != route {
+            word.store(route, Ordering::Release);
+        }
+    }
+}
+
+impl ShmEndpoint {
+    /// Does the peer's process hold our loop bell `bell` (given now if
+    /// not yet)?
+    fn give_loop_bell(&mut self, bell: u32) -> bool {
+        let peer = self.peer.pidfd_shared();
+        let held = match loop_bell::to_give(bell, &peer) {
+            None => loop_bell::given(bell, &peer),
+            Some(w) => {
+                let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
+                let mut body = [0u8; reactor::MAIL_LEN];
+                Intro::new(IntroKind::LoopBell(bell), page_size()).emit(&mut body);
+                let sent = token != 0
+                    && reactor::send_mail(self.peer_bell.as_fd(), token, &body, &[w.as_fd()])
+                        .is_ok();
+                if !sent {
+                    loop_bell::not_given(bell, &peer);
+                }
+                sent
+            }
+        };
+        if held {
+            self.given_bell = bell;
+        }
+        held
     }
 }

@@ -60,6 +60,7 @@ pub mod adversary;
 mod bootstrap;
 mod endpoint;
 mod liveness;
+pub mod loop_bell;
 mod park;
 mod segment;
 mod waiter;

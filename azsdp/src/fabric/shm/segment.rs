@@ -10,7 +10,7 @@ use memmap2::{MmapMut, MmapOptions};
 use crate::fabric::ring::{self, Ring};
 
 const MAGIC: u64 = 0x617a_7364_7073_686d; // "azsdpshm"
-const VERSION: u32 = 6;
+const VERSION: u32 = 7;
 const HEADER_LEN: usize = 4096;
 /// Largest ring a segment may have (a peer's segment asking for more is
 /// refused rather than mapped).
@@ -59,6 +59,11 @@ pub(super) struct SegHeader {
     /// bell (0: none yet). The peer rings it; a false one only makes some
     /// connection of ours look for nothing.
     pub(super) bell: [AtomicU64; 2],
+    /// Per side: the loop bell of that side's process to ring instead of
+    /// the process's bell (0: the process's), while the loop its
+    /// connection belongs to sleeps (see `loop_bell`). The peer rings it
+    /// only if that process gave it that bell.
+    pub(super) route: [AtomicU32; 2],
     /// Per side: a process sharing that side after a fork asks the one
     /// running it to move the connection onto TCP. (The peer could write
     /// it too: that only moves the connection onto TCP.)

@@ -50,6 +50,12 @@ impl ShmEndpoint {
             self.tx.armed().store(1, Ordering::Release);
             return;
         }
+        // The bell of the peer's loop that sleeps, if its process gave it
+        // to ours (see `loop_bell`).
+        let route = self.seg.hdr().route[1 - self.side].load(Ordering::Acquire);
+        if route != 0 && super::loop_bell::ring(&self.peer.pidfd_shared(), route, token) {
+            return;
+        }
         // (Not held at all once the thread's locals are gone: a close at
         // `exit()`, after they were destroyed, rings at once.)
         let held = HELD

@@ -1,0 +1,350 @@
+//! Loop bells: a bell of its own for each event loop that sleeps, so that
+//! a peer's message for one of its connections wakes that loop and no
+//! other thread.
+//!
+//! The process's bell is one socket: a ring on it wakes whichever thread
+//! watches the reactor's set, and when that is not the loop the connection
+//! belongs to (memcached's four workers, each in its own `epoll_wait`),
+//! that thread turns the reactor and wakes the loop in turn: two wake-ups
+//! in series per message, where TCP makes one. So a loop that sleeps
+//! ([`LoopBell`], made by the shim for an epoll set) has a datagram socket
+//! pair: the set watches the reading end, and each peer process gets the
+//! writing end once, as mail on its bell ([`IntroKind::LoopBell`]). A side
+//! whose loop sleeps says in the segment which loop bell to ring (its
+//! `route`); the peer rings it there if it holds that bell, and the
+//! process's bell otherwise.
+//!
+//! Trust: a peer holds only writing ends, as it does of the process's bell
+//! (it cannot read what others rang). What a peer passes us is kept only
+//! if it is a Unix datagram socket, a few per peer process, and rung with
+//! `MSG_DONTWAIT` alone: a hostile one can only waste its own rings.
+//!
+//! [`IntroKind::LoopBell`]: crate::pairing::IntroKind::LoopBell
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Weak};
+
+use crate::sync::Lock;
+
+/// Loop bells kept per peer process, per user other than ours and root,
+/// and in all: beyond them a bell passed is closed at once (its loop is
+/// rung on the process's bell), so that no peer can fill our descriptor
+/// table with them.
+const KEPT_PER_PEER: usize = 16;
+const KEPT_PER_OTHER_USER: usize = 64;
+const KEPT: usize = 1024;
+
+/// Ids of this process's loop bells (never 0: 0 routes to the process's
+/// bell).
+static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+
+/// This process's loop bells: id, writing end, and the peer processes
+/// (their shared pidfds) that hold it.
+struct Ours {
+    id: u32,
+    write: Arc<OwnedFd>,
+    given: Vec<Weak<OwnedFd>>,
+}
+
+static OURS: Lock<Vec<Ours>> = Lock::new(Vec::new());
+
+/// A loop bell a peer process gave us.
+struct Theirs {
+    /// The peer's shared pidfd.
+    peer: Weak<OwnedFd>,
+    uid: u32,
+    id: u32,
+    write: Arc<OwnedFd>,
+}
+
+impl Theirs {
+    fn of(&self, peer: &Arc<OwnedFd>) -> bool {
+        std::ptr::eq(self.peer.as_ptr(), Arc::as_ptr(peer))
+    }
+}
+
+static THEIRS: Lock<Vec<Theirs>> = Lock::new(Vec::new());
+
+/// The reading end of one event loop's bell, and its id.
+#[derive(Debug)]
+pub struct LoopBell {
+    id: u32,
+    read: OwnedFd,
+    /// The process that made it (a forked child's copy is its parent's).
+    pid: u32,
+}
+
+impl LoopBell {
+    pub fn new() -> std::io::Result<LoopBell> {
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+        let (read, write) = socketpair(
+            AddressFamily::Unix,
+            SockType::Datagram,
+            None,
+            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        )
+        .map_err(std::io::Error::from)?;
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed).max(1);
+        OURS.lock().push(Ours {
+            id,
+            write: Arc::new(write),
+            given: Vec::new(),
+        });
+        Ok(LoopBell {
+            id,
+            read,
+            pid: crate::process::pid(),
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Made by this process (not inherited through a fork)?
+    pub fn made_here(&self) -> bool {
+        self.pid == crate::process::pid()
+    }
+
+    /// The descriptor the loop's set watches (readable when rung).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.read.as_fd()
+    }
+
+    /// Take every ring that came (the rings say nothing more than that
+    /// something came: the loop looks at each of its connections), a
+    /// batch per system call.
+    pub fn drain(&self) {
+        const BATCH: usize = 32;
+        let mut bufs = [[0u8; 8]; BATCH];
+        let mut iov: [libc::iovec; BATCH] = std::array::from_fn(|_| libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        });
+        for (v, b) in iov.iter_mut().zip(bufs.iter_mut()) {
+            v.iov_base = b.as_mut_ptr().cast();
+            v.iov_len = b.len();
+        }
+        // SAFETY: all-zero is a valid mmsghdr (null pointers, zero lengths).
+        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+        for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = 1;
+        }
+        loop {
+            // SAFETY: a non-blocking receive into our own buffers, each
+            // header naming one of them.
+            let n = unsafe {
+                libc::recvmmsg(
+                    self.read.as_raw_fd(),
+                    msgs.as_mut_ptr(),
+                    BATCH as libc::c_uint,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null_mut(),
+                )
+            };
+            if n < BATCH as libc::c_int {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for LoopBell {
+    fn drop(&mut self) {
+        if self.made_here() {
+            OURS.lock().retain(|o| o.id != self.id);
+        }
+    }
+}
+
+/// The writing end of our loop bell `id` if `peer` (its shared pidfd) does
+/// not hold it yet; it counts as held from now on.
+pub(super) fn to_give(id: u32, peer: &Arc<OwnedFd>) -> Option<Arc<OwnedFd>> {
+    let mut ours = OURS.lock();
+    let o = ours.iter_mut().find(|o| o.id == id)?;
+    o.given.retain(|p| p.strong_count() > 0);
+    if o.given
+        .iter()
+        .any(|p| std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer)))
+    {
+        return None;
+    }
+    o.given.push(Arc::downgrade(peer));
+    Some(Arc::clone(&o.write))
+}
+
+/// Is `id` one of our loop bells that `peer` holds?
+pub(super) fn given(id: u32, peer: &Arc<OwnedFd>) -> bool {
+    OURS.lock().iter().any(|o| {
+        o.id == id
+            && o.given
+                .iter()
+                .any(|p| std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer)))
+    })
+}
+
+/// `peer` could not be given loop bell `id` after all (the mail did not go).
+pub(super) fn not_given(id: u32, peer: &Arc<OwnedFd>) {
+    if let Some(o) = OURS.lock().iter_mut().find(|o| o.id == id) {
+        o.given
+            .retain(|p| !std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer)));
+    }
+}
+
+/// Keep loop bell `id` that `peer`'s process (of user `uid`) gave us, if
+/// it is a Unix datagram socket and within the bounds above.
+pub(super) fn take(peer: &Arc<OwnedFd>, uid: u32, id: u32, fd: OwnedFd) {
+    if id == 0 || !is_unix_datagram(fd.as_fd()) {
+        return;
+    }
+    let mut theirs = THEIRS.lock();
+    theirs.retain(|t| t.peer.strong_count() > 0);
+    if let Some(t) = theirs.iter_mut().find(|t| t.of(peer) && t.id == id) {
+        t.write = Arc::new(fd);
+        return;
+    }
+    let other = uid != 0 && uid != nix::unistd::geteuid().as_raw();
+    if theirs.len() >= KEPT
+        || theirs.iter().filter(|t| t.of(peer)).count() >= KEPT_PER_PEER
+        || (other && theirs.iter().filter(|t| t.uid == uid).count() >= KEPT_PER_OTHER_USER)
+    {
+        return;
+    }
+    theirs.push(Theirs {
+        peer: Arc::downgrade(peer),
+        uid,
+        id,
+        write: Arc::new(fd),
+    });
+}
+
+/// Ring `peer`'s loop bell `id`: `false` if we hold none such, or it is
+/// gone (then it is forgotten), and the caller rings the process's bell.
+pub(super) fn ring(peer: &Arc<OwnedFd>, id: u32, token: u64) -> bool {
+    let Some(fd) = THEIRS
+        .lock()
+        .iter()
+        .find(|t| t.id == id && t.of(peer))
+        .map(|t| Arc::clone(&t.write))
+    else {
+        return false;
+    };
+    let b = token.to_le_bytes();
+    // SAFETY: an 8-byte send from a local on a socket we hold.
+    let n = unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            b.as_ptr().cast(),
+            b.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+    if n == b.len() as isize || std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN)
+    {
+        // (Full: rings the loop has not taken yet wake it anyway.)
+        return true;
+    }
+    THEIRS.lock().retain(|t| !(t.id == id && t.of(peer)));
+    false
+}
+
+fn is_unix_datagram(fd: BorrowedFd<'_>) -> bool {
+    let get = |opt| -> Option<libc::c_int> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt into a c_int we own.
+        let r = unsafe {
+            libc::getsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&raw mut v).cast(),
+                &mut len,
+            )
+        };
+        (r == 0).then_some(v)
+    };
+    get(libc::SO_DOMAIN) == Some(libc::AF_UNIX) && get(libc::SO_TYPE) == Some(libc::SOCK_DGRAM)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pidfd() -> Arc<OwnedFd> {
+        // Any descriptor stands for a peer process here.
+        Arc::new(std::fs::File::open("/dev/null").unwrap().into())
+    }
+
+    #[test]
+    fn a_loop_bell_is_given_once_per_peer_and_rings_its_loop() {
+        let bell = LoopBell::new().unwrap();
+        let (a, b) = (pidfd(), pidfd());
+        let w = to_give(bell.id(), &a).expect("first time for a");
+        assert!(to_give(bell.id(), &a).is_none(), "a holds it");
+        assert!(given(bell.id(), &a) && !given(bell.id(), &b));
+        not_given(bell.id(), &a);
+        assert!(!given(bell.id(), &a));
+        // The peer's side: it keeps the writing end and rings it.
+        let dup = w.try_clone().unwrap();
+        take(&b, 0, bell.id(), dup);
+        assert!(ring(&b, bell.id(), 7));
+        let readable = || {
+            let mut pfd = libc::pollfd {
+                fd: bell.fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: a poll of our own pollfd, without waiting.
+            unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
+        };
+        assert!(readable(), "the loop hears it");
+        bell.drain();
+        assert!(!readable(), "drained");
+        assert!(!ring(&a, bell.id(), 7), "a was given nothing");
+        drop(bell);
+        drop(w);
+        assert!(!ring(&b, 0, 7));
+    }
+
+    #[test]
+    fn what_a_peer_passes_is_kept_only_if_a_datagram_socket_and_bounded() {
+        let p = pidfd();
+        let file: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        take(&p, 0, 5, file);
+        assert!(!ring(&p, 5, 1), "a file is not kept");
+        let mut kept = Vec::new();
+        let mut give = |peer: &Arc<OwnedFd>, uid: u32, id: u32| {
+            let b = LoopBell::new().unwrap();
+            take(
+                peer,
+                uid,
+                id,
+                to_give(b.id(), peer).unwrap().try_clone().unwrap(),
+            );
+            kept.push(b);
+        };
+        for id in 1..=(KEPT_PER_PEER as u32 + 10) {
+            give(&p, 0, id);
+        }
+        let held = |peer: &Arc<OwnedFd>| THEIRS.lock().iter().filter(|t| t.of(peer)).count();
+        assert_eq!(held(&p), KEPT_PER_PEER, "per peer process");
+        // Another user's processes, together.
+        let stranger = nix::unistd::geteuid().as_raw() + 4242;
+        let others: Vec<Arc<OwnedFd>> = (0..8).map(|_| pidfd()).collect();
+        for q in &others {
+            for id in 1..=KEPT_PER_PEER as u32 {
+                give(q, stranger, id);
+            }
+        }
+        let n: usize = others.iter().map(held).sum();
+        assert_eq!(n, KEPT_PER_OTHER_USER, "per other user");
+        // A bell whose loop is gone is forgotten at its first ring.
+        let id = 1;
+        drop(kept);
+        assert!(!ring(&p, id, 1));
+        assert!(!ring(&p, id, 1));
+    }
+}
