@@ -784,7 +784,7 @@ fn loop_bell(set: &mut Set, epfd: c_int) -> u32 {
     let made = set.bell.get_or_insert_with(|| {
         let bell = LoopBell::new().map_err(|_| ())?;
         let mut ev = epoll_event {
-            events: EPOLLIN as u32,
+            events: (EPOLLIN | EPOLLET) as u32,
             u64: LOOP_BELL_TAG,
         };
         let _keep = real::KeepErrno::new();
@@ -796,7 +796,10 @@ fn loop_bell(set: &mut Set, epfd: c_int) -> u32 {
         }
         Ok(bell)
     });
-    made.as_ref().map_or(0, LoopBell::id)
+    made.as_ref().map_or(0, |b| {
+        b.sleeps();
+        b.id()
+    })
 }
 
 /// Drop our own entries (see [`TAG`], [`TCP_TAG`]) from the `n` events a
@@ -1077,7 +1080,7 @@ fn take_kernel(set: &Lock<Set>, got: &[epoll_event], out: &mut Batch) -> (bool, 
             // What rang is seen by a look at each connection's ticket.
             let mut s = set.lock();
             if let Some(Ok(b)) = s.bell.as_ref() {
-                b.drain();
+                b.rang();
             }
             sweep(&mut s);
             looked = true;

@@ -408,7 +408,11 @@ fn python_waits_through_a_signal_storm() {
         cli.expect_success(Duration::from_secs(120), || s.client_and_server_logs());
         srv.expect_success(Duration::from_secs(30), || s.log("server"));
         let log = s.log("server");
-        assert!(log.contains(": azsdp (fabric shm, peer pid"), "{log}");
+        assert!(
+            log.contains(": azsdp (fabric shm, peer pid"),
+            "{}",
+            s.client_and_server_logs()
+        );
         assert!(log.contains(&format!("server {style}: ok")), "{log}");
     }
 }
