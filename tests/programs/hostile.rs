@@ -193,8 +193,11 @@ fn bystander() -> (Proc, i32, String) {
 }
 
 /// A client of `port`, under azsdp or plain, exchanging `bytes`: it must
-/// succeed within a second (plus the exchange itself) and check every byte.
-/// Returns the wall time and whether it was upgraded.
+/// succeed within three seconds (plus the exchange itself) and check every
+/// byte. Returns the wall time and whether it was upgraded. (A stall
+/// guard: the delay a flood causes is judged on the medians, see
+/// [`assert_not_slowed`]; one plain client of 185 took 1.1 s in the full
+/// suite beside two CPU hogs, where this bound was a second.)
 fn served(s: &Scratch, name: &str, azsdp: bool, port: u16, bytes: u64) -> (Duration, bool) {
     let (_, echo) = tools();
     let c = s.command(
@@ -208,7 +211,7 @@ fn served(s: &Scratch, name: &str, azsdp: bool, port: u16, bytes: u64) -> (Durat
     p.expect_success(Duration::from_secs(30), || s.log(name));
     let took = t0.elapsed();
     assert!(
-        took < Duration::from_secs(1) + Duration::from_millis(bytes / 1000),
+        took < Duration::from_secs(3) + Duration::from_millis(bytes / 1000),
         "{name} took {took:?}; its log:\n{}",
         s.log(name)
     );
