@@ -296,9 +296,8 @@ impl Conn {
         self.driver.watched_by_loop(at_ns);
     }
 
-    /// That loop is about to sleep, with its bell `loop_bell` (0: none):
-    /// `true` if a message may have come already.
-    pub fn loop_sleeps(&self, loop_bell: u32) -> bool {
+    /// That loop is about to sleep, with its bell `loop_bell` (0: none).
+    pub fn loop_sleeps(&self, loop_bell: u32) -> azsdp::driver::threaded::LoopArmed {
         self.driver.loop_sleeps(loop_bell)
     }
 

@@ -739,7 +739,7 @@ fn sweep(set: &mut Set) {
 /// back to the reactor's watch (the sleep's `standby::end` arms their
 /// doorbells). Connections where a message may have come already are
 /// marked to be looked at (the wait then does not sleep).
-fn unsweep(set: &mut Set, epfd: c_int) {
+fn unsweep(set: &mut Set, epfd: c_int) -> Rung {
     if set.interests.len() > SPIN_CONNS {
         // Grown past the sweep's bound: what rings the loop's bell would
         // go unseen.
@@ -752,9 +752,14 @@ fn unsweep(set: &mut Set, epfd: c_int) {
                 }
             }
         }
-        return;
+        return Rung::ByReactor;
     }
     let bell = loop_bell(set, epfd);
+    let mut rung = if bell == 0 {
+        Rung::ByReactor
+    } else {
+        Rung::ByLoopBell
+    };
     for (fd, it) in set.interests.iter_mut() {
         let Some(c) = it.swept.as_ref() else { continue };
         // (A spent one-shot interest is not this loop's to hear.)
@@ -764,10 +769,24 @@ fn unsweep(set: &mut Set, epfd: c_int) {
         }
         it.routed = bell;
         set.routed_any |= bell != 0;
-        if c.loop_sleeps(bell) {
-            set.dirty.mark(*fd);
+        match c.loop_sleeps(bell) {
+            azsdp::driver::threaded::LoopArmed::Ready => set.dirty.mark(*fd),
+            azsdp::driver::threaded::LoopArmed::Routed => {}
+            azsdp::driver::threaded::LoopArmed::ByReactor if !it.spent => rung = Rung::ByReactor,
+            azsdp::driver::threaded::LoopArmed::ByReactor => {}
         }
     }
+    rung
+}
+
+/// Who rings a sleeping set's connections (see [`unsweep`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rung {
+    /// Its loop bell, each of them: the process's bell, and so the
+    /// reactor's set, need no watching for this sleep.
+    ByLoopBell,
+    /// Some only through the process's bell.
+    ByReactor,
 }
 
 /// The set's loop bell's id, made and watched in the kernel set at the
@@ -903,11 +922,17 @@ pub unsafe fn wait(
     loop {
         // (Again after each wake-up that found nothing to report: a ring
         // of the loop's bell took the connection's arming with it.)
-        unsweep(&mut set.lock(), epfd);
-        if loan.0.is_none() {
+        let rung = unsweep(&mut set.lock(), epfd);
+        let self_rung = rung == Rung::ByLoopBell && loan.0.is_none();
+        if !self_rung && loan.0.is_none() {
             loan.0 = borrow_reactor(&set, epfd);
         }
-        if let Some(l) = loan.0.as_mut() {
+        if self_rung {
+            // Every message for this loop rings its own bell: no loan of
+            // the reactor's set (a loan given back woke the reactor's
+            // thread, a futex each way per wait of memcached's workers).
+            wake.arm_self_rung();
+        } else if let Some(l) = loan.0.as_mut() {
             // Before the look: connections the calls drove go back to
             // being watched, and what rang meanwhile is taken (before the
             // arming: what the turn marks, the look below sees unrung).
@@ -1013,7 +1038,7 @@ struct Borrowed(Option<azsdp::driver::reactor::Loan>);
 impl Drop for Borrowed {
     fn drop(&mut self) {
         if let Some(l) = self.0.take() {
-            l.give_back(crate::ready::any_armed());
+            l.give_back(crate::ready::any_reliant());
         }
     }
 }

@@ -29,6 +29,9 @@ pub struct Wakeup {
     /// Bumped by every kick of a futex wakeup.
     word: AtomicU32,
     asleep: AtomicBool,
+    /// Asleep, and counting on the reactor's watch of the process's bell
+    /// (see [`any_reliant`]).
+    reliant: AtomicBool,
     /// Written since the last disarm (set after the write, so a disarm
     /// that sees it reads what was written; one that misses it leaves the
     /// count for the next, which wakes once for nothing).
@@ -58,6 +61,7 @@ impl Wakeup {
             efd,
             word: AtomicU32::new(0),
             asleep: AtomicBool::new(false),
+            reliant: AtomicBool::new(false),
             rung: AtomicBool::new(false),
         });
         SLEEPERS.lock().push(Arc::downgrade(&w));
@@ -90,6 +94,16 @@ impl Wakeup {
     /// (ending them all at each of ten thousand threads' waits requeued
     /// ten thousand connections each time).
     pub fn arm_alone(&self) {
+        self.arm_self_rung();
+        if !self.reliant.swap(true, Ordering::SeqCst) {
+            RELIANT.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// About to sleep where every connection watched rings the sleeper's
+    /// own bell (an epoll set's loop bell): notifications wake it, and it
+    /// needs nobody to watch the process's bell for it.
+    pub fn arm_self_rung(&self) {
         if !self.asleep.swap(true, Ordering::SeqCst) {
             ARMED.fetch_add(1, Ordering::SeqCst);
         }
@@ -101,6 +115,9 @@ impl Wakeup {
         let _keep = real::KeepErrno::new();
         if self.asleep.swap(false, Ordering::SeqCst) {
             ARMED.fetch_sub(1, Ordering::SeqCst);
+        }
+        if self.reliant.swap(false, Ordering::SeqCst) {
+            RELIANT.fetch_sub(1, Ordering::SeqCst);
         }
         if self.rung.swap(false, Ordering::SeqCst) && self.efd.is_some() {
             let mut v = 0u64;
@@ -141,10 +158,14 @@ static SLEEPERS: Lock<Vec<std::sync::Weak<Wakeup>>> = Lock::new(Vec::new());
 /// notification found the count at zero.)
 static ARMED: AtomicUsize = AtomicUsize::new(0);
 
-/// Are any threads' wakeups armed (asleep waiting for readiness, or about
-/// to be)?
-pub fn any_armed() -> bool {
-    ARMED.load(Ordering::SeqCst) != 0
+/// Armed wakeups that count on the reactor's watch of the process's bell
+/// (all but epoll sets whose connections ring their loop bell).
+static RELIANT: AtomicUsize = AtomicUsize::new(0);
+
+/// Do any threads sleep (or are about to) waiting for readiness that only
+/// the reactor's watch of the process's bell would see come?
+pub fn any_reliant() -> bool {
+    RELIANT.load(Ordering::SeqCst) != 0
 }
 
 /// Readiness of any upgraded socket may have changed (one moved back

@@ -145,6 +145,22 @@ const OTHERS_LEAVE: Duration = Duration::from_millis(500);
 /// written behind azsdp's back.
 const STREAM_LOOK_NS: u64 = 1_000_000_000;
 
+/// How a sleeping loop's connection will be rung (see
+/// [`ThreadedDriver::loop_sleeps`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoopArmed {
+    /// On the loop's bell.
+    Routed,
+    /// A message may have come already: look before sleeping.
+    Ready,
+    /// Through the process's bell and the reactor, if at all.
+    ByReactor,
+}
+
+/// The connection's lock was held (see `Shared::arm_for`).
+#[derive(Debug, PartialEq, Eq)]
+struct Busy;
+
 /// How stale [`Shared::loop_at`] may grow before a loop's look renews it
 /// (a quarter of [`standby::LOOP_RECENT`]).
 const LOOP_MARK_EVERY_NS: u64 = standby::LOOP_RECENT.as_nanos() as u64 / 4;
@@ -264,22 +280,25 @@ impl<F: Fabric, P: Protector> Shared<F, P> {
 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// Arm the connection to ring `loop_bell` (0: the process's bell), as
-    /// the reactor would, from an event loop's thread; `None` if its lock
-    /// is held (its holder's unlock brings the reactor, which arms it),
-    /// or nothing of the fabric is this process's to arm.
-    fn arm_for(&self, loop_bell: u32) -> Option<Armed> {
+    /// the reactor would, from an event loop's thread. [`Busy`] if its
+    /// lock is held (its holder's unlock brings the reactor, which arms
+    /// it); `None` if nothing of the fabric is this process's to arm.
+    fn arm_for(&self, loop_bell: u32) -> Result<Option<Armed>, Busy> {
         // (Asked before the second try: a holder that lets go meanwhile
         // leaves the lock to it.)
-        let mut d = self.try_lock().or_else(|| {
-            self.wanted.store(true, Ordering::SeqCst);
-            self.try_lock()
-        })?;
+        let mut d = self
+            .try_lock()
+            .or_else(|| {
+                self.wanted.store(true, Ordering::SeqCst);
+                self.try_lock()
+            })
+            .ok_or(Busy)?;
         d.looked_only = true;
         if d.peer_left() || self.stop.load(Ordering::SeqCst) || !self.own.runs_here(d.fabric()) {
-            return None;
+            return Ok(None);
         }
         d.fabric_mut().ring_at(loop_bell);
-        Some(d.fabric_mut().arm(false))
+        Ok(Some(d.fabric_mut().arm(false)))
     }
 
     fn lock(&self) -> Locked<'_, F, P> {
@@ -1275,32 +1294,34 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// of this process's, see `fabric::shm::loop_bell`; 0: none), the loop
     /// itself: the connection is armed to ring that bell, here if its
     /// lock is free (else by the reactor, which the holder's unlock
-    /// brings). `true` if a message may have come already (the loop looks
-    /// instead of sleeping).
-    pub fn loop_sleeps(&self, loop_bell: u32) -> bool {
+    /// brings).
+    pub fn loop_sleeps(&self, loop_bell: u32) -> LoopArmed {
         let sh = &self.shared;
         if sh.loop_at.load(Ordering::Relaxed) != 0 {
             sh.loop_at.store(0, Ordering::SeqCst);
         }
         if loop_bell == 0 || !sh.waiter.ticket_moves_on_arrival() {
-            return false;
+            return LoopArmed::ByReactor;
+        }
+        if sh.loop_bell.load(Ordering::Relaxed) != loop_bell {
+            sh.loop_bell.store(loop_bell, Ordering::SeqCst);
         }
         // Armed for this bell, and nothing came since (a message would
         // have moved the ticket): it still is.
         let ticket = sh.waiter.prepare();
         let armed = (u64::from(loop_bell) << 32) | u64::from(ticket);
-        if sh.loop_bell.load(Ordering::Relaxed) == loop_bell
-            && sh.loop_armed.load(Ordering::Relaxed) == armed
-        {
-            return false;
+        if sh.loop_armed.load(Ordering::Relaxed) == armed {
+            return LoopArmed::Routed;
         }
-        if sh.loop_bell.load(Ordering::Relaxed) != loop_bell {
-            sh.loop_bell.store(loop_bell, Ordering::SeqCst);
-        }
-        let ready = sh.arm_for(loop_bell) == Some(Armed::Ready);
-        sh.loop_armed
-            .store(if ready { 0 } else { armed }, Ordering::Relaxed);
-        ready
+        let (got, was) = match sh.arm_for(loop_bell) {
+            // (The reactor arms it, for this bell, when the holder lets go.)
+            Err(Busy) => return LoopArmed::Routed,
+            Ok(None) => (LoopArmed::ByReactor, 0),
+            Ok(Some(Armed::Ready)) => (LoopArmed::Ready, 0),
+            Ok(Some(_)) => (LoopArmed::Routed, armed),
+        };
+        sh.loop_armed.store(was, Ordering::Relaxed);
+        got
     }
 
     /// The loop whose bell is `loop_bell` no longer watches the connection
@@ -1316,7 +1337,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         {
             sh.loop_at.store(0, Ordering::SeqCst);
             sh.loop_armed.store(0, Ordering::Relaxed);
-            if sh.arm_for(0) == Some(Armed::Ready) {
+            if sh.arm_for(0) == Ok(Some(Armed::Ready)) {
                 sh.wake_reactor();
             }
         }
