@@ -746,25 +746,46 @@ fn a_busy_event_loop_is_not_rung_per_message() {
     if !have(&["python3"]) {
         return;
     }
-    let script = workspace().join("tests/programs/busy_loop.py");
-    let script = script.display().to_string();
-    let s = Scratch::new("busy-loop");
-    let p = port(183).to_string();
     let (conns, rounds) = (8u64, 2000u64);
-    let mut srv = Proc::start(
-        s.under_azsdp("server", "python3", &[&script, "server", &p, "8"]),
-        "python3 server",
+    let stat = loop_script_stat("busy_loop.py", 183, &["8"], &["8", &rounds.to_string()]);
+    let upgraded: Vec<&serde_json::Value> =
+        stat.iter().filter(|c| text(c, "path") != "tcp").collect();
+    assert_eq!(upgraded.len() as u64, 2 * conns, "{stat:?}");
+    let rung: u64 = upgraded.iter().map(|c| num(c, &["rung"])).sum();
+    // Each side received `rounds` messages on each connection.
+    let messages = 2 * conns * rounds;
+    eprintln!("{rung} rings for {messages} messages");
+    let each: Vec<u64> = upgraded.iter().map(|c| num(c, &["rung"])).collect();
+    assert!(
+        rung * 4 < messages,
+        "{rung} rings for {messages} messages (by connection: {each:?})"
     );
+}
+
+/// Run an event-loop script of `tests/programs` (`SCRIPT server PORT
+/// SERVER_ARGS...` and `SCRIPT client PORT CLIENT_ARGS... DIR`), both
+/// under azsdp: once the client says it is done (DIR/done), read `azsdp
+/// stat` while its connections are open, then let it close them (DIR/close)
+/// and check that both ended well.
+fn loop_script_stat(
+    script: &str,
+    offset: u16,
+    server_args: &[&str],
+    client_args: &[&str],
+) -> Vec<serde_json::Value> {
+    let script = workspace().join("tests/programs").join(script);
+    let script = script.display().to_string();
+    let s = Scratch::new(script.rsplit('/').next().unwrap_or("loop"));
+    let p = port(offset).to_string();
+    let mut args = vec![script.as_str(), "server", &p];
+    args.extend_from_slice(server_args);
+    let mut srv = Proc::start(s.under_azsdp("server", "python3", &args), "python3 server");
     wait_listening(p.parse().expect("port"), LISTEN);
     let dir = s.0.display().to_string();
-    let mut cli = Proc::start(
-        s.under_azsdp(
-            "client",
-            "python3",
-            &[&script, "client", &p, "8", &rounds.to_string(), &dir],
-        ),
-        "python3 client",
-    );
+    let mut args = vec![script.as_str(), "client", &p];
+    args.extend_from_slice(client_args);
+    args.push(&dir);
+    let mut cli = Proc::start(s.under_azsdp("client", "python3", &args), "python3 client");
     let deadline = Instant::now() + Duration::from_secs(120);
     while !s.path("done").exists() {
         if let Some(st) = cli.wait(Duration::ZERO) {
@@ -779,18 +800,7 @@ fn a_busy_event_loop_is_not_rung_per_message() {
     std::fs::write(s.path("close"), b"").expect("close file");
     cli.expect_success(Duration::from_secs(30), || s.client_and_server_logs());
     srv.expect_success(Duration::from_secs(30), || s.log("server"));
-    let upgraded: Vec<&serde_json::Value> =
-        stat.iter().filter(|c| text(c, "path") != "tcp").collect();
-    assert_eq!(upgraded.len() as u64, 2 * conns, "{stat:?}");
-    let rung: u64 = upgraded.iter().map(|c| num(c, &["rung"])).sum();
-    // Each side received `rounds` messages on each connection.
-    let messages = 2 * conns * rounds;
-    eprintln!("{rung} rings for {messages} messages");
-    let each: Vec<u64> = upgraded.iter().map(|c| num(c, &["rung"])).collect();
-    assert!(
-        rung * 4 < messages,
-        "{rung} rings for {messages} messages (by connection: {each:?})"
-    );
+    stat
 }
 
 /// Several event loops that sleep between requests, each in its own epoll
@@ -808,39 +818,13 @@ fn a_request_for_a_sleeping_loop_rings_that_loop_alone() {
     if !have(&["python3"]) {
         return;
     }
-    let script = workspace().join("tests/programs/sleeping_loops.py");
-    let script = script.display().to_string();
-    let s = Scratch::new("sleeping-loops");
-    let p = port(185).to_string();
     let (conns, rounds) = (8u64, 500u64);
-    let mut srv = Proc::start(
-        s.under_azsdp("server", "python3", &[&script, "server", &p, "8", "4"]),
-        "python3 server",
+    let stat = loop_script_stat(
+        "sleeping_loops.py",
+        185,
+        &["8", "4"],
+        &["8", &rounds.to_string()],
     );
-    wait_listening(p.parse().expect("port"), LISTEN);
-    let dir = s.0.display().to_string();
-    let mut cli = Proc::start(
-        s.under_azsdp(
-            "client",
-            "python3",
-            &[&script, "client", &p, "8", &rounds.to_string(), &dir],
-        ),
-        "python3 client",
-    );
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !s.path("done").exists() {
-        if let Some(st) = cli.wait(Duration::ZERO) {
-            panic!("client ended ({st}): {}", s.client_and_server_logs());
-        }
-        assert!(Instant::now() < deadline, "{}", s.client_and_server_logs());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // The counters as published (the stats thread publishes every 100 ms).
-    std::thread::sleep(Duration::from_millis(300));
-    let stat = s.stat();
-    std::fs::write(s.path("close"), b"").expect("close file");
-    cli.expect_success(Duration::from_secs(30), || s.client_and_server_logs());
-    srv.expect_success(Duration::from_secs(30), || s.log("server"));
     let served: Vec<&serde_json::Value> = stat
         .iter()
         .filter(|c| text(c, "path") != "tcp" && text(c, "role") == "server")

@@ -280,22 +280,9 @@ pub(super) fn ring(peer: &Arc<OwnedFd>, id: u32, token: u64) -> bool {
 }
 
 fn is_unix_datagram(fd: BorrowedFd<'_>) -> bool {
-    let get = |opt| -> Option<libc::c_int> {
-        let mut v: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt into a c_int we own.
-        let r = unsafe {
-            libc::getsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&raw mut v).cast(),
-                &mut len,
-            )
-        };
-        (r == 0).then_some(v)
-    };
-    get(libc::SO_DOMAIN) == Some(libc::AF_UNIX) && get(libc::SO_TYPE) == Some(libc::SOCK_DGRAM)
+    use nix::sys::socket::{SockType, UnixAddr, getsockname, getsockopt, sockopt};
+    getsockopt(&fd, sockopt::SockType) == Ok(SockType::Datagram)
+        && getsockname::<UnixAddr>(fd.as_raw_fd()).is_ok()
 }
 
 #[cfg(test)]
