@@ -922,23 +922,26 @@ pub unsafe fn wait(
     loop {
         // (Again after each wake-up that found nothing to report: a ring
         // of the loop's bell took the connection's arming with it.)
-        let rung = unsweep(&mut set.lock(), epfd);
-        let self_rung = rung == Rung::ByLoopBell && loan.0.is_none();
-        if !self_rung && loan.0.is_none() {
+        // Every connection of the set rings its own bell: this sleep does
+        // not rely on anyone's watch of the process's bell (so a loan
+        // given back need not wake the reactor's thread for it).
+        let self_rung = unsweep(&mut set.lock(), epfd) == Rung::ByLoopBell;
+        if loan.0.is_none() {
             loan.0 = borrow_reactor(&set, epfd);
         }
-        if self_rung {
-            // Every message for this loop rings its own bell: no loan of
-            // the reactor's set (a loan given back woke the reactor's
-            // thread, a futex each way per wait of memcached's workers).
-            wake.arm_self_rung();
-        } else if let Some(l) = loan.0.as_mut() {
+        if let Some(l) = loan.0.as_mut() {
             // Before the look: connections the calls drove go back to
             // being watched, and what rang meanwhile is taken (before the
             // arming: what the turn marks, the look below sees unrung).
             azsdp::driver::standby::end_by_borrower();
             turn_borrowed(&set, l, false);
-            wake.arm_alone();
+            if self_rung {
+                wake.arm_self_rung();
+            } else {
+                wake.arm_alone();
+            }
+        } else if self_rung {
+            wake.arm_self_rung();
         } else {
             wake.arm();
             // Asked again once armed: a borrower that gives the set back
