@@ -82,8 +82,9 @@ fn find_listener(
     dst: SocketAddr,
     patience: Duration,
     tcp: BorrowedFd<'_>,
-) -> Result<Registry, Option<String>> {
+) -> Result<Registry, NotFound> {
     let mut refused = None;
+    let mut busy = false;
     for name in registry_candidates(dst) {
         let Some((a, len)) = abstract_addr(&name) else {
             continue;
@@ -110,6 +111,10 @@ fn find_listener(
             real::connect(sock.as_raw_fd(), (&raw const a).cast(), len)
         };
         if r != 0 {
+            // No such name, or none listening on it: no listener. Anything
+            // else (its queue full past our patience, on a loaded host)
+            // says nothing of whether one is there.
+            busy |= !matches!(real::errno(), libc::ECONNREFUSED | libc::ENOENT);
             continue;
         }
         let Some((pid, uid)) = peer_cred(&sock) else {
@@ -125,7 +130,21 @@ fn find_listener(
             }
         }
     }
-    Err(refused)
+    Err(match (refused, busy) {
+        (Some(_), _) => NotFound::Unverified,
+        (None, true) => NotFound::Busy,
+        (None, false) => NotFound::None,
+    })
+}
+
+/// Why [`find_listener`] found no listener to pair with.
+enum NotFound {
+    /// No registry there: no listener under azsdp.
+    None,
+    /// A registry whose owner is not proven to be the listener's.
+    Unverified,
+    /// A registry that did not take our connection in time.
+    Busy,
 }
 
 /// Does the kernel say (or did it, a moment ago: `azsdp::listener_proofs`)
@@ -301,7 +320,10 @@ pub fn connect(
         (settings.pair_timeout / 4).min(Duration::from_millis(150)),
         tcp,
     );
-    if found.is_err() {
+    // (A busy registry is the listener's burst, not its absence: counted,
+    // it made every connection of a client that met one on a loaded host
+    // skip the listener, as pair_history skips a destination without one.)
+    if matches!(found, Err(NotFound::None | NotFound::Unverified)) {
         HISTORY.lock().record_no_listener(to);
     }
     let reg = match found {
@@ -310,8 +332,9 @@ pub fn connect(
             debug!("connect {dst}: no azsdp listener and the rule says azsdp only");
             return Outcome::Tcp(-1, libc::ECONNREFUSED, None);
         }
-        Err(None) => return plain(TcpReason::PeerNotAzsdp),
-        Err(Some(_)) => return plain(TcpReason::PeerUnverified),
+        Err(NotFound::None) => return plain(TcpReason::PeerNotAzsdp),
+        Err(NotFound::Unverified) => return plain(TcpReason::PeerUnverified),
+        Err(NotFound::Busy) => return plain(TcpReason::ListenerBusy),
     };
     // No bind: the kernel picks the port at `connect()`, as it would on
     // TCP (a bind's search of the port range grows with every socket bound
