@@ -219,8 +219,9 @@ impl ShmEndpoint {
     fn give_loop_bell(&mut self, bell: u32) -> bool {
         let peer = self.peer.pidfd_shared();
         let held = match loop_bell::to_give(bell, &peer) {
-            None => loop_bell::given(bell, &peer),
-            Some(w) => {
+            loop_bell::Giving::Held => true,
+            loop_bell::Giving::Unknown => false,
+            loop_bell::Giving::Give(w) => {
                 let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
                 let mut body = [0u8; reactor::MAIL_LEN];
                 Intro::new(IntroKind::LoopBell(bell), page_size()).emit(&mut body);

@@ -60,7 +60,7 @@ struct Theirs {
 
 impl Theirs {
     fn of(&self, peer: &Arc<OwnedFd>) -> bool {
-        std::ptr::eq(self.peer.as_ptr(), Arc::as_ptr(peer))
+        is(&self.peer, peer)
     }
 }
 
@@ -195,37 +195,40 @@ impl Drop for LoopBell {
     }
 }
 
-/// The writing end of our loop bell `id` if `peer` (its shared pidfd) does
-/// not hold it yet; it counts as held from now on.
-pub(super) fn to_give(id: u32, peer: &Arc<OwnedFd>) -> Option<Arc<OwnedFd>> {
-    let mut ours = OURS.lock();
-    let o = ours.iter_mut().find(|o| o.id == id)?;
-    o.given.retain(|p| p.strong_count() > 0);
-    if o.given
-        .iter()
-        .any(|p| std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer)))
-    {
-        return None;
-    }
-    o.given.push(Arc::downgrade(peer));
-    Some(Arc::clone(&o.write))
+/// What [`to_give`] found.
+pub(super) enum Giving {
+    /// `peer` holds it already.
+    Held,
+    /// Pass it on: it counts as held from now on.
+    Give(Arc<OwnedFd>),
+    /// No loop bell of ours has that id (any more).
+    Unknown,
 }
 
-/// Is `id` one of our loop bells that `peer` holds?
-pub(super) fn given(id: u32, peer: &Arc<OwnedFd>) -> bool {
-    OURS.lock().iter().any(|o| {
-        o.id == id
-            && o.given
-                .iter()
-                .any(|p| std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer)))
-    })
+/// Does `peer` (its shared pidfd) hold our loop bell `id`, or is it to be
+/// given it now?
+pub(super) fn to_give(id: u32, peer: &Arc<OwnedFd>) -> Giving {
+    let mut ours = OURS.lock();
+    let Some(o) = ours.iter_mut().find(|o| o.id == id) else {
+        return Giving::Unknown;
+    };
+    o.given.retain(|p| p.strong_count() > 0);
+    if o.given.iter().any(|p| is(p, peer)) {
+        return Giving::Held;
+    }
+    o.given.push(Arc::downgrade(peer));
+    Giving::Give(Arc::clone(&o.write))
+}
+
+/// Does `p` name the process of `peer`'s shared pidfd?
+fn is(p: &Weak<OwnedFd>, peer: &Arc<OwnedFd>) -> bool {
+    std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer))
 }
 
 /// `peer` could not be given loop bell `id` after all (the mail did not go).
 pub(super) fn not_given(id: u32, peer: &Arc<OwnedFd>) {
     if let Some(o) = OURS.lock().iter_mut().find(|o| o.id == id) {
-        o.given
-            .retain(|p| !std::ptr::eq(p.as_ptr(), Arc::as_ptr(peer)));
+        o.given.retain(|p| !is(p, peer));
     }
 }
 
@@ -298,11 +301,23 @@ mod tests {
     fn a_loop_bell_is_given_once_per_peer_and_rings_its_loop() {
         let bell = LoopBell::new().unwrap();
         let (a, b) = (pidfd(), pidfd());
-        let w = to_give(bell.id(), &a).expect("first time for a");
-        assert!(to_give(bell.id(), &a).is_none(), "a holds it");
-        assert!(given(bell.id(), &a) && !given(bell.id(), &b));
+        let Giving::Give(w) = to_give(bell.id(), &a) else {
+            panic!("first time for a");
+        };
+        assert!(matches!(to_give(bell.id(), &a), Giving::Held), "a holds it");
+        assert!(
+            matches!(to_give(bell.id(), &b), Giving::Give(_)),
+            "b did not hold it"
+        );
         not_given(bell.id(), &a);
-        assert!(!given(bell.id(), &a));
+        assert!(
+            matches!(to_give(bell.id(), &a), Giving::Give(_)),
+            "not given after all: to give again"
+        );
+        assert!(matches!(
+            to_give(bell.id() + 1_000_000, &b),
+            Giving::Unknown
+        ));
         // The peer's side: it keeps the writing end and rings it.
         let dup = w.try_clone().unwrap();
         take(&b, 0, bell.id(), dup);
@@ -347,7 +362,10 @@ mod tests {
                 peer,
                 uid,
                 id,
-                to_give(b.id(), peer).unwrap().try_clone().unwrap(),
+                match to_give(b.id(), peer) {
+                    Giving::Give(w) => w.try_clone().unwrap(),
+                    _ => panic!("a new bell is to give"),
+                },
             );
             kept.push(b);
         };
