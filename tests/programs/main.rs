@@ -34,7 +34,9 @@ pub(crate) const LISTEN: Duration = Duration::from_secs(15);
 /// close-range; 145 stopped peers; 146 malformed messages with
 /// descriptors; 147 a registry flood's cost to accept; 148-149 the
 /// scale tests' server shapes; 160-161 exec-late-close; 182 a child that
-/// accepts; 183 a busy event loop; 150-159, 162-181 and 184-255 free.
+/// accepts; 183 a busy event loop; 162-163 fork-late-child; 150, 152,
+/// 170, 180, 184 and 190 the Python and event-loop tests; free: 153-159,
+/// 164-169, 171-179, 185-189 and 191-255.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -1074,6 +1076,18 @@ fn the_process_left_carries_on_when_the_one_running_the_connection_is_killed() {
         log.contains("moved to its TCP socket alone (the peer's end was gone)"),
         "{log}"
     );
+    assert!(!log.contains("reset"), "{log}");
+}
+
+/// A forked child whose first call comes after the fork's grace (its
+/// parent closed at once) serves the connection, which the parent moved
+/// onto the TCP socket for it (see `fork_late_child` in sockcheck.rs).
+#[test]
+fn a_forked_child_slower_than_the_grace_serves_the_connection() {
+    sockcheck_run("fork-late-child", false, 162);
+    let log = sockcheck_run("fork-late-child", true, 163);
+    assert!(log.contains(": joined the fabric"), "{log}");
+    assert!(log.contains(": moved to its TCP socket"), "{log}");
     assert!(!log.contains("reset"), "{log}");
 }
 

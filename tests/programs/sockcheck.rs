@@ -1363,6 +1363,55 @@ fn fork_idle_holder(server: bool, port: u16) -> R {
     Ok(())
 }
 
+/// A fork-per-connection server on a busy host: the parent closes its copy
+/// at once, and the child makes its first call only after the fork's grace
+/// (1 s, after which the parent's reactor takes the connection back). As
+/// on TCP, the child serves the connection: the parent, which closed,
+/// moves it onto the socket the child holds instead of ending it (it had
+/// reset the client, and left the child waiting for ever on a runner that
+/// had let go).
+fn fork_late_child(server: bool, port: u16) -> R {
+    const MIB: usize = 1 << 20;
+    let q1 = data(MIB, 80);
+    let a1 = data(MIB, 81);
+    let q2 = data(MIB, 82);
+    let a2 = data(MIB, 83);
+    if !server {
+        let c = connect_to(port)?;
+        send_all(c, &q1)?;
+        check!(recv_exact(c, MIB)? == a1, "the first answer");
+        send_all(c, &q2)?;
+        check!(recv_exact(c, MIB)? == a2, "the child's answer");
+        expect_eof(c)?;
+        close(c);
+        return Ok(());
+    }
+    let l = listen_on(port)?;
+    let c = accept_one(l)?;
+    check!(recv_exact(c, MIB)? == q1, "the first question");
+    send_all(c, &a1)?;
+    // SAFETY: fork(2); the child serves after a pause, then _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let r = (|| -> R {
+            sleep_ms(1500);
+            check!(recv_exact(c, MIB)? == q2, "the second question");
+            send_all(c, &a2)?;
+            close(c);
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            eprintln!("child: {e}");
+        }
+        // SAFETY: leave the child without unwinding.
+        unsafe { libc::_exit(i32::from(r.is_err())) };
+    }
+    close(c);
+    reap_ok(pid, "the child")?;
+    close(l);
+    Ok(())
+}
+
 /// A server whose forked child runs the connection (it used it first)
 /// while the parent's calls go through it, until the parent kills it
 /// (SIGKILL): as with TCP, the parent carries on, both ways, and the
@@ -2643,6 +2692,7 @@ fn main() {
         "fork-split" => fork_split(server, port, false),
         "fork-split-reader-runs" => fork_split(server, port, true),
         "fork-idle-holder" => fork_idle_holder(server, port),
+        "fork-late-child" => fork_late_child(server, port),
         "close-range" => close_range_scenario(server, port),
         "killed-idle" => killed_idle(server, port),
         "exit-after-send" => exit_after_send(server, port, false),

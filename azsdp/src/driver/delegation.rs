@@ -684,7 +684,8 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
             looked = Instant::now();
             let left = (w.left)();
             let gone = !runner_alive(mb);
-            if (gone || left)
+            let ended = mb.ending();
+            if (gone || left || ended.is_some())
                 && slot
                     .state
                     .compare_exchange(POSTED, FREE, Ordering::AcqRel, Ordering::Relaxed)
@@ -692,11 +693,12 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
             {
                 // Never taken, so nothing of it moved: made again on TCP if
                 // the connection went there (its runner may have exited
-                // since, having moved it), else answered by the ending.
-                return if left {
-                    Answer::Done(Err(CallError::Switched))
-                } else {
-                    after_runner_death(mb, req, w)
+                // since, having moved it), else answered by the ending
+                // (a runner that lives on but let the connection go).
+                return match ended {
+                    _ if left => Answer::Done(Err(CallError::Switched)),
+                    Some(e) => e.answer(req),
+                    None => after_runner_death(mb, req, w),
                 };
             }
             if gone && slot.state.load(Ordering::Acquire) == TAKEN {
@@ -930,6 +932,22 @@ impl Serving {
         self.retired.clear();
         self.pool.clear();
         self.published = None;
+    }
+
+    /// This copy lets the connection go without moving it onto TCP (its
+    /// close ran out of time, or the peer is gone): guests are told how it
+    /// ended, and the calls taken for them are answered so, since no turn
+    /// of this engine will answer them now.
+    pub fn end(&mut self, mb: &Mailbox, how: Ending) {
+        if mb.ending().is_none() {
+            mb.end(how);
+        }
+        for c in self.calls.drain(..) {
+            if let Answer::Done(r) = how.answer(c.req) {
+                answer(&mb.p().slots[c.slot], encode_result(r));
+            }
+        }
+        self.forget();
     }
 
     /// Take what guests posted, finish what the engine completed, publish

@@ -711,6 +711,29 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// The peer is gone, so the connection cannot move onto TCP for the
     /// guests: how it ends for them (`None`: the peer lives, it can move).
+    /// This process, which runs the connection, closed its descriptor
+    /// (`abort`: SO_LINGER {on, 0}). If other processes may still hold
+    /// it (their descriptors keep the kernel's socket open, used yet or
+    /// not), it moves onto that socket, where they carry on, instead of
+    /// ending (or, if the peer is gone, they are told how it ended).
+    fn end_here(&self, d: &mut Driver<F, P>, abort: bool) {
+        let guests = self
+            .mailbox()
+            .filter(|mb| mb.has_other_holders(process::pid()));
+        match guests {
+            Some(mb) => {
+                if let Some(how) = Shared::ending_for_guests(d) {
+                    mb.end(how);
+                    d.submit_close();
+                } else {
+                    d.leave_fabric();
+                }
+            }
+            None if abort => d.abort(),
+            None => d.submit_close(),
+        }
+    }
+
     fn ending_for_guests(d: &Driver<F, P>) -> Option<delegation::Ending> {
         let c = d.connection();
         let gone = d.peer_left() || matches!(c.state(), State::Aborted(_));
@@ -1523,29 +1546,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            let guests = self
-                .shared
-                .mailbox()
-                .filter(|mb| mb.has_other_holders(process::pid()));
             match self.shared.own.close(d.fabric(), abort) {
-                // Other processes may still hold it (their descriptors keep
-                // the kernel's socket open, used yet or not): it moves onto
-                // that socket, where they carry on, instead of ending (or,
-                // if the peer is gone, they are told how it ended).
-                Close::Now if guests.is_some() => {
-                    if let Some(how) = Shared::ending_for_guests(&d) {
-                        if let Some(mb) = &guests {
-                            mb.end(how);
-                        }
-                        d.submit_close();
-                    } else {
-                        d.leave_fabric();
-                    }
-                }
-                Close::Now if abort => d.abort(),
-                Close::Now => d.submit_close(),
+                Close::Now => self.shared.end_here(&mut d, abort),
                 // Frozen by a fork: the child may take it over; if it does
-                // not, the reactor reclaims and closes it.
+                // not, the reactor reclaims it and ends it here then.
                 Close::Deferred => {}
                 Close::NotOurs => return,
             }
@@ -1841,11 +1845,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
         self.look_at_stream(&mut d);
         if let Some(abort) = self.own.take_deferred_close() {
-            if abort {
-                d.abort();
-            } else {
-                d.submit_close();
-            }
+            // Reclaimed after the fork's grace: a child that holds the
+            // descriptor but has not called yet (a busy host) carries on.
+            self.end_here(&mut d, abort);
         }
         let closing = *self.closing.lock();
         let mut fired = fired;
@@ -1860,6 +1862,13 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 }
                 // The peer learns at once that this side is done.
                 d.fabric().finish();
+                if !d.fabric().has_left()
+                    && let Some(mb) = self.mailbox()
+                {
+                    // Guests must not wait for a runner that let go.
+                    let how = Shared::ending_for_guests(&d).unwrap_or(delegation::Ending::Reset);
+                    self.serving.lock().end(&mb, how);
+                }
                 self.stop.store(true, Ordering::SeqCst);
                 self.released.store(true, Ordering::SeqCst);
                 return Next {
