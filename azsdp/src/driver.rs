@@ -19,12 +19,11 @@ use crate::beneath::TcpBeneath;
 use crate::conn::{Resend, ResendPiece, Unprotectable, UserMemory};
 use crate::time::Timestamp;
 
-pub use azsdp_proto::driver::{Host, Protectable, UnparkError, capabilities};
+pub use azsdp_proto::driver::{Host, Protectable, UnparkError, capabilities, ownership};
 pub use azsdp_proto::protect::{NoProtection, Protector};
 
 pub mod delegation;
 pub mod lease;
-pub mod ownership;
 pub mod reactor;
 pub mod standby;
 pub mod threaded;

@@ -14,8 +14,8 @@ use azsdp::fabric::shm::{ShmEndpoint, ShmWaiter};
 #[cfg(feature = "verbs")]
 use azsdp::fabric::verbs::{VerbsEndpoint, VerbsWaiter};
 use azsdp::fabric::{
-    Armed, Departure, Fabric, FabricError, FabricEvent, FabricWaiter, LocalBuf, Ownership,
-    RegAccess, Watched,
+    Armed, Departure, Fabric, FabricError, FabricEvent, FabricWaiter, LocalBuf, RegAccess, Sharing,
+    Watched,
 };
 use azsdp::transport::Endpoint;
 
@@ -197,32 +197,8 @@ impl Fabric for AnyEndpoint {
     fn gets_async(&self) -> bool {
         each!(AnyEndpoint, self, e => e.gets_async())
     }
-    fn ownership(&self) -> Ownership {
-        each!(AnyEndpoint, self, e => e.ownership())
-    }
-    fn freeze(&self) {
-        each!(AnyEndpoint, self, e => e.freeze())
-    }
-    fn claim(&self) -> bool {
-        each!(AnyEndpoint, self, e => e.claim())
-    }
-    fn request_leave(&self) {
-        each!(AnyEndpoint, self, e => e.request_leave())
-    }
-    fn leave_requested(&self) -> bool {
-        each!(AnyEndpoint, self, e => e.leave_requested())
-    }
-    fn mark_left(&self) {
-        each!(AnyEndpoint, self, e => e.mark_left())
-    }
-    fn has_left(&self) -> bool {
-        each!(AnyEndpoint, self, e => e.has_left())
-    }
-    fn mark_peer_left(&self) {
-        each!(AnyEndpoint, self, e => e.mark_peer_left())
-    }
-    fn note_heir(&self) {
-        each!(AnyEndpoint, self, e => e.note_heir())
+    fn sharing(&self) -> &dyn Sharing {
+        each!(AnyEndpoint, self, e => e.sharing())
     }
     fn finish(&self) {
         each!(AnyEndpoint, self, e => e.finish())

@@ -426,7 +426,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             self.conn.resend_written(now, &mut self.host);
             if self.conn.orphaned() {
                 // The dead peer's heirs read it from TCP now.
-                self.fabric.mark_peer_left();
+                self.fabric.sharing().mark_peer_left();
             }
         } else {
             self.conn.stream_failed(now, &mut self.host);
@@ -897,6 +897,7 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
     }
 }
 
+pub mod ownership;
 mod park;
 pub use park::{UnparkError, parked_header};
 

@@ -48,7 +48,7 @@
 //!   dying. Not only the guests that made a call: a process that had not
 //!   used the connection yet when the runner closed would otherwise find
 //!   it ended (the kernel keeps a socket open while anyone holds it). A
-//!   runner killed outright takes the engine with it, but each guest wrote its pid in the segment (`Fabric::note_heir`):
+//!   runner killed outright takes the engine with it, but each guest wrote its pid in the segment (`Sharing::note_heir`):
 //!   the peer then moves the stream onto TCP for the guests alone, when
 //!   nothing was lost (docs/protocol.md §8a), and their calls go there
 //!   (those the runner had not taken; one it was serving fails with
@@ -727,7 +727,7 @@ pub fn call(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
 
 /// The runner died (killed: it left no ending) before it took the
 /// request: the peer moves the stream onto TCP for the processes that
-/// carry on, if nothing was lost (`Fabric::note_heir`); wait a little for
+/// carry on, if nothing was lost (`Sharing::note_heir`); wait a little for
 /// that, then the call goes there. Else the connection is reset.
 fn after_runner_death(mb: &Mailbox, req: Request, w: &GuestWait<'_>) -> Answer {
     if let Some(e) = mb.ending() {

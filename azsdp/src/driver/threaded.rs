@@ -35,6 +35,7 @@ use crate::conn::{
 use crate::fabric::{Armed, FabricWaiter, Watched as Fabric};
 use crate::process::{self, HeldBounds, Inside, Participant};
 use crate::protect::FaultSource;
+use crate::time::Timestamp;
 
 /// First sleep of a caller's thread between looks, a safety net under the
 /// wake-ups (the peer's ring, the reactor's kick when the peer's process
@@ -294,7 +295,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             })
             .ok_or(Busy)?;
         d.looked_only = true;
-        if d.peer_left() || self.stop.load(Ordering::SeqCst) || !self.own.runs_here(d.fabric()) {
+        if d.peer_left()
+            || self.stop.load(Ordering::SeqCst)
+            || !self.own.runs_here(d.fabric().sharing(), process::pid())
+        {
             return Ok(None);
         }
         d.fabric_mut().ring_at(loop_bell);
@@ -403,20 +407,22 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// In a forked child, before adopting: the threads are the parent's.
     fn orphaned(&self) -> bool {
-        self.own.orphaned()
+        self.own.orphaned(process::pid())
     }
 
     /// May this process use the connection? A connection a fork froze is
     /// claimed here (and adopted, with threads of its own, by a child);
     /// false if the other process has it.
     fn make_mine(&self) -> bool {
-        if self.own.settled() {
+        if self.own.settled(process::pid()) {
             return true;
         }
         // A sandboxed process may not start the threads a connection
         // needs: it leaves the connection to the one that runs it.
         let can_adopt = || self.refresh.lock().is_some() && !crate::sandbox::restricted();
-        let decision = self.own.for_call(self.lock().fabric(), can_adopt);
+        let decision = self
+            .own
+            .for_call(self.lock().fabric().sharing(), process::pid(), can_adopt);
         let mine = match decision {
             Use::Mine => true,
             Use::NotMine => false,
@@ -454,7 +460,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 None => None,
             }
         };
-        self.own.adopted();
+        self.own.adopted(process::pid());
         self.family_watched.store(false, Ordering::SeqCst);
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
@@ -559,9 +565,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             // copy stays inert, and the runner keeps the fabric.
             return false;
         }
-        d.fabric().request_leave();
+        d.fabric().sharing().request_leave();
         let deadline = Instant::now() + SHARE_WAIT;
-        while !d.fabric().has_left() {
+        while !d.fabric().sharing().has_left() {
             if Instant::now() >= deadline {
                 return false;
             }
@@ -594,7 +600,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if self.switched.load(Ordering::SeqCst) {
             return true;
         }
-        if self.lock().fabric().has_left() {
+        if self.lock().fabric().sharing().has_left() {
             self.switched.store(true, Ordering::SeqCst);
             return true;
         }
@@ -612,7 +618,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// (the connection left the fabric: made again on TCP).
     fn ask(&self, mb: &Mailbox, req: Request, limits: &CallLimits<'_>) -> Result<u64, CallError> {
         // If the runner dies, the peer carries the stream on for us.
-        self.lock().fabric().note_heir();
+        self.lock().fabric().sharing().note_heir();
         let kick = || self.waiter.kick();
         let left = || self.left();
         let w = GuestWait {
@@ -861,9 +867,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             // Every caller looks again (their calls go to TCP now), and so
             // do the processes sharing this side. (After an orphan switch,
             // once what the dead peer sent has been read.)
-            d.fabric().mark_left();
+            d.fabric().sharing().mark_left();
             self.waiter.kick();
-        } else if d.fabric().leave_requested() && !d.connection().leaving_fabric() {
+        } else if d.fabric().sharing().leave_requested() && !d.connection().leaving_fabric() {
             // A process sharing this side after a fork wants to use it:
             // both go on the TCP socket, which the kernel shares.
             d.leave_fabric();
@@ -931,7 +937,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             parked_long: AtomicBool::new(false),
             wanted: AtomicBool::new(false),
             wanted_urgent: AtomicBool::new(false),
-            own: ForkOwnership::default(),
+            own: ForkOwnership::new(process::pid()),
             refresh: Lock::new(None),
             this: this.clone(),
             notify,
@@ -965,7 +971,9 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// Does this process run the connection now (without claiming it)?
     pub fn is_mine(&self) -> bool {
-        self.shared.own.runs_here(self.shared.lock().fabric())
+        self.shared
+            .own
+            .runs_here(self.shared.lock().fabric().sharing(), process::pid())
     }
 
     /// May this process use the connection now? Claims one a fork froze
@@ -1170,7 +1178,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return false;
         };
         !self.shared.orphaned()
-            && !self.shared.own.taken(self.shared.lock().fabric())
+            && !self.shared.own.taken(self.shared.lock().fabric().sharing())
             && mb.has_other_holders(process::pid())
     }
 
@@ -1546,7 +1554,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            match self.shared.own.close(d.fabric(), abort) {
+            match self.shared.own.close(d.fabric().sharing(), abort) {
                 Close::Now => self.shared.end_here(&mut d, abort),
                 // Frozen by a fork: the child may take it over; if it does
                 // not, the reactor reclaims it and ends it here then.
@@ -1585,7 +1593,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         let d = self.shared.lock();
         let own = &self.shared.own;
-        own.taken(d.fabric()) || (!own.close_deferred() && d.is_finished())
+        own.taken(d.fabric().sharing()) || (!own.close_deferred() && d.is_finished())
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
@@ -1814,7 +1822,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if let Some(reg) = self.registration.lock().as_ref() {
             self.watch_peer_exit(&d, reg);
         }
-        match self.own.for_reactor(d.fabric(), now) {
+        match self.own.for_reactor(d.fabric().sharing(), fork_clock()) {
             ForReactor::Run => {}
             // A forked child took the connection: this copy is done.
             ForReactor::Gone => {
@@ -1862,7 +1870,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 }
                 // The peer learns at once that this side is done.
                 d.fabric().finish();
-                if !d.fabric().has_left()
+                if !d.fabric().sharing().has_left()
                     && let Some(mb) = self.mailbox()
                 {
                     // Guests must not wait for a runner that let go.
@@ -1937,7 +1945,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
             return Box::new(());
         }
         let guard = self.driver.lock();
-        self.own.freeze(guard.fabric());
+        self.own.freeze(guard.fabric().sharing(), fork_clock());
         if !self.has_mailbox.load(Ordering::Acquire) {
             // Before the copy, so both processes have it.
             let mb = Mailbox::for_fork();
@@ -1967,6 +1975,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
             mb.note_holder(pid);
         }
     }
+}
+
+/// The clock of [`ForkOwnership`]'s grace: the monotonic clock.
+fn fork_clock() -> Timestamp {
+    Timestamp::from_nanos(crate::monotonic::now_ns())
 }
 
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Drop for ThreadedDriver<F, P> {

@@ -24,7 +24,10 @@
 //! `azsdp` crate (intra-host: rings in a memfd, GET = `process_vm_readv`);
 //! `verbs` (rdma-core) comes with the verbs issue.
 
+pub mod sharing;
 pub mod sim;
+
+pub use sharing::{Ownership, Sharing, Unshared};
 
 pub use crate::conn::Departure;
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
@@ -222,41 +225,12 @@ pub trait Fabric {
     fn gets_async(&self) -> bool {
         false
     }
-    /// Which process runs this side of the connection. After `fork()` both
-    /// processes hold it: it is frozen ([`Ownership::Unclaimed`]) until one
-    /// of them [`Fabric::claim`]s it.
-    fn ownership(&self) -> Ownership {
-        Ownership::Mine
+    /// How the processes that hold this side after `fork()` share it
+    /// (see [`Sharing`]). A provider whose endpoints never outlive their
+    /// process's fork keeps the default: one process, always.
+    fn sharing(&self) -> &dyn Sharing {
+        &Unshared
     }
-    /// A fork is about to copy this side into a child: freeze it.
-    fn freeze(&self) {}
-    /// Take an unclaimed side for this process; whether it is ours now.
-    fn claim(&self) -> bool {
-        true
-    }
-    /// A process that shares this side after a fork, but does not run it,
-    /// wants to use the connection: ask the one that runs it to move it
-    /// onto the TCP socket beneath (which the kernel shares between them).
-    fn request_leave(&self) {}
-    /// Has a process sharing this side asked for that?
-    fn leave_requested(&self) -> bool {
-        false
-    }
-    /// This side moved onto TCP: the processes sharing it may use the
-    /// socket.
-    fn mark_left(&self) {}
-    /// Has the process running this side moved it onto TCP?
-    fn has_left(&self) -> bool {
-        false
-    }
-    /// The peer's process died and this side moved the stream onto TCP for
-    /// the processes of the peer's side that carry on (its heirs): tell
-    /// them, as that process would have.
-    fn mark_peer_left(&self) {}
-    /// This process, which shares its side after a fork but does not run
-    /// it, holds the connection: if the process running it dies, the peer
-    /// moves the stream onto TCP for it (see [`FabricEvent::PeerGone`]).
-    fn note_heir(&self) {}
     /// This side is done (its connection finished, or is dropped): nothing
     /// more will come from it or be read by it, and the peer may learn so
     /// at once.
@@ -285,15 +259,4 @@ pub enum Armed {
     /// The fd would fire for good (the channel behind it hung up): watch
     /// timers only.
     Deaf,
-}
-
-/// Who runs one side of a connection (see [`Fabric::ownership`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ownership {
-    /// This process.
-    Mine,
-    /// Frozen since a fork; the first of the processes to claim it gets it.
-    Unclaimed,
-    /// Another process claimed it: this copy must not touch the fabric.
-    Other,
 }

@@ -31,7 +31,7 @@ use std::ops::Range;
 use std::rc::Rc;
 use std::time::Duration;
 
-use super::{Fabric, FabricError, FabricEvent, LocalBuf, OpResult, RegAccess};
+use super::{Fabric, FabricError, FabricEvent, LocalBuf, OpResult, Ownership, RegAccess, Sharing};
 use crate::conn::{CasTarget, Departure, LockRegion, OpError, OpId, RemoteBuf};
 use crate::sim::Trace;
 use crate::sim::memory::SharedMems;
@@ -98,13 +98,37 @@ struct Region {
     access: RegAccess,
 }
 
+/// The words the processes holding one side after a fork share (see
+/// [`Sharing`]), as shm keeps them in the segment.
+#[derive(Debug, Default)]
+struct Shared {
+    /// The process that runs the side; with [`FROZEN`], the one whose fork
+    /// froze it, until a process claims it.
+    owner: u32,
+    /// Forks that froze the side so far: only copies made by the last one
+    /// may claim it (a copy left from an earlier fork lost it for good).
+    generation: u32,
+    /// A process that does not run the side asked the runner to move it
+    /// onto TCP.
+    leave: bool,
+    /// The side moved onto TCP (its runner did, or the peer did for its
+    /// heirs).
+    left: bool,
+    /// Another process of this side carries on after its runner dies (an
+    /// heir).
+    heir: bool,
+}
+
+/// [`Shared::owner`]'s frozen bit.
+const FROZEN: u32 = 1 << 31;
+
+/// The process id of a side's first process (its forks take others).
+pub const FIRST_PID: [u32; 2] = [100, 200];
+
 #[derive(Debug)]
 struct Side {
     alive: bool,
-    /// Another process of this side carries on after it dies (its heir).
-    heir: bool,
-    /// The peer marked this side left for its heirs.
-    left_for_heirs: bool,
+    shared: Shared,
     /// This side revoked the peer's access to its memory.
     revoked: bool,
     lock: LockRegion,
@@ -223,8 +247,10 @@ impl SimFabric {
         let mut rng = Rng::new(seed ^ 0xfab1c);
         let mk = |i: usize, rng: &mut Rng| Side {
             alive: true,
-            heir: false,
-            left_for_heirs: false,
+            shared: Shared {
+                owner: FIRST_PID[i],
+                ..Shared::default()
+            },
             revoked: false,
             lock: LockRegion {
                 addr: LOCK_BASE[i],
@@ -335,14 +361,14 @@ impl SimFabric {
     /// Like [`SimFabric::kill`], with a process of `side` that carries on
     /// (an heir: the peer moves the stream onto TCP for it).
     pub fn kill_with_heir(&mut self, side: usize) {
-        self.sides[side].heir = true;
+        self.sides[side].shared.heir = true;
         self.kill(side);
     }
 
     /// Did the peer of `side` (its process dead) mark `side` left for its
     /// heirs?
     pub fn left_for_heirs(&self, side: usize) -> bool {
-        self.sides[side].left_for_heirs
+        self.sides[side].shared.left
     }
 
     pub fn kill(&mut self, side: usize) {
@@ -589,11 +615,92 @@ impl SimFabric {
 pub struct SimEndpoint {
     fab: Rc<RefCell<SimFabric>>,
     side: usize,
+    /// The process holding this copy of the side.
+    pid: u32,
+    /// The fork this copy came from, or made last.
+    fork_gen: std::cell::Cell<u32>,
 }
 
 impl SimEndpoint {
     pub fn new(fab: Rc<RefCell<SimFabric>>, side: usize) -> Self {
-        SimEndpoint { fab, side }
+        SimEndpoint {
+            fab,
+            side,
+            pid: FIRST_PID[side],
+            fork_gen: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The copy of this side that `fork()` gives the child `pid` (it
+    /// shares the side's words with this one: [`Sharing`]).
+    pub fn forked(&self, pid: u32) -> Self {
+        SimEndpoint {
+            fab: Rc::clone(&self.fab),
+            side: self.side,
+            pid,
+            fork_gen: self.fork_gen.clone(),
+        }
+    }
+
+    /// The process holding this copy.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
+/// The processes holding a side share its words, as shm's segment does.
+impl Sharing for SimEndpoint {
+    fn ownership(&self) -> Ownership {
+        let f = self.fab.borrow();
+        let w = &f.sides[self.side].shared;
+        if w.owner == self.pid {
+            Ownership::Mine
+        } else if w.owner & FROZEN != 0 && w.generation == self.fork_gen.get() {
+            Ownership::Unclaimed
+        } else {
+            Ownership::Other
+        }
+    }
+
+    fn freeze(&self) {
+        let mut f = self.fab.borrow_mut();
+        let w = &mut f.sides[self.side].shared;
+        if w.owner == self.pid {
+            w.owner = self.pid | FROZEN;
+            w.generation += 1;
+            self.fork_gen.set(w.generation);
+        }
+    }
+
+    fn claim(&self) -> bool {
+        if self.ownership() == Ownership::Unclaimed {
+            self.fab.borrow_mut().sides[self.side].shared.owner = self.pid;
+        }
+        self.ownership() == Ownership::Mine
+    }
+
+    fn request_leave(&self) {
+        self.fab.borrow_mut().sides[self.side].shared.leave = true;
+    }
+
+    fn leave_requested(&self) -> bool {
+        self.fab.borrow().sides[self.side].shared.leave
+    }
+
+    fn mark_left(&self) {
+        self.fab.borrow_mut().sides[self.side].shared.left = true;
+    }
+
+    fn has_left(&self) -> bool {
+        self.fab.borrow().sides[self.side].shared.left
+    }
+
+    fn mark_peer_left(&self) {
+        self.fab.borrow_mut().sides[1 - self.side].shared.left = true;
+    }
+
+    fn note_heir(&self) {
+        self.fab.borrow_mut().sides[self.side].shared.heir = true;
     }
 }
 
@@ -605,8 +712,8 @@ impl Fabric for SimEndpoint {
         f.vouches && f.sides[1 - self.side].alive
     }
 
-    fn mark_peer_left(&self) {
-        self.fab.borrow_mut().sides[1 - self.side].left_for_heirs = true;
+    fn sharing(&self) -> &dyn Sharing {
+        self
     }
 
     fn lock_region(&self) -> LockRegion {
@@ -886,7 +993,7 @@ impl Fabric for SimEndpoint {
                         .borrow()
                         .trace
                         .note(|| format!("side {}: peer gone, left {left:?}", self.side));
-                    let heir = self.fab.borrow().sides[1 - self.side].heir;
+                    let heir = self.fab.borrow().sides[1 - self.side].shared.heir;
                     on_event(FabricEvent::PeerGone { left, heir });
                 }
             }

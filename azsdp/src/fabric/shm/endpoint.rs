@@ -15,6 +15,7 @@ use crate::fabric::pool::Pool;
 use crate::fabric::ring::{self, Ring};
 use crate::fabric::{
     Armed, Departure, Fabric, FabricError, FabricEvent, LocalBuf, OpResult, Ownership, RegAccess,
+    Sharing,
 };
 use crate::identity::PeerId;
 
@@ -169,7 +170,9 @@ impl ShmEndpoint {
     }
 }
 
-impl Fabric for ShmEndpoint {
+/// The processes holding this side after a fork share the segment's
+/// owner, leave, left and heir words.
+impl Sharing for ShmEndpoint {
     fn ownership(&self) -> Ownership {
         let w = self.seg.hdr().owner[self.side].load(Ordering::Acquire);
         if w == crate::process::pid() {
@@ -178,24 +181,6 @@ impl Fabric for ShmEndpoint {
             Ownership::Unclaimed
         } else {
             Ownership::Other
-        }
-    }
-
-    fn finish(&self) {
-        if self.ownership() == Ownership::Mine {
-            self.close();
-        }
-    }
-
-    fn publish_progress(&mut self, p: Departure) {
-        let hdr = self.seg.hdr();
-        for (word, v) in [
-            (&hdr.sent[self.side], p.sent),
-            (&hdr.read[self.side], p.read),
-        ] {
-            if word.load(Ordering::Relaxed) != v {
-                word.store(v, Ordering::Release);
-            }
         }
     }
 
@@ -272,6 +257,30 @@ impl Fabric for ShmEndpoint {
 
     fn has_left(&self) -> bool {
         self.seg.hdr().left[self.side].load(Ordering::Acquire) != 0
+    }
+}
+
+impl Fabric for ShmEndpoint {
+    fn sharing(&self) -> &dyn Sharing {
+        self
+    }
+
+    fn finish(&self) {
+        if self.ownership() == Ownership::Mine {
+            self.close();
+        }
+    }
+
+    fn publish_progress(&mut self, p: Departure) {
+        let hdr = self.seg.hdr();
+        for (word, v) in [
+            (&hdr.sent[self.side], p.sent),
+            (&hdr.read[self.side], p.read),
+        ] {
+            if word.load(Ordering::Relaxed) != v {
+                word.store(v, Ordering::Release);
+            }
+        }
     }
 
     fn lock_region(&self) -> LockRegion {

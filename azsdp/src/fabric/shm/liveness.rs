@@ -13,7 +13,7 @@ use super::loop_bell;
 use super::segment::PID_MASK;
 use crate::conn::{OpId, RemoteBuf};
 use crate::driver::reactor::{self, Mail, Reactor};
-use crate::fabric::{Fabric, OpResult, Ownership};
+use crate::fabric::{OpResult, Ownership, Sharing};
 use crate::identity::PeerId;
 use crate::pairing::{Intro, IntroKind};
 use crate::sync::Lock;

@@ -1333,8 +1333,15 @@ impl Fabric for VerbsEndpoint {
         self.depart();
     }
 
-    /// The queue pair is the process's that made it: a forked child's copy
-    /// never touches it (its calls go to the runner, `driver::delegation`).
+    fn sharing(&self) -> &dyn crate::fabric::Sharing {
+        self
+    }
+}
+
+/// The queue pair is the process's that made it: a forked child's copy
+/// never touches it (its calls go to the runner, `driver::delegation`).
+/// The leave and left words are a page the forks share.
+impl crate::fabric::Sharing for VerbsEndpoint {
     fn ownership(&self) -> crate::fabric::Ownership {
         if ffi::stack_is_ours() {
             crate::fabric::Ownership::Mine

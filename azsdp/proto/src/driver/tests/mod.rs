@@ -7,6 +7,7 @@
 //! the engine's paths, one behaviour at a time (`paths`); the simulator
 //! covers their random interleavings.
 
+mod fork;
 mod join;
 mod park;
 mod paths;
