@@ -79,6 +79,16 @@ fn seeds_exercise_every_mechanism() {
         ("aborted connections", summary.aborted),
         ("switches to TCP", summary.switched),
         ("engines parked across an exec", summary.parked),
+        ("forks that hand a side to a child", summary.forks.forked),
+        ("children that adopt the side", summary.forks.adopted),
+        (
+            "sides taken back by the parent after the grace",
+            summary.forks.taken_back,
+        ),
+        (
+            "streams moved onto TCP for a child",
+            summary.forks.moved_for_child,
+        ),
         ("connections joined from TCP", summary.joined),
         ("bytes sent on TCP before a join", t.tcp_sent_before_join),
         (

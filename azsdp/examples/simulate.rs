@@ -149,6 +149,11 @@ fn main() {
             "  {} connections joined from TCP ({} B sent and {} B taken there first); {} switched to TCP",
             summary.joined, t.tcp_sent_before_join, t.tcp_received_before_join, summary.switched
         );
+        let f = &summary.forks;
+        println!(
+            "  {} forks handed a side to a child: {} adopted by it, {} taken back by the parent after the grace, {} moved onto TCP for it",
+            f.forked, f.adopted, f.taken_back, f.moved_for_child
+        );
         let shown = failures.first().map_or(args.first, |f| f.seed);
         print_report(&run_seed(shown, false), false);
     }

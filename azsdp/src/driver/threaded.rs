@@ -26,7 +26,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::delegation::{self, Answer, GuestWait, Mailbox, Request, Serving};
-use super::ownership::{Close, FORK_GRACE, ForReactor, ForkOwnership, Use};
+use super::ownership::{self, Close, Ending, FORK_GRACE, ForReactor, ForkOwnership, Use};
 use super::reactor::{self, Next, Reactor, Registration, Serviced, Wake};
 use super::{Driver, Protector, standby};
 use crate::conn::{
@@ -726,17 +726,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         let guests = self
             .mailbox()
             .filter(|mb| mb.has_other_holders(process::pid()));
-        match guests {
-            Some(mb) => {
-                if let Some(how) = Shared::ending_for_guests(d) {
+        let told = Shared::ending_for_guests(d);
+        match ownership::ending(guests.is_some(), told.is_some(), abort) {
+            Ending::OntoTcp => d.leave_fabric(),
+            Ending::TellThenClose => {
+                if let (Some(mb), Some(how)) = (guests, told) {
                     mb.end(how);
-                    d.submit_close();
-                } else {
-                    d.leave_fabric();
                 }
+                d.submit_close();
             }
-            None if abort => d.abort(),
-            None => d.submit_close(),
+            Ending::Abort => d.abort(),
+            Ending::Close => d.submit_close(),
         }
     }
 

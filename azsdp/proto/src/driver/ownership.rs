@@ -25,6 +25,9 @@
 //! | nobody claims for [`FORK_GRACE`] | the reactor takes it back ([`ForReactor::Run`]) | – |
 //! | `close()` while frozen | deferred ([`Close::Deferred`]), done once claimed | – |
 //!
+//! A close by the runner, at once or deferred, ends the side as
+//! [`ending`] says: onto TCP while other processes hold the descriptor.
+//!
 //! Sans-IO, as the engine: the caller passes its process id (`me`) and the
 //! time, and the state is atomics, so that a call checks it with one load
 //! and no lock.
@@ -99,6 +102,35 @@ pub enum Close {
     Deferred,
     /// Another process runs the connection: not ours to end.
     NotOurs,
+}
+
+/// How the process that runs the side ends it when it closes its
+/// descriptor (at once, or when it takes a deferred close up after the
+/// grace): see [`ending`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// Other processes still hold the descriptor (the kernel keeps the
+    /// socket open for them, used yet or not): the stream moves onto the
+    /// TCP socket, where they carry on.
+    OntoTcp,
+    /// Others hold it, but the peer is gone: tell them how the stream
+    /// ended, then close.
+    TellThenClose,
+    Close,
+    /// SO_LINGER {on, 0}.
+    Abort,
+}
+
+/// How a close by the process that runs the side ends it: `others_hold`,
+/// other processes may hold its descriptor; `peer_gone`, the peer left or
+/// the connection aborted (there is no stream to move).
+pub fn ending(others_hold: bool, peer_gone: bool, abort: bool) -> Ending {
+    match (others_hold, peer_gone) {
+        (true, false) => Ending::OntoTcp,
+        (true, true) => Ending::TellThenClose,
+        (false, _) if abort => Ending::Abort,
+        (false, _) => Ending::Close,
+    }
 }
 
 fn stamp(now: Timestamp) -> u64 {

@@ -25,7 +25,7 @@ mod world;
 use std::time::Duration;
 
 pub use host::Trace;
-pub use scenario::{Injection, Scenario};
+pub use scenario::{Fork, Injection, Scenario};
 
 use crate::conn::{Counters, State};
 
@@ -48,6 +48,32 @@ pub struct SimReport {
     /// The connection began on TCP and both sides' sending directions
     /// joined the fabric.
     pub joined: bool,
+    /// What a fork that handed a side to a child came to.
+    pub fork: ForkOutcome,
+}
+
+/// What forks that hand a side to a child came to (counts, so that a
+/// batch can add them up).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForkOutcome {
+    /// The process forked (everything in flight settled first).
+    pub forked: u64,
+    /// The child's first call claimed the side and adopted it.
+    pub adopted: u64,
+    /// Nobody claimed it within the grace: the parent took it back.
+    pub taken_back: u64,
+    /// The stream moved onto TCP for the child (the parent closed its
+    /// copy while it ran the side, or the child asked to share it).
+    pub moved_for_child: u64,
+}
+
+impl ForkOutcome {
+    fn add(&mut self, o: &ForkOutcome) {
+        self.forked += o.forked;
+        self.adopted += o.adopted;
+        self.taken_back += o.taken_back;
+        self.moved_for_child += o.moved_for_child;
+    }
 }
 
 impl SimReport {
@@ -80,6 +106,7 @@ pub struct BatchSummary {
     /// Engines parked across an exec, and execs that moved onto TCP.
     pub parked: u64,
     pub park_fallbacks: u64,
+    pub forks: ForkOutcome,
 }
 
 fn add(total: &mut Counters, c: &Counters) {
@@ -194,6 +221,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
                         sum.parked += r.parked;
                         sum.joined += u64::from(r.joined);
                         sum.park_fallbacks += r.park_fallbacks;
+                        sum.forks.add(&r.fork);
                         if !r.passed() {
                             sum.failures.push(r);
                         }
@@ -214,6 +242,7 @@ pub fn run_seeds(first: u64, count: u64, threads: usize) -> BatchSummary {
         summary.parked += p.parked;
         summary.joined += p.joined;
         summary.park_fallbacks += p.park_fallbacks;
+        summary.forks.add(&p.forks);
         summary.failures.extend(p.failures);
     }
     let mut sum = summary;

@@ -99,6 +99,22 @@ pub struct Scenario {
     /// With `join`: when the listener's side (side 1) allows the client
     /// to join, or (`None`) forbids it (a forked listener: all stays TCP).
     pub allow: Option<Duration>,
+    /// A side's process forks and hands the connection to its child (a
+    /// fork-per-connection server).
+    pub fork: Option<Fork>,
+}
+
+/// A fork that hands a side to the child: at `at`, the process settles
+/// what is in flight and forks; the application goes on in the child,
+/// whose first call comes `child_after` the fork (past the one-second
+/// grace on a busy host, sometimes), and the parent closes its copy
+/// `parent_after` the fork.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fork {
+    pub side: usize,
+    pub at: Duration,
+    pub child_after: Duration,
+    pub parent_after: Duration,
 }
 
 impl Scenario {
@@ -129,8 +145,15 @@ impl Scenario {
             engine_config(&mut r, Role::Client, page[0], fabric.lock_slots),
             engine_config(&mut r, Role::Server, page[1], fabric.lock_slots),
         ];
+        let fork = fork_of(seed);
         for e in &mut engine {
             e.joins_from_tcp = join.is_some();
+            if fork.is_some() {
+                // A side frozen by a fork is silent for up to the grace (a
+                // second): a peer that closed waits longer than that for
+                // its data to be taken, as the shim's default (30 s) does.
+                e.linger = Duration::from_secs(5);
+            }
         }
         let bidirectional = r.chance(0.4);
         let mut apps = vec![app_spec(&mut r)];
@@ -182,8 +205,32 @@ impl Scenario {
             exec: exec_of(seed),
             join,
             allow: allow_of(seed),
+            fork,
         }
     }
+}
+
+/// One seed in five of those with no switch, exec or join forks a side
+/// and hands it to the child (a stream of its own, as for [`switch_of`]).
+fn fork_of(seed: u64) -> Option<Fork> {
+    if switch_of(seed).is_some() || exec_of(seed).is_some() || join_of(seed).is_some() {
+        return None;
+    }
+    let mut r = Rng::new(seed ^ 0xf0a4_c41d);
+    r.chance(1.0 / 5.0).then(|| {
+        // Either side of the grace, and now and then right at it.
+        let after = |r: &mut Rng| match r.below(4) {
+            0 => Duration::from_micros(r.range(0, 1_000)),
+            1 => Duration::from_micros(r.range(900_000, 1_100_000)),
+            _ => Duration::from_micros(r.range(0, 2_000_000)),
+        };
+        Fork {
+            side: r.below(2) as usize,
+            at: Duration::from_micros(r.range(1, 20_000)),
+            child_after: after(&mut r),
+            parent_after: after(&mut r),
+        }
+    })
 }
 
 /// One seed in six switches to TCP, at a random time, from a random side

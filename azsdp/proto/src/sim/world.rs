@@ -22,6 +22,8 @@ use crate::driver::Driver;
 use crate::fabric::sim::{SimEndpoint, SimFabric};
 use crate::time::Timestamp;
 
+mod fork;
+
 /// The driver each side runs: the real one, on simulated parts.
 type SimDriver = Driver<SimEndpoint, SimProtector, SimHost>;
 
@@ -59,6 +61,15 @@ enum WEvent {
     Exec(usize),
     /// The side's exec gives up waiting for its engine to park.
     ExecDeadline(usize),
+    /// The side's process forks (once what is in flight settles) and hands
+    /// the connection to its child.
+    Fork(usize),
+    /// The forked child makes its first call.
+    ForkChild(usize),
+    /// The forking parent closes its copy.
+    ForkParentCloses(usize),
+    /// The forking parent's reactor looks at the side.
+    ForkLook(usize),
     /// A signal interrupts the call, if it is still blocked.
     Cancel {
         side: usize,
@@ -151,6 +162,8 @@ enum Wait {
     Tcp,
     /// Stopped by the process's exec (resumes in the new image).
     Exec,
+    /// Stopped by the process's fork (resumes in the child).
+    Fork,
     Sleep,
 }
 
@@ -170,6 +183,8 @@ struct Proc {
     /// Execs whose engine parked, and those that moved onto TCP.
     parked: u64,
     park_fallbacks: u64,
+    /// A fork that hands the connection to a child.
+    fork: Option<fork::ForkState>,
 }
 
 pub struct World {
@@ -200,6 +215,7 @@ pub struct World {
     tcp_sent_before_join: [u64; 2],
     /// Each side's receive route when its TCP readers last looked.
     routes: [RxRoute; 2],
+    fork_outcome: super::ForkOutcome,
 }
 
 fn pattern_word(dir: usize, seed: u64, w: u64) -> u64 {
@@ -313,6 +329,7 @@ impl World {
             tcp,
             tcp_sent_before_join: [0; 2],
             routes: [RxRoute::Fabric; 2],
+            fork_outcome: super::ForkOutcome::default(),
             trace,
             events_run: 0,
             sc,
@@ -332,6 +349,9 @@ impl World {
         }
         if let Some((side, at)) = w.sc.exec {
             w.schedule(Timestamp::ZERO + at, WEvent::Exec(side));
+        }
+        if let Some(f) = w.sc.fork {
+            w.schedule(Timestamp::ZERO + f.at, WEvent::Fork(f.side));
         }
         for (side, at) in w.sc.join.unwrap_or_default().into_iter().enumerate() {
             if let Some(at) = at {
@@ -372,6 +392,10 @@ impl World {
             | WEvent::Allow(side)
             | WEvent::Exec(side)
             | WEvent::ExecDeadline(side)
+            | WEvent::Fork(side)
+            | WEvent::ForkChild(side)
+            | WEvent::ForkParentCloses(side)
+            | WEvent::ForkLook(side)
             | WEvent::Cancel { side, .. } => side,
         }
     }
@@ -482,7 +506,7 @@ impl World {
             }
             WEvent::Timer(side) => {
                 self.procs[side].timer_at = None;
-                if self.procs[side].dead {
+                if self.procs[side].dead || !self.fork_lets_run(side) {
                     return;
                 }
                 self.drivers[side].run_timers();
@@ -490,13 +514,13 @@ impl World {
             }
             WEvent::Poll(side) => {
                 self.procs[side].poll_at = None;
-                if self.procs[side].dead {
+                if self.procs[side].dead || !self.fork_lets_run(side) {
                     return;
                 }
                 self.drivers[side].turn();
                 self.settle(side);
                 // The peer may have been waiting for room in this side's ring.
-                if !self.procs[1 - side].dead {
+                if !self.procs[1 - side].dead && !self.frozen(1 - side) {
                     self.drivers[1 - side].drive();
                     self.settle(1 - side);
                 }
@@ -529,6 +553,10 @@ impl World {
                 }
             }
             WEvent::Exec(side) => self.start_exec(side),
+            WEvent::Fork(side) => self.start_fork(side),
+            WEvent::ForkChild(side) => self.fork_child_calls(side),
+            WEvent::ForkParentCloses(side) => self.fork_parent_closes(side),
+            WEvent::ForkLook(side) => self.fork_look(side),
             WEvent::ExecDeadline(side) => {
                 if self.procs[side].exec && !self.procs[side].dead {
                     // As the shim does: the connection moves onto TCP.
@@ -621,6 +649,7 @@ impl World {
         if self.procs[side].exec {
             self.try_park(side);
         }
+        self.try_fork(side);
     }
 
     // ----- exec: the engine parks, the new image takes it up ----------------
@@ -719,8 +748,13 @@ impl World {
     }
 
     fn resume_after_exec(&mut self, side: usize) {
+        self.resume(side, Wait::Exec);
+    }
+
+    /// Wake `side`'s threads stopped in `wait`.
+    fn resume(&mut self, side: usize, wait: Wait) {
         for t in 0..self.threads.len() {
-            if self.threads[t].side == side && self.threads[t].waiting == Some(Wait::Exec) {
+            if self.threads[t].side == side && self.threads[t].waiting == Some(wait) {
                 self.threads[t].waiting = None;
                 self.schedule(self.now, WEvent::Wake(t));
             }
@@ -969,8 +1003,13 @@ impl World {
                 return;
             }
             let phase = self.threads[t].phase.clone();
-            if self.procs[self.threads[t].side].exec && self.stops_for_exec(t, &phase) {
+            let side = self.threads[t].side;
+            if self.procs[side].exec && self.stops_for_exec(t, &phase) {
                 self.threads[t].waiting = Some(Wait::Exec);
+                return;
+            }
+            if self.fork_holds(side) && self.stops_for_exec(t, &phase) {
+                self.threads[t].waiting = Some(Wait::Fork);
                 return;
             }
             let next = match self.threads[t].role {
@@ -1115,6 +1154,12 @@ impl World {
                     // What the host would say of such a buffer.
                     unprotectable: (!protectable).then_some(Unprotectable::Shared),
                 };
+                if self.fork_holds(side) {
+                    // (The send is made again in the child.)
+                    self.threads[t].waiting = Some(Wait::Fork);
+                    self.threads[t].phase = Phase::Send;
+                    return None;
+                }
                 let call = self.drivers[side].submit_send(addr, len - sent, flags);
                 self.note(|| format!("side {side}: {call:?} send {addr:#x}+{} nonblocking {nonblocking} protectable {protectable}", len - sent));
                 self.calls.insert((side, call), t);
@@ -1316,6 +1361,12 @@ impl World {
                     if self.threads[t].result.is_some() {
                         return Some(Phase::Recv);
                     }
+                    self.threads[t].phase = Phase::Recv;
+                    return None;
+                }
+                if self.fork_holds(side) {
+                    // (The receive is made again in the child.)
+                    self.threads[t].waiting = Some(Wait::Fork);
                     self.threads[t].phase = Phase::Recv;
                     return None;
                 }
@@ -1638,6 +1689,7 @@ impl World {
             park_fallbacks: self.procs.iter().map(|p| p.park_fallbacks).sum(),
             joined: self.sc.join.is_some()
                 && self.drivers.iter().all(|d| d.connection().tx_joined()),
+            fork: self.fork_outcome,
             scenario: self.sc,
         }
     }
