@@ -559,15 +559,20 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if self.switched.load(Ordering::SeqCst) {
             return true;
         }
-        let d = self.lock();
-        if d.host().beneath.is_none() {
-            // No TCP socket to share (a library user's own channel): the
-            // copy stays inert, and the runner keeps the fabric.
-            return false;
+        {
+            let d = self.lock();
+            if d.host().beneath.is_none() {
+                // No TCP socket to share (a library user's own channel):
+                // the copy stays inert, and the runner keeps the fabric.
+                return false;
+            }
+            d.fabric().sharing().request_leave();
         }
-        d.fabric().sharing().request_leave();
         let deadline = Instant::now() + SHARE_WAIT;
-        while !d.fabric().sharing().has_left() {
+        // The lock is not held while waiting: this process's reactor
+        // services the connection meanwhile, and a fork by another thread
+        // would wait for the lock (sync.rs: no wait with a lock held).
+        while !self.lock().fabric().sharing().has_left() {
             if Instant::now() >= deadline {
                 return false;
             }
