@@ -675,6 +675,17 @@ impl World {
         self.note(|| format!("side {side}: exec"));
         self.procs[side].exec = true;
         self.drivers[side].pause_arms(true);
+        self.interrupt_calls(side);
+        self.schedule(
+            self.now + Duration::from_millis(200),
+            WEvent::ExecDeadline(side),
+        );
+        self.settle(side);
+    }
+
+    /// Interrupt `side`'s blocked calls (their threads make them again
+    /// where they go on: in the new image, or the forked child).
+    fn interrupt_calls(&mut self, side: usize) {
         let blocked: Vec<CallId> = self
             .calls
             .range((side, CallId(0))..=(side, CallId(u64::MAX)))
@@ -683,11 +694,6 @@ impl World {
         for call in blocked {
             self.drivers[side].cancel(call);
         }
-        self.schedule(
-            self.now + Duration::from_millis(200),
-            WEvent::ExecDeadline(side),
-        );
-        self.settle(side);
     }
 
     /// Park the engine once it is quiet, and take it up in a fresh driver

@@ -24,7 +24,7 @@
 use std::time::Duration;
 
 use super::{WEvent, Wait, World};
-use crate::conn::{CallId, State, Ticket};
+use crate::conn::{State, Ticket};
 use crate::driver::ownership::{self, Close, Ending, FORK_GRACE, ForReactor, ForkOwnership, Use};
 use crate::fabric::sim::SimEndpoint;
 use crate::fabric::{Ownership, Sharing};
@@ -71,14 +71,7 @@ impl World {
         let ep = self.drivers[side].fabric().clone();
         let own = ForkOwnership::new(ep.pid());
         self.drivers[side].pause_arms(true);
-        let blocked: Vec<CallId> = self
-            .calls
-            .range((side, CallId(0))..=(side, CallId(u64::MAX)))
-            .map(|(&(_, c), _)| c)
-            .collect();
-        for call in blocked {
-            self.drivers[side].cancel(call);
-        }
+        self.interrupt_calls(side);
         let ticket = self.drivers[side].submit_evacuate(0..u64::MAX);
         self.procs[side].fork = Some(ForkState {
             parent: Holder { ep, own },
