@@ -876,7 +876,11 @@ impl Connection {
             self.progress(mem);
             return;
         };
-        if self.is_finished() || self.is_aborted() {
+        // A side that finished (closed, everything posted) still owes the
+        // heirs what the dead process had not read of it: its program may
+        // have closed long ago, as a TCP sender's kernel still delivers.
+        let owed_to_heirs = heir && left.read < self.tx_stream_off;
+        if self.is_aborted() || (self.is_finished() && !owed_to_heirs) {
             return;
         }
         let all_here = self.in_avails.is_empty() && left.sent <= self.rx_stream_off;

@@ -246,6 +246,34 @@ fn a_dead_peer_with_an_heir_hands_the_stream_over_on_tcp() {
     assert_eq!(p.d[1].connection().rx_tail(), 0);
 }
 
+/// The same when this side had closed already (its program sent all and
+/// closed; everything is posted, so the engine is finished): what the dead
+/// peer's programs had not read of ours is still owed to the heirs, as a
+/// TCP sender's kernel still delivers after its program closed. (It was
+/// not: a finished side took the death for the end and timed out, and the
+/// heir was reset; the simulator's forks found it.)
+#[test]
+fn a_closed_side_still_hands_its_unread_bytes_to_a_dead_peers_heir() {
+    let mut p = Pair::with_fabric(quick_death(), cfg(Role::Client), cfg(Role::Server));
+    let b = pattern(5000, 2);
+    p.write(1, BUF, &b);
+    let s = p.send(1, BUF, 5000);
+    assert_eq!(p.poll(1, s), Some(Ok(5000)));
+    let r = p.recv_all(0, DST, 1000);
+    assert_eq!(p.wait(0, r), Ok(1000));
+    p.d[1].submit_close();
+    p.run_until(Duration::from_millis(10), |p| {
+        p.d[1].connection().is_finished()
+    });
+    assert!(p.d[1].connection().is_finished(), "closed and all posted");
+    p.fabric.borrow_mut().kill_with_heir(0);
+    p.run_until(Duration::from_secs(2), |p| {
+        *p.d[1].connection().state() == State::Switched
+    });
+    assert!(p.fabric.borrow().left_for_heirs(0), "the heirs were told");
+    assert_eq!(p.tcp.borrow().wrote[1], &b[1000..]);
+}
+
 /// Without an heir, or with bytes the dead peer's sends returned that never
 /// arrived (an advertisement not read), the death is what it always was.
 #[test]
