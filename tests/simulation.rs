@@ -89,6 +89,8 @@ fn seeds_exercise_every_mechanism() {
             "streams moved onto TCP for a child",
             summary.forks.moved_for_child,
         ),
+        ("heirs of a killed runner", summary.forks.heirs),
+        ("heirs carried on over TCP", summary.forks.heirs_carried_on),
         ("connections joined from TCP", summary.joined),
         ("bytes sent on TCP before a join", t.tcp_sent_before_join),
         (

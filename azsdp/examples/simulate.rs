@@ -154,6 +154,10 @@ fn main() {
             "  {} forks handed a side to a child: {} adopted by it, {} taken back by the parent after the grace, {} moved onto TCP for it",
             f.forked, f.adopted, f.taken_back, f.moved_for_child
         );
+        println!(
+            "  {} parents killed while running a side for their child, {} of those heirs carried on over TCP",
+            f.heirs, f.heirs_carried_on
+        );
         let shown = failures.first().map_or(args.first, |f| f.seed);
         print_report(&run_seed(shown, false), false);
     }

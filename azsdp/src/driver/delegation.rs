@@ -77,9 +77,7 @@ const SPIN: u32 = 500;
 /// How often a waiting guest looks whether the runner still lives, and
 /// the runner whether its guests do.
 const LIVENESS_LOOK: Duration = Duration::from_millis(20);
-/// How long a guest whose runner died waits for the peer to move the
-/// stream onto TCP for it (it notices the death within milliseconds).
-const ORPHAN_WAIT: Duration = Duration::from_secs(3);
+use super::ownership::ORPHAN_WAIT;
 
 // A slot's states.
 const FREE: u32 = 0;

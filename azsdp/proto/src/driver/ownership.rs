@@ -42,6 +42,12 @@ use crate::time::Timestamp;
 /// claim it before the one that made it takes it back.
 pub const FORK_GRACE: Duration = Duration::from_secs(1);
 
+/// How long a process that held the connection without running it (an
+/// heir) waits, after the runner died, for the peer to move the stream
+/// onto TCP for it (the peer notices the death within milliseconds);
+/// then its calls are reset.
+pub const ORPHAN_WAIT: Duration = Duration::from_secs(3);
+
 /// [`ForkOwnership::frozen_since`] when no fork froze the connection.
 const NOT_FROZEN: u64 = 0;
 /// [`ForkOwnership::deferred_close`]'s values.

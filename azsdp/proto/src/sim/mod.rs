@@ -65,6 +65,11 @@ pub struct ForkOutcome {
     /// The stream moved onto TCP for the child (the parent closed its
     /// copy while it ran the side, or the child asked to share it).
     pub moved_for_child: u64,
+    /// The parent died while it ran the side for the child (its heir).
+    pub heirs: u64,
+    /// ... and the peer moved the stream onto TCP for the heir (nothing
+    /// was lost with the parent).
+    pub heirs_carried_on: u64,
 }
 
 impl ForkOutcome {
@@ -73,6 +78,8 @@ impl ForkOutcome {
         self.adopted += o.adopted;
         self.taken_back += o.taken_back;
         self.moved_for_child += o.moved_for_child;
+        self.heirs += o.heirs;
+        self.heirs_carried_on += o.heirs_carried_on;
     }
 }
 

@@ -115,6 +115,9 @@ pub struct Fork {
     pub at: Duration,
     pub child_after: Duration,
     pub parent_after: Duration,
+    /// The parent is killed this long after the fork: while it runs the
+    /// side for a child that has not called yet, the child is its heir.
+    pub parent_dies: Option<Duration>,
 }
 
 impl Scenario {
@@ -224,13 +227,37 @@ fn fork_of(seed: u64) -> Option<Fork> {
             1 => Duration::from_micros(r.range(900_000, 1_100_000)),
             _ => Duration::from_micros(r.range(0, 2_000_000)),
         };
-        Fork {
+        let mut f = Fork {
             side: r.below(2) as usize,
             at: Duration::from_micros(r.range(1, 20_000)),
             child_after: after(&mut r),
             parent_after: after(&mut r),
-        }
+            parent_dies: None,
+        };
+        parent_dies(seed, &mut f);
+        f
     })
+}
+
+/// One fork in three kills the parent (a stream of its own, so that the
+/// forks' other draws stay as they were): mostly while it runs the side
+/// for a child that has not called yet, its heir (past the grace, which
+/// it waited out, before the child's call and its own close); otherwise
+/// at any time.
+fn parent_dies(seed: u64, f: &mut Fork) {
+    let mut r = Rng::new(seed ^ 0x4e1f_dead);
+    if !r.chance(1.0 / 3.0) {
+        return;
+    }
+    if !r.chance(0.8) {
+        f.parent_dies = Some(Duration::from_micros(r.range(0, 2_000_000)));
+        return;
+    }
+    let grace = 1_000_000;
+    let dies = grace + r.range(1_000, 500_000);
+    f.child_after = Duration::from_micros(dies + r.range(1_000, 500_000));
+    f.parent_after = f.parent_after.max(Duration::from_micros(dies + 1));
+    f.parent_dies = Some(Duration::from_micros(dies));
 }
 
 /// One seed in six switches to TCP, at a random time, from a random side

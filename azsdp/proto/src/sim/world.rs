@@ -70,6 +70,8 @@ enum WEvent {
     ForkParentCloses(usize),
     /// The forking parent's reactor looks at the side.
     ForkLook(usize),
+    /// The forking parent is killed.
+    ForkParentDies(usize),
     /// A signal interrupts the call, if it is still blocked.
     Cancel {
         side: usize,
@@ -396,6 +398,7 @@ impl World {
             | WEvent::ForkChild(side)
             | WEvent::ForkParentCloses(side)
             | WEvent::ForkLook(side)
+            | WEvent::ForkParentDies(side)
             | WEvent::Cancel { side, .. } => side,
         }
     }
@@ -487,7 +490,9 @@ impl World {
             .all(|t| matches!(t.phase, Phase::Done) || self.procs[t.side].dead);
         threads_done
             && (0..2).all(|s| {
-                self.procs[s].dead || (self.procs[s].closed && self.drivers[s].is_finished())
+                self.procs[s].dead
+                    || (self.procs[s].closed
+                        && (self.drivers[s].is_finished() || self.runner_dead(s)))
             })
     }
 
@@ -557,6 +562,7 @@ impl World {
             WEvent::ForkChild(side) => self.fork_child_calls(side),
             WEvent::ForkParentCloses(side) => self.fork_parent_closes(side),
             WEvent::ForkLook(side) => self.fork_look(side),
+            WEvent::ForkParentDies(side) => self.fork_parent_dies(side),
             WEvent::ExecDeadline(side) => {
                 if self.procs[side].exec && !self.procs[side].dead {
                     // As the shim does: the connection moves onto TCP.
@@ -771,7 +777,7 @@ impl World {
 
     /// Has `side`'s connection left the fabric (its calls go to TCP)?
     fn on_tcp(&self, side: usize) -> bool {
-        *self.drivers[side].connection().state() == State::Switched
+        *self.drivers[side].connection().state() == State::Switched || self.heir_on_tcp(side)
     }
 
     /// Do `side`'s sends go to TCP: it left the fabric, or its sending
@@ -784,6 +790,9 @@ impl World {
     /// Do `side`'s receives go to TCP before its peer's stream joined?
     /// (Not once its connection aborted: calls get its error.)
     fn recv_route_tcp(&self, side: usize) -> Option<Option<u64>> {
+        if self.runner_dead(side) {
+            return None;
+        }
         let c = self.drivers[side].connection();
         match c.rx_route() {
             RxRoute::Tcp { left } if !matches!(c.state(), State::Aborted(_) | State::Switched) => {
@@ -1166,6 +1175,16 @@ impl World {
                     self.threads[t].phase = Phase::Send;
                     return None;
                 }
+                if self.runner_dead(side) {
+                    // An heir's send, as its receive.
+                    if self.heir_lost(side) {
+                        self.threads[t].result = Some(Err(CallError::ConnReset));
+                        return Some(Phase::Send);
+                    }
+                    self.sleep(t, Duration::from_millis(1));
+                    self.threads[t].phase = Phase::Send;
+                    return None;
+                }
                 let call = self.drivers[side].submit_send(addr, len - sent, flags);
                 self.note(|| format!("side {side}: {call:?} send {addr:#x}+{} nonblocking {nonblocking} protectable {protectable}", len - sent));
                 self.calls.insert((side, call), t);
@@ -1265,6 +1284,14 @@ impl World {
             .enumerate()
             .filter(|(i, th)| th.side == side && *i != finishing)
             .all(|(_, th)| matches!(th.phase, Phase::Done));
+        if others_done && !self.procs[side].closed && self.runner_dead(side) {
+            // An heir closes its TCP socket; the engine died with the
+            // parent.
+            self.procs[side].closed = true;
+            self.tcp.borrow_mut().shut[side] = true;
+            self.wake_tcp_readers(1 - side);
+            return;
+        }
         if others_done && !self.procs[side].closed {
             self.procs[side].closed = true;
             self.join_now(side);
@@ -1373,6 +1400,18 @@ impl World {
                 if self.fork_holds(side) {
                     // (The receive is made again in the child.)
                     self.threads[t].waiting = Some(Wait::Fork);
+                    self.threads[t].phase = Phase::Recv;
+                    return None;
+                }
+                if self.runner_dead(side) {
+                    // An heir waits for the peer to move the stream onto
+                    // TCP for it (then the receive goes there), or to
+                    // reset it.
+                    if self.heir_lost(side) {
+                        self.threads[t].result = Some(Err(CallError::ConnReset));
+                        return Some(Phase::Recv);
+                    }
+                    self.sleep(t, Duration::from_millis(1));
                     self.threads[t].phase = Phase::Recv;
                     return None;
                 }
@@ -1502,7 +1541,13 @@ impl World {
     // ----- end-of-run checks ------------------------------------------------
 
     fn check_end(mut self) -> SimReport {
-        let fatal = self.sc.injection.is_fatal();
+        // (An heir whose runner died with bytes is reset, as the shim's.)
+        let fatal = self.sc.injection.is_fatal() || (0..2).any(|s| self.heir_lost(s));
+        for s in 0..2 {
+            if self.heir_on_tcp(s) {
+                self.fork_outcome.heirs_carried_on += 1;
+            }
+        }
         let aborted: Vec<bool> = (0..2)
             .map(|s| matches!(self.drivers[s].connection().state(), State::Aborted(_)))
             .collect();
@@ -1514,7 +1559,7 @@ impl World {
             self.violations.append(&mut log.borrow_mut().violations);
         }
         for (s, &aborted_s) in aborted.iter().enumerate() {
-            if self.procs[s].dead {
+            if self.procs[s].dead || self.runner_dead(s) {
                 continue;
             }
             for v in &self.mems.borrow()[s].violations {

@@ -25,7 +25,9 @@ use std::time::Duration;
 
 use super::{WEvent, Wait, World};
 use crate::conn::{State, Ticket};
-use crate::driver::ownership::{self, Close, Ending, FORK_GRACE, ForReactor, ForkOwnership, Use};
+use crate::driver::ownership::{
+    self, Close, Ending, FORK_GRACE, ForReactor, ForkOwnership, ORPHAN_WAIT, Use,
+};
 use crate::fabric::sim::SimEndpoint;
 use crate::fabric::{Ownership, Sharing};
 use crate::sim::host::SimProtector;
@@ -56,6 +58,12 @@ pub(super) struct ForkState {
     child_started: bool,
     /// The parent's reactor took the side back after the grace.
     parent_ran: bool,
+    /// The parent was killed.
+    parent_dead: bool,
+    /// ... while it ran the side: its engine is gone, and the child holds
+    /// the descriptor (an heir).
+    runner_dead: bool,
+    died_at: Timestamp,
 }
 
 impl World {
@@ -80,6 +88,9 @@ impl World {
             forked_at: None,
             child_started: false,
             parent_ran: false,
+            parent_dead: false,
+            runner_dead: false,
+            died_at: Timestamp::ZERO,
         });
         self.settle(side);
     }
@@ -123,14 +134,83 @@ impl World {
             now + FORK_GRACE + Duration::from_micros(1),
             WEvent::ForkLook(side),
         );
+        if let Some(after) = sc.parent_dies {
+            self.schedule(now + after, WEvent::ForkParentDies(side));
+        }
     }
 
-    /// Is `side` frozen by its fork (nobody may drive its engine)?
-    pub(super) fn frozen(&self, side: usize) -> bool {
+    /// Did the process running `side` die, leaving the child its heir?
+    pub(super) fn runner_dead(&self, side: usize) -> bool {
         self.procs[side]
             .fork
             .as_ref()
-            .is_some_and(|f| f.child.is_some() && f.parent.ep.ownership() == Ownership::Unclaimed)
+            .is_some_and(|f| f.runner_dead)
+    }
+
+    /// An heir's calls go to TCP once the peer moved the stream there for
+    /// it.
+    pub(super) fn heir_on_tcp(&self, side: usize) -> bool {
+        self.runner_dead(side) && self.fabric.borrow().left_for_heirs(side)
+    }
+
+    /// The runner died with bytes: the peer reset the stream instead of
+    /// moving it onto TCP for the heir, or did not move it within
+    /// [`ORPHAN_WAIT`] (it had let the connection go: everything it sent
+    /// was in the ring, and the dead runner had not read it all). The
+    /// heir's calls are reset then, as the shim's.
+    pub(super) fn heir_lost(&self, side: usize) -> bool {
+        let Some(f) = self.procs[side].fork.as_ref().filter(|f| f.runner_dead) else {
+            return false;
+        };
+        !self.fabric.borrow().left_for_heirs(side)
+            && (matches!(
+                self.drivers[1 - side].connection().state(),
+                State::Aborted(_)
+            ) || self.now >= f.died_at + ORPHAN_WAIT)
+    }
+
+    /// The parent is killed. Only while it runs the side for a child that
+    /// has not called yet does that touch the connection: the child is its
+    /// heir, and the peer moves the stream onto TCP for it if nothing was
+    /// lost with the parent (else it resets it), as with the shim's
+    /// `Sharing::note_heir`. (A child that called already had its calls
+    /// served by the parent, with buffers of the parent's; one engine
+    /// stands for both here, so that case is left to the real-program
+    /// test of a killed runner; nor is a death in the middle of the move
+    /// onto TCP modelled.)
+    pub(super) fn fork_parent_dies(&mut self, side: usize) {
+        if self.procs[side].dead {
+            return;
+        }
+        let c = self.drivers[side].connection();
+        let settled = c.is_finished() || c.leaving_fabric() || *c.state() != State::Established;
+        let f = self.procs[side].fork.as_mut().expect("a fork");
+        let runs = f.parent.ep.ownership() == Ownership::Mine;
+        if !runs {
+            f.parent_dead = true;
+            self.note(|| format!("side {side}: the parent dies (it does not run the side)"));
+            return;
+        }
+        if f.child_started || settled {
+            // (Not modelled: see above; the parent lives on.)
+            return;
+        }
+        f.parent_dead = true;
+        f.runner_dead = true;
+        f.died_at = self.now;
+        self.note(|| {
+            format!("side {side}: the parent dies running the side; the child is its heir")
+        });
+        self.fork_outcome.heirs += 1;
+        self.fabric.borrow_mut().kill_with_heir(side);
+    }
+
+    /// Is `side` frozen by its fork, or its runner dead (nobody may drive
+    /// its engine)?
+    pub(super) fn frozen(&self, side: usize) -> bool {
+        self.procs[side].fork.as_ref().is_some_and(|f| {
+            f.runner_dead || (f.child.is_some() && f.parent.ep.ownership() == Ownership::Unclaimed)
+        })
     }
 
     /// May the engine of `side` be driven now (by the process that runs
@@ -145,8 +225,15 @@ impl World {
         let (Some(forked_at), Some(child)) = (f.forked_at, &f.child) else {
             return true;
         };
+        if f.runner_dead {
+            return false;
+        }
         if child.ep.ownership() == Ownership::Mine {
             return true;
+        }
+        if f.parent_dead {
+            // Nobody takes it back: the child's call claims it.
+            return false;
         }
         match f.parent.own.for_reactor(&f.parent.ep, now) {
             ForReactor::Run => {
@@ -263,10 +350,10 @@ impl World {
 
     /// The parent closes its copy.
     pub(super) fn fork_parent_closes(&mut self, side: usize) {
-        if self.procs[side].dead {
+        let f = self.procs[side].fork.as_ref().expect("a fork");
+        if self.procs[side].dead || f.parent_dead {
             return;
         }
-        let f = self.procs[side].fork.as_ref().expect("a fork");
         match f.parent.own.close(&f.parent.ep, false) {
             Close::Now => {
                 self.note(|| format!("side {side}: the parent closes its copy"));
