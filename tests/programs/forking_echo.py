@@ -22,6 +22,9 @@ class Echo(socketserver.BaseRequestHandler):
 
 def server(port):
     socketserver.ForkingTCPServer.allow_reuse_address = True
+    # socketserver's listen backlog is 5: with 20 clients at once on a
+    # loaded host, kernel TCP itself reset one (CI, 2026-11-29).
+    socketserver.ForkingTCPServer.request_queue_size = 64
     with socketserver.ForkingTCPServer(("127.0.0.1", port), Echo) as s:
         s.serve_forever()
 
