@@ -1169,21 +1169,8 @@ impl World {
                     // What the host would say of such a buffer.
                     unprotectable: (!protectable).then_some(Unprotectable::Shared),
                 };
-                if self.fork_holds(side) {
-                    // (The send is made again in the child.)
-                    self.threads[t].waiting = Some(Wait::Fork);
-                    self.threads[t].phase = Phase::Send;
-                    return None;
-                }
-                if self.runner_dead(side) {
-                    // An heir's send, as its receive.
-                    if self.heir_lost(side) {
-                        self.threads[t].result = Some(Err(CallError::ConnReset));
-                        return Some(Phase::Send);
-                    }
-                    self.sleep(t, Duration::from_millis(1));
-                    self.threads[t].phase = Phase::Send;
-                    return None;
+                if let Some(next) = self.fork_defers_call(t, Phase::Send) {
+                    return next;
                 }
                 let call = self.drivers[side].submit_send(addr, len - sent, flags);
                 self.note(|| format!("side {side}: {call:?} send {addr:#x}+{} nonblocking {nonblocking} protectable {protectable}", len - sent));
@@ -1397,23 +1384,8 @@ impl World {
                     self.threads[t].phase = Phase::Recv;
                     return None;
                 }
-                if self.fork_holds(side) {
-                    // (The receive is made again in the child.)
-                    self.threads[t].waiting = Some(Wait::Fork);
-                    self.threads[t].phase = Phase::Recv;
-                    return None;
-                }
-                if self.runner_dead(side) {
-                    // An heir waits for the peer to move the stream onto
-                    // TCP for it (then the receive goes there), or to
-                    // reset it.
-                    if self.heir_lost(side) {
-                        self.threads[t].result = Some(Err(CallError::ConnReset));
-                        return Some(Phase::Recv);
-                    }
-                    self.sleep(t, Duration::from_millis(1));
-                    self.threads[t].phase = Phase::Recv;
-                    return None;
+                if let Some(next) = self.fork_defers_call(t, Phase::Recv) {
+                    return next;
                 }
                 let call = self.drivers[side].submit_recv(addr, len, flags);
                 self.calls.insert((side, call), t);

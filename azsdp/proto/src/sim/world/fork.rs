@@ -23,8 +23,8 @@
 
 use std::time::Duration;
 
-use super::{WEvent, Wait, World};
-use crate::conn::{State, Ticket};
+use super::{Phase, WEvent, Wait, World};
+use crate::conn::{CallError, State, Ticket};
 use crate::driver::ownership::{
     self, Close, Ending, FORK_GRACE, ForReactor, ForkOwnership, ORPHAN_WAIT, Use,
 };
@@ -167,6 +167,30 @@ impl World {
                 self.drivers[1 - side].connection().state(),
                 State::Aborted(_)
             ) || self.now >= f.died_at + ORPHAN_WAIT)
+    }
+
+    /// Before thread `t` makes a call on its side's engine (`phase`, a
+    /// send or a receive): `Some(next step)` if the fork defers it. The
+    /// call waits for the child to run (it is made again there), or, an
+    /// heir's, for the peer to move the stream onto TCP for it (then it
+    /// goes there) or to reset it.
+    pub(super) fn fork_defers_call(&mut self, t: usize, phase: Phase) -> Option<Option<Phase>> {
+        let side = self.threads[t].side;
+        if self.fork_holds(side) {
+            self.threads[t].waiting = Some(Wait::Fork);
+            self.threads[t].phase = phase;
+            return Some(None);
+        }
+        if !self.runner_dead(side) {
+            return None;
+        }
+        if self.heir_lost(side) {
+            self.threads[t].result = Some(Err(CallError::ConnReset));
+            return Some(Some(phase));
+        }
+        self.sleep(t, Duration::from_millis(1));
+        self.threads[t].phase = phase;
+        Some(None)
     }
 
     /// The parent is killed. Only while it runs the side for a child that
