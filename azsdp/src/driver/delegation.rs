@@ -935,7 +935,9 @@ impl Serving {
     /// This copy lets the connection go without moving it onto TCP (its
     /// close ran out of time, or the peer is gone): guests are told how it
     /// ended, and the calls taken for them are answered so, since no turn
-    /// of this engine will answer them now.
+    /// of this engine will answer them now. Their buffers stay until this
+    /// copy is dropped: an aborted engine may still have a GET in flight
+    /// into one (a NIC's READ).
     pub fn end(&mut self, mb: &Mailbox, how: Ending) {
         if mb.ending().is_none() {
             mb.end(how);
@@ -944,8 +946,9 @@ impl Serving {
             if let Answer::Done(r) = how.answer(c.req) {
                 answer(&mb.p().slots[c.slot], encode_result(r));
             }
+            self.retired.push(c.bounce);
         }
-        self.forget();
+        self.published = None;
     }
 
     /// Take what guests posted, finish what the engine completed, publish
@@ -1438,6 +1441,60 @@ mod tests {
             flags: RecvFlags::default(),
         };
         assert_eq!(call(&mb, recv, &wait(None)), Answer::Done(Ok(0)));
+    }
+
+    /// A runner that lets the connection go without moving it answers the
+    /// call it took, by the ending; a call posted and not taken is
+    /// answered by the ending too, while the runner's process lives. (A
+    /// guest waited for good for either before: it looked only for the
+    /// runner's death.)
+    #[test]
+    fn a_runner_that_lets_go_answers_what_it_took_and_what_waits() {
+        let recv = |mb: Arc<Mailbox>| {
+            std::thread::spawn(move || {
+                let mut b = vec![0u8; 8];
+                let req = Request::Recv {
+                    addr: b.as_mut_ptr() as u64,
+                    len: 8,
+                    flags: RecvFlags::default(),
+                };
+                let r = call(&mb, req, &wait(None));
+                drop(b);
+                r
+            })
+        };
+        let finished = |g: &std::thread::JoinHandle<Answer>| {
+            let t0 = Instant::now();
+            while !g.is_finished() && t0.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            g.is_finished()
+        };
+        // Taken: the fake engine leaves the receive pending.
+        let mb = Mailbox::for_fork().expect("shared pages");
+        let mut fake = Fake::default();
+        let mut serving = Serving::default();
+        let guest = recv(Arc::clone(&mb));
+        let t0 = Instant::now();
+        while serving.calls().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+            serving.serve(&mb, &mut fake);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(serving.calls().len(), 1, "the runner took the receive");
+        serving.end(&mb, Ending::Reset);
+        assert!(finished(&guest), "the guest still waits");
+        assert_eq!(
+            guest.join().unwrap(),
+            Answer::Done(Err(CallError::ConnReset))
+        );
+        // Posted, never taken, the runner (this process) alive.
+        let mb = Mailbox::for_fork().expect("shared pages");
+        Serving::default().serve(&mb, &mut fake);
+        let guest = recv(Arc::clone(&mb));
+        std::thread::sleep(Duration::from_millis(30));
+        mb.end(Ending::Eof);
+        assert!(finished(&guest), "the guest still waits");
+        assert_eq!(guest.join().unwrap(), Answer::Done(Ok(0)));
     }
 
     /// The permissions of the mapping at `at` in /proc/self/maps.
