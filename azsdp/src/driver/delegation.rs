@@ -61,6 +61,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::ownership::ORPHAN_WAIT;
 use crate::conn::{CallError, CallId, Readiness, RecvFlags, SendFlags, Shutdown};
 use crate::sync::Lock;
 
@@ -77,7 +78,6 @@ const SPIN: u32 = 500;
 /// How often a waiting guest looks whether the runner still lives, and
 /// the runner whether its guests do.
 const LIVENESS_LOOK: Duration = Duration::from_millis(20);
-use super::ownership::ORPHAN_WAIT;
 
 // A slot's states.
 const FREE: u32 = 0;

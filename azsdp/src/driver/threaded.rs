@@ -720,8 +720,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
     }
 
-    /// The peer is gone, so the connection cannot move onto TCP for the
-    /// guests: how it ends for them (`None`: the peer lives, it can move).
     /// This process, which runs the connection, closed its descriptor
     /// (`abort`: SO_LINGER {on, 0}). If other processes may still hold
     /// it (their descriptors keep the kernel's socket open, used yet or
@@ -745,6 +743,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
     }
 
+    /// The peer is gone, so the connection cannot move onto TCP for the
+    /// guests: how it ends for them (`None`: the peer lives, it can move).
     fn ending_for_guests(d: &Driver<F, P>) -> Option<delegation::Ending> {
         let c = d.connection();
         let gone = d.peer_left() || matches!(c.state(), State::Aborted(_));
@@ -1827,7 +1827,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if let Some(reg) = self.registration.lock().as_ref() {
             self.watch_peer_exit(&d, reg);
         }
-        match self.own.for_reactor(d.fabric().sharing(), fork_clock()) {
+        match self.own.for_reactor(d.fabric().sharing(), fork_clock) {
             ForReactor::Run => {}
             // A forked child took the connection: this copy is done.
             ForReactor::Gone => {

@@ -206,13 +206,19 @@ impl ForkOwnership {
         self.runner.store(me, Ordering::SeqCst);
     }
 
-    /// The reactor's look at `now`: a connection nobody claimed within
-    /// [`FORK_GRACE`] of the fork is taken back.
-    pub fn for_reactor(&self, sharing: &dyn Sharing, now: Timestamp) -> ForReactor {
+    /// The reactor's look: a connection nobody claimed within
+    /// [`FORK_GRACE`] of the fork is taken back. `now` is read only then
+    /// (not on every look of a connection no fork froze).
+    pub fn for_reactor(
+        &self,
+        sharing: &dyn Sharing,
+        now: impl FnOnce() -> Timestamp,
+    ) -> ForReactor {
         match sharing.ownership() {
             Ownership::Mine => ForReactor::Run,
             Ownership::Other => ForReactor::Gone,
             Ownership::Unclaimed => {
+                let now = now();
                 // (A copy that did not see the fork's freeze starts the
                 // grace at its first look.)
                 let since = match self.frozen_since.compare_exchange(

@@ -525,7 +525,7 @@ impl World {
                 self.drivers[side].turn();
                 self.settle(side);
                 // The peer may have been waiting for room in this side's ring.
-                if !self.procs[1 - side].dead && !self.frozen(1 - side) {
+                if !self.procs[1 - side].dead && !self.not_driven(1 - side) {
                     self.drivers[1 - side].drive();
                     self.settle(1 - side);
                 }

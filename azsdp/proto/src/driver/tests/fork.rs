@@ -113,7 +113,7 @@ fn interleave(seed: u64) {
                     continue;
                 }
                 let was = c.ep.ownership();
-                match c.own.for_reactor(&c.ep, now) {
+                match c.own.for_reactor(&c.ep, || now) {
                     ForReactor::Run => {
                         assert!(
                             was == Ownership::Mine || now - seen.frozen_at >= FORK_GRACE,
@@ -156,7 +156,7 @@ fn interleave(seed: u64) {
         if c.own.orphaned(c.pid) || c.lost {
             continue;
         }
-        if c.own.for_reactor(&c.ep, now) == ForReactor::Run {
+        if c.own.for_reactor(&c.ep, || now) == ForReactor::Run {
             run_verdict(&mut seen, c, "its reactor runs it after the grace", seed);
             taken_back = true;
             if c.own.take_deferred_close().is_some() {
@@ -196,7 +196,7 @@ fn a_child_that_calls_first_takes_the_side_and_the_parent_lets_go() {
     assert_eq!(own.close(&parent, false), Close::Deferred);
     assert_eq!(child_own.for_call(&child, child.pid(), || true), Use::Adopt);
     let late = Timestamp::ZERO + FORK_GRACE * 2;
-    assert_eq!(own.for_reactor(&parent, late), ForReactor::Gone);
+    assert_eq!(own.for_reactor(&parent, || late), ForReactor::Gone);
     assert_eq!(own.for_call(&parent, parent.pid(), || true), Use::NotMine);
     // The parent's deferred close is not the child's connection's end.
     assert_eq!(child.ownership(), Ownership::Mine);

@@ -231,7 +231,7 @@ impl World {
 
     /// Is `side` frozen by its fork, or its runner dead (nobody may drive
     /// its engine)?
-    pub(super) fn frozen(&self, side: usize) -> bool {
+    pub(super) fn not_driven(&self, side: usize) -> bool {
         self.procs[side].fork.as_ref().is_some_and(|f| {
             f.runner_dead || (f.child.is_some() && f.parent.ep.ownership() == Ownership::Unclaimed)
         })
@@ -259,7 +259,7 @@ impl World {
             // Nobody takes it back: the child's call claims it.
             return false;
         }
-        match f.parent.own.for_reactor(&f.parent.ep, now) {
+        match f.parent.own.for_reactor(&f.parent.ep, || now) {
             ForReactor::Run => {
                 if !std::mem::replace(
                     &mut self.procs[side].fork.as_mut().expect("a fork").parent_ran,
