@@ -294,12 +294,29 @@ fn pidfd_info_pid(fd: BorrowedFd<'_>) -> Result<i64, i32> {
 /// The credentials we send: the effective uid and gid, which the kernel
 /// accepts as ours and records as the owner of the sockets we create (what
 /// the peer compares them with).
-fn own_credentials() -> UnixCredentials {
+fn own_credentials(pid: u32) -> UnixCredentials {
     UnixCredentials::from(libc::ucred {
-        pid: std::process::id() as libc::pid_t,
+        pid: pid as libc::pid_t,
         uid: nix::unistd::geteuid().as_raw(),
         gid: nix::unistd::getegid().as_raw(),
     })
+}
+
+/// This process's own pidfd, opened once per process (`pid`: ours now; a
+/// forked child's copy of its parent's names the parent, and is replaced).
+/// Every identity message carries it: opened per message, it was two
+/// system calls of every pairing.
+fn own_pidfd(pid: u32) -> std::io::Result<Arc<OwnedFd>> {
+    static OWN: Lock<Option<(u32, Arc<OwnedFd>)>> = Lock::new(None);
+    let mut own = OWN.lock();
+    if let Some((p, fd)) = own.as_ref()
+        && *p == pid
+    {
+        return Ok(Arc::clone(fd));
+    }
+    let fd = Arc::new(pidfd_open(pid)?);
+    *own = Some((pid, Arc::clone(&fd)));
+    Ok(fd)
 }
 
 /// Send `bytes` as one message with this process's identity and `fds`.
@@ -324,10 +341,11 @@ fn send_flags(
     flags: MsgFlags,
 ) -> std::io::Result<()> {
     assert!(fds.len() <= MAX_FDS, "at most {MAX_FDS} descriptors");
-    let me = pidfd_open(std::process::id())?;
+    let pid = std::process::id();
+    let me = own_pidfd(pid)?;
     let mut raw = vec![me.as_raw_fd()];
     raw.extend(fds.iter().map(|f| f.as_raw_fd()));
-    let creds = own_credentials();
+    let creds = own_credentials(pid);
     let cmsgs = [
         ControlMessage::ScmCredentials(&creds),
         ControlMessage::ScmRights(&raw),
@@ -553,7 +571,7 @@ mod tests {
         // Our credentials, with a pidfd of another process (pid 1), or
         // with a descriptor that is no pidfd at all.
         let send_with = |fd: RawFd| {
-            let creds = own_credentials();
+            let creds = own_credentials(std::process::id());
             let raw = [fd];
             let cmsgs = [
                 ControlMessage::ScmCredentials(&creds),
@@ -610,7 +628,7 @@ mod tests {
                 .count()
         };
         let pidfd = pidfd_open(std::process::id()).unwrap();
-        let creds = own_credentials();
+        let creds = own_credentials(std::process::id());
         let mut buf = [0u8; 3];
         // One descriptor more than the buffer was made for, then many;
         // with a good and a bad length.
