@@ -197,6 +197,12 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
         &self.conn
     }
 
+    /// How long the buffer messages are written into has grown.
+    #[cfg(test)]
+    pub(crate) fn transmit_buffer_len(&self) -> usize {
+        self.buf.len()
+    }
+
     pub fn fabric(&self) -> &F {
         &self.fabric
     }
@@ -244,9 +250,6 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
                 }
             }
             let need = self.conn.max_message_len();
-            if self.buf.len() < need {
-                self.buf.resize(need, 0);
-            }
             // What our calls have got to is published before the credits
             // that follow from it go out: a peer that sees us die takes
             // it for how far our programs read (see `handle_peer_left`).
@@ -254,9 +257,16 @@ impl<F: Fabric, P: Protector, H: Host> Driver<F, P, H> {
             // Credits: take a message from the engine only when the fabric
             // has room for the largest it may be.
             while self.refused.is_none() && self.fabric.has_room(need) {
+                let Some(len) = self.conn.next_transmit_len() else {
+                    break;
+                };
+                if self.buf.len() < len {
+                    self.buf.resize(len, 0);
+                }
                 let Some(n) = self.conn.poll_transmit(&mut self.buf) else {
                     break;
                 };
+                debug_assert!(n <= len, "a message longer than next_transmit_len");
                 any = true;
                 if let Err(FabricError::NoCredits) = self.fabric.post_message(&self.buf[..n]) {
                     self.refused = Some(self.buf[..n].to_vec());

@@ -103,8 +103,10 @@ struct Held {
 }
 
 /// Faults an inbox holds before the dispatcher drops more (a dropped fault
-/// only means the writer waits until the pages are released).
-const INBOX: usize = 256;
+/// only means the writer waits until the pages are released). Each is a
+/// thread stopped on this connection's pages, so a few dozen is plenty;
+/// preallocated per connection, 256 were 6 KiB of every connection's memory.
+const INBOX: usize = 32;
 
 static PROCESS: Lock<Option<Arc<Process>>> = Lock::new(None);
 

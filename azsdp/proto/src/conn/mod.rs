@@ -567,6 +567,33 @@ impl Connection {
         data.max(wire::MAX_CONTROL_LEN)
     }
 
+    /// How long a buffer the next [`Connection::poll_transmit`] needs
+    /// (`None`: nothing to send). At most [`Connection::max_message_len`]:
+    /// a driver sizes its buffer by what it sends, so a connection of small
+    /// messages never holds (and zeroes) one of the largest.
+    pub fn next_transmit_len(&self) -> Option<usize> {
+        let plain_credit = |m: &OutMsg| {
+            matches!(
+                m,
+                OutMsg::Credit {
+                    ping: false,
+                    pong: false
+                }
+            )
+        };
+        // (What `poll_transmit` skips: a plain credit with nothing to
+        // carry. Credits only grow by a message's emission, so the first
+        // one it skips is all it skips.)
+        let msg = self
+            .out
+            .iter()
+            .find(|m| !(plain_credit(m) && self.unreported == 0))?;
+        Some(match msg {
+            OutMsg::Data { len } => wire::HEADER_LEN + *len as usize,
+            _ => wire::MAX_CONTROL_LEN,
+        })
+    }
+
     /// Are messages waiting for [`Connection::poll_transmit`]?
     pub fn has_transmit(&self) -> bool {
         !self.out.is_empty()

@@ -629,3 +629,27 @@ fn bytes_sent_by_copy_say_why() {
     let summary = c.copy_summary();
     assert!(summary.contains("memory (file-mapping) 16384"), "{summary}");
 }
+
+#[test]
+fn the_transmit_buffer_grows_only_to_the_largest_message_sent() {
+    // Below the zero-copy threshold: every byte goes by copy, in DATA.
+    let mut p = Pair::new(cfg(Role::Client), cfg(Role::Server));
+    let (s, data) = p.send_pattern(0, 1000, 5);
+    assert_eq!(p.wait(0, s), Ok(1000));
+    let r = p.recv_all(1, DST, 1000);
+    assert_eq!(p.wait(1, r), Ok(1000));
+    assert_eq!(p.read(1, DST, 1000), data);
+    // The largest message either side may send is the slot's length; a
+    // connection of small messages holds a buffer their size.
+    let largest = p.d[0].connection().max_message_len();
+    let small = p.d[0].transmit_buffer_len();
+    assert!((1000..2 * 1024).contains(&small), "{small} bytes");
+    assert!(small < largest, "{small} of {largest}");
+    let (s, data) = p.send_pattern(0, 6000, 6);
+    assert_eq!(p.wait(0, s), Ok(6000));
+    let r = p.recv_all(1, DST, 6000);
+    assert_eq!(p.wait(1, r), Ok(6000));
+    assert_eq!(p.read(1, DST, 6000), data);
+    let grown = p.d[0].transmit_buffer_len();
+    assert!(grown > small && grown <= largest, "{grown} of {largest}");
+}
