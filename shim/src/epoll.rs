@@ -29,7 +29,7 @@ use libc::{
 };
 
 use azsdp::busy_poll::Budget;
-use azsdp::fabric::shm::loop_bell::LoopBell;
+use azsdp::fabric::shm::loop_bell::{Asleep, LoopBell};
 use std::os::fd::AsRawFd;
 
 use crate::ready::Wakeup;
@@ -738,9 +738,21 @@ fn sweep(set: &mut Set) {
 /// thread (see `azsdp::fabric::shm::loop_bell`); those it could not arm go
 /// back to the reactor's watch (the sleep's `standby::end` arms their
 /// doorbells). Connections where a message may have come already are
-/// marked to be looked at (the wait then does not sleep).
-fn unsweep(set: &mut Set, epfd: c_int) -> Rung {
+/// marked to be looked at (the wait then does not sleep). The thread
+/// counts as asleep on the loop's bell from before those looks until the
+/// returned guard drops (once it woke): peers ring a loop only while it
+/// sleeps (see `azsdp::fabric::shm::loop_bell`).
+fn unsweep(set: &mut Set, epfd: c_int) -> (Rung, Option<Asleep>) {
+    // Counted before the looks that follow, whoever made the bell (a
+    // forked child sleeps on its parent's in the set they share).
+    let asleep = |set: &Set| {
+        set.bell
+            .as_ref()
+            .and_then(|b| b.as_ref().ok())
+            .and_then(LoopBell::asleep)
+    };
     if set.interests.len() > SPIN_CONNS {
+        let asleep = asleep(set);
         // Grown past the sweep's bound: what rings the loop's bell would
         // go unseen.
         if std::mem::take(&mut set.routed_any) {
@@ -752,9 +764,10 @@ fn unsweep(set: &mut Set, epfd: c_int) -> Rung {
                 }
             }
         }
-        return Rung::ByReactor;
+        return (Rung::ByReactor, asleep);
     }
     let bell = loop_bell(set, epfd);
+    let asleep = asleep(set);
     let mut rung = if bell == 0 {
         Rung::ByReactor
     } else {
@@ -776,7 +789,7 @@ fn unsweep(set: &mut Set, epfd: c_int) -> Rung {
             azsdp::driver::threaded::LoopArmed::ByReactor => {}
         }
     }
-    rung
+    (rung, asleep)
 }
 
 /// Who rings a sleeping set's connections (see [`unsweep`]).
@@ -925,7 +938,8 @@ pub unsafe fn wait(
         // Every connection of the set rings its own bell: this sleep does
         // not rely on anyone's watch of the process's bell (so a loan
         // given back need not wake the reactor's thread for it).
-        let self_rung = unsweep(&mut set.lock(), epfd) == Rung::ByLoopBell;
+        let (rung, asleep) = unsweep(&mut set.lock(), epfd);
+        let self_rung = rung == Rung::ByLoopBell;
         if loan.0.is_none() {
             loan.0 = borrow_reactor(&set, epfd);
         }
@@ -971,6 +985,7 @@ pub unsafe fn wait(
             // SAFETY: our own array of `max` entries (room <= max).
             unsafe { real::epoll_pwait(epfd, kernel.as_mut_ptr(), room as c_int, wait_ms, mask) }
         };
+        drop(asleep);
         wake.disarm();
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if n < 0 {

@@ -169,11 +169,13 @@ impl crate::fabric::Watched for ShmEndpoint {
         };
         if let IntroKind::LoopBell(id) = intro.kind {
             // From the peer's own process only.
+            let mut fds = mail.from.fds.into_iter();
             if mail.from.peer.uid() == self.peer.uid()
                 && mail.from.peer.pid() == self.peer.pid()
-                && let Some(bell) = mail.from.fds.into_iter().next()
+                && let Some(bell) = fds.next()
             {
-                loop_bell::take(&self.peer.pidfd_shared(), self.peer.uid(), id, bell);
+                let page = fds.next();
+                loop_bell::take(&self.peer.pidfd_shared(), self.peer.uid(), id, bell, page);
             }
             return;
         }
@@ -221,13 +223,14 @@ impl ShmEndpoint {
         let held = match loop_bell::to_give(bell, &peer) {
             loop_bell::Giving::Held => true,
             loop_bell::Giving::Unknown => false,
-            loop_bell::Giving::Give(w) => {
+            loop_bell::Giving::Give(w, page) => {
                 let token = self.seg.hdr().bell[1 - self.side].load(Ordering::Acquire);
                 let mut body = [0u8; reactor::MAIL_LEN];
                 Intro::new(IntroKind::LoopBell(bell), page_size()).emit(&mut body);
+                let mut fds = vec![w.as_fd()];
+                fds.extend(page.as_ref().map(|p| p.as_fd()));
                 let sent = token != 0
-                    && reactor::send_mail(self.peer_bell.as_fd(), token, &body, &[w.as_fd()])
-                        .is_ok();
+                    && reactor::send_mail(self.peer_bell.as_fd(), token, &body, &fds).is_ok();
                 if !sent {
                     loop_bell::not_given(bell, &peer);
                 }

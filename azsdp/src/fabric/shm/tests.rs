@@ -654,3 +654,35 @@ fn held_rings_go_once_when_the_hold_ends() {
     drop(held);
     assert_eq!(a.tx.armed().load(Ordering::Acquire), 1);
 }
+
+#[test]
+fn a_loop_that_is_awake_is_not_rung_and_keeps_its_arming() {
+    let (mut a, _b) = pair();
+    // The peer side's loop, its bell given to this (a's) process.
+    let bell = loop_bell::LoopBell::new().unwrap();
+    let peer = a.peer.pidfd_shared();
+    let loop_bell::Giving::Give(w, page) = loop_bell::to_give(bell.id(), &peer) else {
+        panic!("a new bell is to give");
+    };
+    let uid = nix::unistd::geteuid().as_raw();
+    let page = page.map(|p| p.try_clone().unwrap());
+    loop_bell::take(&peer, uid, bell.id(), w.try_clone().unwrap(), page);
+    a.seg.hdr().bell[1 - a.side].store(0x5eed, Ordering::Release);
+    a.seg.hdr().route[1 - a.side].store(bell.id(), Ordering::Release);
+    let readable = || {
+        crate::poll_fd::poll_fd(bell.fd(), libc::POLLIN, Some(Duration::ZERO)) & libc::POLLIN != 0
+    };
+    // Awake: messages go unrung, and the arming stays for its next sleep.
+    for _ in 0..3 {
+        a.tx.armed().store(1, Ordering::Release);
+        a.post_message(b"x").unwrap();
+        assert!(!readable(), "an awake loop was rung");
+        assert_eq!(a.tx.armed().load(Ordering::Acquire), 1);
+    }
+    // Asleep: the first message rings it and takes the arming.
+    let asleep = bell.asleep().expect("a sleepers' page");
+    a.post_message(b"y").unwrap();
+    assert!(readable(), "a sleeping loop was not rung");
+    assert_eq!(a.tx.armed().load(Ordering::Acquire), 0);
+    drop(asleep);
+}

@@ -53,8 +53,18 @@ impl ShmEndpoint {
         // The bell of the peer's loop that sleeps, if its process gave it
         // to ours (see `loop_bell`).
         let route = self.seg.hdr().route[1 - self.side].load(Ordering::Acquire);
-        if route != 0 && super::loop_bell::ring(&self.peer.pidfd_shared(), route, token) {
-            return;
+        if route != 0 {
+            use super::loop_bell::Rang;
+            match super::loop_bell::ring(&self.peer.pidfd_shared(), route, token) {
+                Rang::Yes => return,
+                // Its loop looks at the connection before it sleeps: the
+                // arming stays for the ring that sleep will want.
+                Rang::Awake => {
+                    self.tx.armed().store(1, Ordering::Release);
+                    return;
+                }
+                Rang::No => {}
+            }
         }
         // (Not held at all once the thread's locals are gone: a close at
         // `exit()`, after they were destroyed, rings at once.)
