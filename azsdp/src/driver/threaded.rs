@@ -372,9 +372,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         let mut fds: Vec<i32> = self.waiter.fd().into_iter().collect();
         let weak: Weak<dyn Serviced> = Arc::downgrade(self) as Weak<dyn Serviced>;
         // Locked until the peer knows how to ring us: the reactor's first
-        // look (which arms the fabric) waits for it.
+        // look (which arms the fabric) waits for it, and is asked for once
+        // the lock is gone (asked at once, it met the lock, and the unlock
+        // woke the reactor a second time: two wake-ups per connection).
         let mut d = self.lock();
-        let reg = match reactor.register(weak, &fds) {
+        let reg = match reactor.register_watching(weak, &fds) {
             Ok(r) => r,
             Err(e) => {
                 crate::protect::log_once(&format!("reactor: {e}"));
@@ -403,6 +405,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         // is asked for again when it does (see `Locked::drop`).
         *self.registration.lock() = Some(reg);
         drop(d);
+        self.wake_reactor();
     }
 
     /// In a forked child, before adopting: the threads are the parent's.
