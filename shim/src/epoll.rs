@@ -880,8 +880,6 @@ pub unsafe fn wait(
     // call (fewer events than `max` is always a valid answer).
     let max = (max as usize).min(BATCH);
     let deadline = timeout.map(|t| Instant::now() + t);
-    let window = crate::ready::SignalWindow::open();
-    let mask = window.wait_mask(mask);
     let wake = Arc::clone(&set.lock().wake);
     let mut kernel: Vec<epoll_event> = vec![epoll_event { events: 0, u64: 0 }; max];
     let done = |out: &Batch| -> c_int {
@@ -904,12 +902,20 @@ pub unsafe fn wait(
         // would only wake the reactor. (With nothing of ours ready, a wait
         // that may wait asks the kernel only in its spin or its sleep: an
         // event loop made a system call per wait for nothing here.)
+        // (No signal window on this path: a wait that returns at once
+        // has no later kernel wait a handler run meanwhile could miss, as
+        // a call to the kernel's that finds events ready has none. Two
+        // `sigprocmask` per wait were most of a busy loop's system calls.)
         let n = look_kernel(&set, epfd, &mut kernel, &mut out, max, mask);
         if n < 0 && out.is_empty() {
             return Some(-1);
         }
         return Some(done(&out));
     }
+    // From here the wait may spin and sleep, in several kernel waits:
+    // signals wait for the last (see `SignalWindow`).
+    let window = crate::ready::SignalWindow::open();
+    let mask = window.wait_mask(mask);
     let budget = set.lock().spin.spin();
     let budget = left.map_or(budget, |l| l.min(budget));
     if !budget.is_zero() {
