@@ -39,6 +39,9 @@ pub type Driver<F, P> = azsdp_proto::driver::Driver<F, P, ProcessHost>;
 #[derive(Debug)]
 pub struct ProcessHost {
     epoch: Instant,
+    /// The time as first read since [`ProcessHost::clock_moves`] (0: not
+    /// read yet): one hold of the driver's lock reads the clock once.
+    read_at: std::cell::Cell<u64>,
     /// Turn private file mappings a send comes from into anonymous memory
     /// ([`crate::anonymize`]).
     pub convert_private_files: bool,
@@ -52,6 +55,7 @@ impl Default for ProcessHost {
     fn default() -> Self {
         ProcessHost {
             epoch: Instant::now(),
+            read_at: std::cell::Cell::new(0),
             convert_private_files: true,
             beneath: None,
             write_timeout: Duration::from_secs(30),
@@ -80,9 +84,26 @@ impl UserMemory for ProcessHost {
     }
 }
 
+impl ProcessHost {
+    /// The next [`Host::now`] reads the clock again: called as a hold of
+    /// the driver's lock ends. Within one hold, the engine's every step
+    /// sees one time (a turn is microseconds; its timers are
+    /// milliseconds), and a call costs one clock read, not one per step (a
+    /// `clock_gettime` per step was 5% of an event loop's client, ab).
+    pub fn clock_moves(&self) {
+        self.read_at.set(0);
+    }
+}
+
 impl Host for ProcessHost {
     fn now(&self) -> Timestamp {
-        Timestamp::from_nanos(self.epoch.elapsed().as_nanos() as u64)
+        let mut at = self.read_at.get();
+        if at == 0 {
+            // (At least 1: 0 means not read.)
+            at = (self.epoch.elapsed().as_nanos() as u64).max(1);
+            self.read_at.set(at);
+        }
+        Timestamp::from_nanos(at)
     }
 
     /// Only private anonymous memory, or shared memory whose aliases a

@@ -238,6 +238,7 @@ impl<F: Fabric, P: Protector> Drop for Locked<'_, F, P> {
         // Completions this thread's actions produced but did not deliver
         // would wake nobody (they are not messages): whoever waits, look.
         let pending = guard.fabric().completions_pending();
+        guard.host().clock_moves();
         drop(guard);
         if pending {
             self.shared.waiter.kick();
