@@ -904,10 +904,12 @@ impl Connection {
             return;
         };
         // A side that finished (closed, everything posted) still owes the
-        // heirs what the dead process had not read of it: its program may
-        // have closed long ago, as a TCP sender's kernel still delivers.
-        let owed_to_heirs = heir && left.read < self.tx_stream_off;
-        if self.is_aborted() || (self.is_finished() && !owed_to_heirs) {
+        // heirs the rest of its stream: what the dead process had not read
+        // of it, and its end (with nothing left, the end alone), as a TCP
+        // sender's kernel delivers them after its program closed. Without
+        // it, heirs that had read everything waited for a stream that never
+        // came, and were reset.
+        if self.is_aborted() || (self.is_finished() && !heir) {
             return;
         }
         let all_here = self.in_avails.is_empty() && left.sent <= self.rx_stream_off;

@@ -274,6 +274,38 @@ fn a_closed_side_still_hands_its_unread_bytes_to_a_dead_peers_heir() {
     assert_eq!(p.tcp.borrow().wrote[1], &b[1000..]);
 }
 
+/// A closed side whose stream the dead process had read to the end still
+/// hands the heir that end: nothing goes again, and the TCP connection's
+/// sending side is shut, so the heir reads the end of the stream where TCP
+/// would give it, not a reset after waiting for a stream that never comes.
+#[test]
+fn a_closed_side_hands_the_end_of_its_stream_to_a_dead_peers_heir() {
+    let mut p = Pair::with_fabric(quick_death(), cfg(Role::Client), cfg(Role::Server));
+    let b = pattern(3000, 4);
+    p.write(1, BUF, &b);
+    let s = p.send(1, BUF, 3000);
+    assert_eq!(p.poll(1, s), Some(Ok(3000)));
+    let r = p.recv_all(0, DST, 3000);
+    assert_eq!(p.wait(0, r), Ok(3000));
+    assert_eq!(p.read(0, DST, 3000), b);
+    p.d[1].submit_close();
+    p.run_until(Duration::from_millis(10), |p| {
+        p.d[1].connection().is_finished()
+    });
+    assert!(p.d[1].connection().is_finished(), "closed and all posted");
+    // The end of the stream, read too: nothing is owed but the end.
+    let r = p.recv(0, DST, 100);
+    assert_eq!(p.wait(0, r), Ok(0));
+    p.fabric.borrow_mut().kill_with_heir(0);
+    p.run_until(Duration::from_secs(2), |p| {
+        *p.d[1].connection().state() == State::Switched
+    });
+    assert_eq!(*p.d[1].connection().state(), State::Switched);
+    assert!(p.fabric.borrow().left_for_heirs(0), "the heirs were told");
+    assert!(p.tcp.borrow().wrote[1].is_empty(), "nothing goes again");
+    assert!(p.tcp.borrow().shut[1], "the stream's end goes on TCP");
+}
+
 /// Without an heir, or with bytes the dead peer's sends returned that never
 /// arrived (an advertisement not read), the death is what it always was.
 #[test]
