@@ -161,13 +161,20 @@ struct Theirs {
     peer: Weak<OwnedFd>,
     uid: u32,
     id: u32,
-    write: Arc<OwnedFd>,
+    /// Replaced whole when the peer gives the bell again.
+    bell: Arc<TheirBell>,
+}
+
+/// What [`ring`] needs of a peer's loop bell, taken out of [`THEIRS`]
+/// with one clone.
+struct TheirBell {
+    write: OwnedFd,
     /// Its loop's sleepers' page, mapped read-only (`None`: it gave none
     /// we could map: its loop is rung whether or not it sleeps).
-    sleepers: Option<Arc<Mmap>>,
+    sleepers: Option<Mmap>,
     /// The sleep this process last rang it for ([`RUNG`] and its number;
     /// 0: none).
-    rung: Arc<AtomicU64>,
+    rung: AtomicU64,
 }
 
 /// Marks [`Theirs::rung`] as set.
@@ -372,13 +379,15 @@ pub(super) fn take(peer: &Arc<OwnedFd>, uid: u32, id: u32, fd: OwnedFd, page: Op
     if id == 0 || !is_unix_datagram(fd.as_fd()) {
         return;
     }
-    let sleepers = page.and_then(map_sleepers).map(Arc::new);
+    let bell = Arc::new(TheirBell {
+        write: fd,
+        sleepers: page.and_then(map_sleepers),
+        rung: AtomicU64::new(0),
+    });
     let mut theirs = THEIRS.lock();
     theirs.retain(|t| t.peer.strong_count() > 0);
     if let Some(t) = theirs.iter_mut().find(|t| t.of(peer) && t.id == id) {
-        t.write = Arc::new(fd);
-        t.sleepers = sleepers;
-        t.rung.store(0, Ordering::Relaxed);
+        t.bell = bell;
         return;
     }
     let other = uid != 0 && uid != nix::unistd::geteuid().as_raw();
@@ -392,9 +401,7 @@ pub(super) fn take(peer: &Arc<OwnedFd>, uid: u32, id: u32, fd: OwnedFd, page: Op
         peer: Arc::downgrade(peer),
         uid,
         id,
-        write: Arc::new(fd),
-        sleepers,
-        rung: Arc::default(),
+        bell,
     });
 }
 
@@ -437,20 +444,14 @@ pub(super) fn ring(peer: &Arc<OwnedFd>, id: u32, token: u64) -> Rang {
         .lock()
         .iter()
         .find(|t| t.id == id && t.of(peer))
-        .map(|t| {
-            (
-                Arc::clone(&t.write),
-                t.sleepers.clone(),
-                Arc::clone(&t.rung),
-            )
-        });
-    let Some((fd, sleepers, rung)) = found else {
+        .map(|t| Arc::clone(&t.bell));
+    let Some(bell) = found else {
         return Rang::No;
     };
     let mut sleep = None;
-    if let Some(page) = sleepers.as_ref() {
+    if let Some(page) = bell.sleepers.as_ref() {
         // SAFETY: the mapping is PAGE_LEN bytes and page-aligned (see
-        // `map_sleepers`) and lives while `sleepers` does.
+        // `map_sleepers`) and lives while `bell` does.
         let (count, sleeps) = unsafe { words(page.as_ptr()) };
         match count.load(Ordering::SeqCst) {
             0 => return Rang::Awake,
@@ -458,7 +459,7 @@ pub(super) fn ring(peer: &Arc<OwnedFd>, id: u32, token: u64) -> Rang {
             // its bell (several sleepers: each may need a ring).
             1 => {
                 let now = RUNG | u64::from(sleeps.load(Ordering::SeqCst));
-                if rung.load(Ordering::Relaxed) == now {
+                if bell.rung.load(Ordering::Relaxed) == now {
                     return Rang::Awake;
                 }
                 sleep = Some(now);
@@ -466,10 +467,10 @@ pub(super) fn ring(peer: &Arc<OwnedFd>, id: u32, token: u64) -> Rang {
             _ => {}
         }
     }
-    match crate::driver::reactor::send_ring(fd.as_fd(), token) {
+    match crate::driver::reactor::send_ring(bell.write.as_fd(), token) {
         Ok(()) => {
             if let Some(now) = sleep {
-                rung.store(now, Ordering::Relaxed);
+                bell.rung.store(now, Ordering::Relaxed);
             }
             Rang::Yes
         }
