@@ -100,25 +100,14 @@ impl Sleepers {
     /// A fresh page and its memfd, sealed so that only this mapping
     /// writes it.
     fn new() -> std::io::Result<(Arc<Sleepers>, OwnedFd)> {
-        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-        use nix::sys::memfd::{MFdFlags, memfd_create};
-        let fd = memfd_create(
+        use nix::fcntl::SealFlag;
+        let (fd, map) = super::sealed::create(
             c"azsdp-loop",
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )?;
-        let file = std::fs::File::from(fd.try_clone()?);
-        crate::file_size::set_len(&file, PAGE_LEN as u64)?;
-        // SAFETY: a fresh memfd of PAGE_LEN bytes, mapped shared before
-        // the seals forbid new writable mappings; nobody else has it yet.
-        let map = unsafe { MmapOptions::new().len(PAGE_LEN).map_mut(&file)? };
-        fcntl(
-            &fd,
-            FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_SHRINK
-                    | SealFlag::F_SEAL_GROW
-                    | SealFlag::F_SEAL_FUTURE_WRITE
-                    | SealFlag::F_SEAL_SEAL,
-            ),
+            PAGE_LEN,
+            SealFlag::F_SEAL_SHRINK
+                | SealFlag::F_SEAL_GROW
+                | SealFlag::F_SEAL_FUTURE_WRITE
+                | SealFlag::F_SEAL_SEAL,
         )?;
         Ok((Arc::new(Sleepers { map }), fd))
     }

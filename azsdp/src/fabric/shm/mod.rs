@@ -62,6 +62,7 @@ mod endpoint;
 mod liveness;
 pub mod loop_bell;
 mod park;
+mod sealed;
 mod segment;
 mod waiter;
 

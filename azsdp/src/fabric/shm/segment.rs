@@ -260,28 +260,17 @@ impl Segment {
     /// A new segment and its memfd, sealed so that nobody can shrink or
     /// grow it.
     pub(super) fn create(p: &ShmParams) -> std::io::Result<(Segment, OwnedFd)> {
-        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-        use nix::sys::memfd::{MFdFlags, memfd_create};
+        use nix::fcntl::SealFlag;
         if !p.ring_capacity.is_power_of_two() || !(64..=MAX_RING).contains(&p.ring_capacity) {
             return Err(bad("ring capacity must be a power of two up to 64 MiB"));
         }
         let reg_slots = p.reg_slots();
         let layout = Layout::new(p.ring_capacity, u32::from(p.lock_slots), reg_slots);
-        let fd = memfd_create(
+        let (fd, mut map) = super::sealed::create(
             c"azsdp-shm",
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+            layout.len,
+            SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
         )?;
-        let file = std::fs::File::from(fd.try_clone()?);
-        crate::file_size::set_len(&file, layout.len as u64)?;
-        fcntl(
-            &fd,
-            FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
-            ),
-        )?;
-        // SAFETY: a fresh memfd of the right length, mapped shared; nobody
-        // else has it yet.
-        let mut map = unsafe { MmapOptions::new().len(layout.len).map_mut(&file)? };
         let base = map.as_mut_ptr();
         for dir in 0..2 {
             // SAFETY: in bounds, 64-aligned, not yet shared.
