@@ -254,24 +254,37 @@ fn a_dead_peer_with_an_heir_hands_the_stream_over_on_tcp() {
 /// heir was reset; the simulator's forks found it.)
 #[test]
 fn a_closed_side_still_hands_its_unread_bytes_to_a_dead_peers_heir() {
+    let (mut p, b) = closed_after_sending(5000, 1000, 2);
+    heirs_take_over(&mut p);
+    assert_eq!(p.tcp.borrow().wrote[1], &b[1000..]);
+}
+
+/// Side 1 sent `len` bytes of pattern `salt`, side 0's program read `read`
+/// of them, and side 1 closed: its engine is finished (all posted).
+fn closed_after_sending(len: usize, read: u64, salt: u8) -> (Pair, Vec<u8>) {
     let mut p = Pair::with_fabric(quick_death(), cfg(Role::Client), cfg(Role::Server));
-    let b = pattern(5000, 2);
-    p.write(1, BUF, &b);
-    let s = p.send(1, BUF, 5000);
-    assert_eq!(p.poll(1, s), Some(Ok(5000)));
-    let r = p.recv_all(0, DST, 1000);
-    assert_eq!(p.wait(0, r), Ok(1000));
+    let (s, b) = p.send_pattern(1, len, salt);
+    assert_eq!(p.poll(1, s), Some(Ok(len as u64)));
+    let r = p.recv_all(0, DST, read);
+    assert_eq!(p.wait(0, r), Ok(read));
+    assert_eq!(p.read(0, DST, read as usize), b[..read as usize]);
     p.d[1].submit_close();
     p.run_until(Duration::from_millis(10), |p| {
         p.d[1].connection().is_finished()
     });
     assert!(p.d[1].connection().is_finished(), "closed and all posted");
+    (p, b)
+}
+
+/// Side 0's process dies with an heir: side 1 moves the stream onto TCP
+/// for it, and says so.
+fn heirs_take_over(p: &mut Pair) {
     p.fabric.borrow_mut().kill_with_heir(0);
     p.run_until(Duration::from_secs(2), |p| {
         *p.d[1].connection().state() == State::Switched
     });
+    assert_eq!(*p.d[1].connection().state(), State::Switched);
     assert!(p.fabric.borrow().left_for_heirs(0), "the heirs were told");
-    assert_eq!(p.tcp.borrow().wrote[1], &b[1000..]);
 }
 
 /// A closed side whose stream the dead process had read to the end still
@@ -280,28 +293,11 @@ fn a_closed_side_still_hands_its_unread_bytes_to_a_dead_peers_heir() {
 /// would give it, not a reset after waiting for a stream that never comes.
 #[test]
 fn a_closed_side_hands_the_end_of_its_stream_to_a_dead_peers_heir() {
-    let mut p = Pair::with_fabric(quick_death(), cfg(Role::Client), cfg(Role::Server));
-    let b = pattern(3000, 4);
-    p.write(1, BUF, &b);
-    let s = p.send(1, BUF, 3000);
-    assert_eq!(p.poll(1, s), Some(Ok(3000)));
-    let r = p.recv_all(0, DST, 3000);
-    assert_eq!(p.wait(0, r), Ok(3000));
-    assert_eq!(p.read(0, DST, 3000), b);
-    p.d[1].submit_close();
-    p.run_until(Duration::from_millis(10), |p| {
-        p.d[1].connection().is_finished()
-    });
-    assert!(p.d[1].connection().is_finished(), "closed and all posted");
+    let (mut p, _) = closed_after_sending(3000, 3000, 4);
     // The end of the stream, read too: nothing is owed but the end.
     let r = p.recv(0, DST, 100);
     assert_eq!(p.wait(0, r), Ok(0));
-    p.fabric.borrow_mut().kill_with_heir(0);
-    p.run_until(Duration::from_secs(2), |p| {
-        *p.d[1].connection().state() == State::Switched
-    });
-    assert_eq!(*p.d[1].connection().state(), State::Switched);
-    assert!(p.fabric.borrow().left_for_heirs(0), "the heirs were told");
+    heirs_take_over(&mut p);
     assert!(p.tcp.borrow().wrote[1].is_empty(), "nothing goes again");
     assert!(p.tcp.borrow().shut[1], "the stream's end goes on TCP");
 }
