@@ -190,17 +190,28 @@ fn stat_watches_until_stopped_and_refuses_unknown_paths() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(700));
+    // Read until the second refresh (a fixed sleep saw only one on a
+    // loaded host, where the command's start alone took most of it).
+    let header = "azsdp stat: 0 connection(s), every 0.2s";
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().expect("piped")));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut seen = String::new();
+        let mut refreshes = 0;
+        while refreshes < 2 {
+            let Some(Ok(line)) = lines.next() else { break };
+            refreshes += usize::from(line.contains(header));
+            seen.push_str(&line);
+            seen.push('\n');
+        }
+        let _ = tx.send((refreshes, seen));
+    });
+    let got = rx.recv_timeout(std::time::Duration::from_secs(60));
     child.kill().unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        stdout
-            .matches("azsdp stat: 0 connection(s), every 0.2s")
-            .count()
-            >= 2,
-        "{stdout}"
-    );
+    child.wait().unwrap();
+    let (refreshes, stdout) = got.expect("no two refreshes within 60 s");
+    assert!(refreshes >= 2, "{stdout}");
     let out = azsdp()
         .args(["stat", "--path", "carrier-pigeon"])
         .output()
