@@ -23,6 +23,7 @@ pub use azsdp_proto::driver::{Host, Protectable, UnparkError, capabilities, owne
 pub use azsdp_proto::protect::{NoProtection, Protector};
 
 pub mod delegation;
+mod holders;
 pub mod lease;
 pub mod reactor;
 pub mod standby;

@@ -25,8 +25,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::delegation::{self, Answer, GuestWait, Mailbox, Request, Serving};
-use super::ownership::{self, Close, Ending, FORK_GRACE, ForReactor, ForkOwnership, Use};
+use super::delegation::{self, Answer, GuestWait, Mailbox, Request};
+use super::holders::Holders;
+use super::ownership::{self, Close, Ending, FORK_GRACE, ForReactor, Use};
 use super::reactor::{self, Next, Reactor, Registration, Serviced, Wake};
 use super::{Driver, Protector, standby};
 use crate::conn::{
@@ -86,11 +87,9 @@ struct Shared<F: Fabric, P: Protector> {
     wanted: AtomicBool,
     /// ... and that service was urgent (see [`Shared::service`]).
     wanted_urgent: AtomicBool,
-    /// Who runs the connection after a fork (see [`ownership`]).
-    own: ForkOwnership,
-    /// Makes a protector for a forked child that adopts the connection
-    /// (the parent's is bound to the parent's memory).
-    refresh: Lock<Option<Refresh<P>>>,
+    /// The processes that hold the connection after a fork: who runs it,
+    /// the others' mailbox, what this one serves them (see [`Holders`]).
+    holders: Holders<P>,
     this: Weak<Shared<F, P>>,
     /// Told whenever a turn delivered something (readiness may have changed).
     notify: Option<Notify>,
@@ -113,21 +112,6 @@ struct Shared<F: Fabric, P: Protector> {
     /// When the TCP socket beneath was last looked at for stray bytes
     /// ([`standby::now_ns`]).
     stream_looked: AtomicU64,
-    /// Made by the first fork that copied the connection: the other
-    /// processes' calls come through it (see [`delegation`]).
-    mailbox: Lock<Option<Arc<Mailbox>>>,
-    /// `mailbox` is set (looked at without the lock on every turn).
-    has_mailbox: AtomicBool,
-    /// What this process serves for the others, when it runs the
-    /// connection.
-    serving: Lock<Serving>,
-    /// This process's reactor watches the family bell for us.
-    family_watched: AtomicBool,
-    /// A guest found the runner gone (killed): said once.
-    runner_gone: AtomicBool,
-    /// The program closed its descriptor of the connection in this process
-    /// (a child forked from here on does not hold it).
-    closed_here: AtomicBool,
     /// Counted in `process::active` until dropped.
     _alive: process::Alive,
 }
@@ -206,8 +190,7 @@ pub enum Handed {
     Failed,
 }
 
-/// Makes the protection of a forked child that adopts a connection.
-pub type Refresh<P> = Box<dyn Fn() -> (P, Option<Box<dyn FaultSource>>) + Send + Sync>;
+pub use super::holders::Refresh;
 
 /// Called after the engine took in something from the fabric, a fault or a
 /// timer: whoever waits for readiness (poll, epoll) should look again.
@@ -298,7 +281,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         d.looked_only = true;
         if d.peer_left()
             || self.stop.load(Ordering::SeqCst)
-            || !self.own.runs_here(d.fabric().sharing(), process::pid())
+            || !self.holders.runs_here(d.fabric().sharing())
         {
             return Ok(None);
         }
@@ -411,22 +394,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// In a forked child, before adopting: the threads are the parent's.
     fn orphaned(&self) -> bool {
-        self.own.orphaned(process::pid())
+        self.holders.orphaned()
     }
 
     /// May this process use the connection? A connection a fork froze is
     /// claimed here (and adopted, with threads of its own, by a child);
     /// false if the other process has it.
     fn make_mine(&self) -> bool {
-        if self.own.settled(process::pid()) {
+        if self.holders.settled() {
             return true;
         }
-        // A sandboxed process may not start the threads a connection
-        // needs: it leaves the connection to the one that runs it.
-        let can_adopt = || self.refresh.lock().is_some() && !crate::sandbox::restricted();
-        let decision = self
-            .own
-            .for_call(self.lock().fabric().sharing(), process::pid(), can_adopt);
+        let decision = self.holders.for_call(self.lock().fabric().sharing());
         let mine = match decision {
             Use::Mine => true,
             Use::NotMine => false,
@@ -435,10 +413,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 true
             }
         };
-        if mine && let Some(mb) = self.mailbox() {
-            // The guests follow this process from now, whether it serves
-            // them or dies first (then they must not wait for ever).
-            mb.runs_here();
+        if mine {
+            self.holders.claimed();
         }
         mine
     }
@@ -449,12 +425,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         let Some(me) = self.this.upgrade() else {
             return;
         };
-        let fresh = self.refresh.lock().as_ref().map(|f| f());
+        let (fresh, served) = self.holders.adopt();
         let faults = {
             let mut d = self.lock();
             // The calls the parent served for other processes go on here
             // (this copy has their buffers); its own threads' do not.
-            let served = self.serving.lock().calls();
             d.forget_calls_except(&served);
             match fresh {
                 Some((p, faults)) => {
@@ -464,8 +439,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 None => None,
             }
         };
-        self.own.adopted(process::pid());
-        self.family_watched.store(false, Ordering::SeqCst);
+        self.holders.adopted();
         self.in_calls.store(0, Ordering::SeqCst);
         self.stop.store(false, Ordering::SeqCst);
         self.released.store(false, Ordering::SeqCst);
@@ -510,7 +484,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     ) -> Option<T> {
         let mut longest = MAX_NAP;
         loop {
-            if self.own.frozen() && !self.make_mine() {
+            if self.holders.frozen() && !self.make_mine() {
                 break None;
             }
             let ticket = self.waiter.prepare();
@@ -588,21 +562,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         true
     }
 
-    fn mailbox(&self) -> Option<Arc<Mailbox>> {
-        if !self.has_mailbox.load(Ordering::Acquire) {
-            return None;
-        }
-        self.mailbox.lock().clone()
-    }
-
-    /// This process no longer holds the connection's descriptor (it closed
-    /// it, or execs with it closing): off the mailbox's holders.
-    fn not_held_here(&self) {
-        if let Some(mb) = self.mailbox() {
-            mb.drop_holder(process::pid());
-        }
-    }
-
     /// Has the connection left the fabric (this process's calls go to the
     /// TCP socket)? Seen from a process that does not run it.
     fn left(&self) -> bool {
@@ -620,7 +579,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// by the one that does (see [`delegation`])? If not (no mailbox: the
     /// connection was not on the fabric at the fork), it shares it by TCP.
     fn guest(&self) -> Option<Arc<Mailbox>> {
-        self.mailbox().filter(|_| !self.left())
+        self.holders.mailbox().filter(|_| !self.left())
     }
 
     /// One request for the runner; `None` when the call must go elsewhere
@@ -652,7 +611,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             // The runner cannot reach our memory: both go on TCP.
             Answer::Unservable => Err(self.elsewhere()),
             Answer::RunnerGone => {
-                if !self.runner_gone.swap(true, Ordering::SeqCst) {
+                if self.holders.runner_died() {
                     crate::protect::log_once(
                         "the process that ran a shared connection died: it is reset",
                     );
@@ -730,9 +689,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// not), it moves onto that socket, where they carry on, instead of
     /// ending (or, if the peer is gone, they are told how it ended).
     fn end_here(&self, d: &mut Driver<F, P>, abort: bool) {
-        let guests = self
-            .mailbox()
-            .filter(|mb| mb.has_other_holders(process::pid()));
+        let guests = self.holders.guests();
         let told = Shared::ending_for_guests(d);
         match ownership::ending(guests.is_some(), told.is_some(), abort) {
             Ending::OntoTcp => d.leave_fabric(),
@@ -780,8 +737,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if let Some(e) = mb.ending() {
             return e.readiness();
         }
-        if self.runner_gone.load(Ordering::SeqCst) || !delegation::runner_alive(mb) {
-            self.runner_gone.store(true, Ordering::SeqCst);
+        if self.holders.runner_is_gone(mb) {
             return delegation::Ending::Reset.readiness();
         }
         match mb.published() {
@@ -860,10 +816,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 break;
             }
         }
-        if self.has_mailbox.load(Ordering::Acquire)
-            && let Some(mb) = self.mailbox.lock().clone()
-            && self.serving.lock().serve(&mb, d)
-        {
+        if self.holders.serve(d) {
             total += 1;
         }
         if total > 0 && self.in_calls.load(Ordering::SeqCst) > others {
@@ -904,7 +857,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ThreadedDriver")
-            .field("runner", &self.shared.own.runner())
+            .field("runner", &self.shared.holders.runner())
             .finish()
     }
 }
@@ -946,8 +899,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             parked_long: AtomicBool::new(false),
             wanted: AtomicBool::new(false),
             wanted_urgent: AtomicBool::new(false),
-            own: ForkOwnership::new(process::pid()),
-            refresh: Lock::new(None),
+            holders: Holders::new(),
             this: this.clone(),
             notify,
             held: Arc::new(HeldBounds::default()),
@@ -958,12 +910,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             news: AtomicBool::new(false),
             switched: AtomicBool::new(false),
             stream_looked: AtomicU64::new(0),
-            mailbox: Lock::new(None),
-            has_mailbox: AtomicBool::new(false),
-            serving: Lock::new(Serving::default()),
-            family_watched: AtomicBool::new(false),
-            runner_gone: AtomicBool::new(false),
-            closed_here: AtomicBool::new(false),
             _alive: process::Alive::count(),
         });
         let weak: Weak<dyn Participant> = Arc::downgrade(&shared) as Weak<dyn Participant>;
@@ -975,14 +921,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// How a forked child that adopts this connection protects its pages
     /// (without it, a child cannot adopt the connection).
     pub fn set_fork_protection(&self, refresh: Refresh<P>) {
-        *self.shared.refresh.lock() = Some(refresh);
+        self.shared.holders.set_refresh(refresh);
     }
 
     /// Does this process run the connection now (without claiming it)?
     pub fn is_mine(&self) -> bool {
         self.shared
-            .own
-            .runs_here(self.shared.lock().fabric().sharing(), process::pid())
+            .holders
+            .runs_here(self.shared.lock().fabric().sharing())
     }
 
     /// May this process use the connection now? Claims one a fork froze
@@ -1158,7 +1104,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         if self.shared.make_mine() {
             return false;
         }
-        if self.shared.has_mailbox.load(Ordering::Acquire) {
+        if self.shared.holders.shared_by_fork() {
             // Served by the runner until the connection leaves the fabric.
             return self.shared.left();
         }
@@ -1170,24 +1116,27 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// runs it may end it at its close). (Should the exec fail, the
     /// process's next call notes it again.)
     pub fn not_held_after_exec(&self) {
-        self.shared.not_held_here();
+        self.shared.holders.not_held_here();
     }
 
     /// Has a fork copied this connection (other processes may hold its
     /// descriptor, whether they used it yet or not)?
     pub fn shared_by_fork(&self) -> bool {
-        self.shared.has_mailbox.load(Ordering::Acquire)
+        self.shared.holders.shared_by_fork()
     }
 
     /// Does this process run the connection for others too (live
     /// processes that may hold its descriptor: forked with it, or that made
     /// calls)? Cheap when no fork copied it.
     pub fn serves_others(&self) -> bool {
-        let Some(mb) = self.shared.mailbox() else {
+        let Some(mb) = self.shared.holders.mailbox() else {
             return false;
         };
         !self.shared.orphaned()
-            && !self.shared.own.taken(self.shared.lock().fabric().sharing())
+            && !self
+                .shared
+                .holders
+                .taken(self.shared.lock().fabric().sharing())
             && mb.has_other_holders(process::pid())
     }
 
@@ -1196,7 +1145,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// TCP socket for them (waiting at most `timeout`), or, if the peer is
     /// gone, tell them how it ended.
     pub fn hand_to_others(&self, timeout: Duration) -> Handed {
-        let Some(mb) = self.shared.mailbox() else {
+        let Some(mb) = self.shared.holders.mailbox() else {
             return Handed::Failed;
         };
         let ending = Shared::ending_for_guests(&self.shared.lock());
@@ -1208,7 +1157,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             // The guests' calls the move ended are answered before this
             // process goes (they are made again on TCP).
             let mut d = self.shared.lock();
-            self.shared.serving.lock().serve(&mb, &mut *d);
+            self.shared.holders.serve(&mut *d);
             Handed::Moved
         } else {
             mb.end(delegation::Ending::Reset);
@@ -1286,7 +1235,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// What this process served for others (see [`delegation`]).
     pub fn served(&self) -> delegation::Served {
-        self.shared.serving.lock().served
+        self.shared.holders.served()
     }
 
     /// This process shares the connection with the one that runs it: ask
@@ -1554,8 +1503,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// background and lets go once it is finished or `linger` passed.
     /// [`ThreadedDriver::join_closed`] waits for that.
     pub fn close_in_background(&self, abort: bool, linger: Duration) {
-        self.shared.closed_here.store(true, Ordering::SeqCst);
-        self.shared.not_held_here();
+        self.shared.holders.closed_here();
         if self.shared.orphaned() {
             // A forked child's copy it never used: the connection is not
             // this process's to end.
@@ -1563,7 +1511,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
         {
             let mut d = self.shared.lock();
-            match self.shared.own.close(d.fabric().sharing(), abort) {
+            match self.shared.holders.close(d.fabric().sharing(), abort) {
                 Close::Now => self.shared.end_here(&mut d, abort),
                 // Frozen by a fork: the child may take it over; if it does
                 // not, the reactor reclaims it and ends it here then.
@@ -1601,8 +1549,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             return true;
         }
         let d = self.shared.lock();
-        let own = &self.shared.own;
-        own.taken(d.fabric().sharing()) || (!own.close_deferred() && d.is_finished())
+        let h = &self.shared.holders;
+        h.taken(d.fabric().sharing()) || (!h.close_deferred() && d.is_finished())
     }
 
     /// `close()`, then wait until the connection is finished or `timeout`
@@ -1831,11 +1779,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         if let Some(reg) = self.registration.lock().as_ref() {
             self.watch_peer_exit(&d, reg);
         }
-        match self.own.for_reactor(d.fabric().sharing(), fork_clock) {
+        match self.holders.for_reactor(d.fabric().sharing(), fork_clock) {
             ForReactor::Run => {}
             // A forked child took the connection: this copy is done.
             ForReactor::Gone => {
-                self.serving.lock().forget();
                 self.stop.store(true, Ordering::SeqCst);
                 self.released.store(true, Ordering::SeqCst);
                 return Next {
@@ -1852,16 +1799,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 };
             }
         }
-        if self.has_mailbox.load(Ordering::Acquire)
-            && !self.family_watched.swap(true, Ordering::SeqCst)
-            && let Some(mb) = self.mailbox()
+        if let Some(mb) = self.holders.family_to_watch()
             && let Some(reg) = self.registration.lock().as_ref()
             && let Err(e) = reg.watch_family(mb.family().bell())
         {
             crate::protect::log_once(&format!("reactor: {e}"));
         }
         self.look_at_stream(&mut d);
-        if let Some(abort) = self.own.take_deferred_close() {
+        if let Some(abort) = self.holders.take_deferred_close() {
             // Reclaimed after the fork's grace: a child that holds the
             // descriptor but has not called yet (a busy host) carries on.
             self.end_here(&mut d, abort);
@@ -1879,12 +1824,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
                 }
                 // The peer learns at once that this side is done.
                 d.fabric().finish();
-                if !d.fabric().sharing().has_left()
-                    && let Some(mb) = self.mailbox()
-                {
+                if !d.fabric().sharing().has_left() && self.holders.shared_by_fork() {
                     // Guests must not wait for a runner that let go.
                     let how = Shared::ending_for_guests(&d).unwrap_or(delegation::Ending::Reset);
-                    self.serving.lock().end(&mb, how);
+                    self.holders.end_for_guests(how);
                 }
                 self.stop.store(true, Ordering::SeqCst);
                 self.released.store(true, Ordering::SeqCst);
@@ -1954,13 +1897,8 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
             return Box::new(());
         }
         let guard = self.driver.lock();
-        self.own.freeze(guard.fabric().sharing(), fork_clock());
-        if !self.has_mailbox.load(Ordering::Acquire) {
-            // Before the copy, so both processes have it.
-            let mb = Mailbox::for_fork();
-            self.has_mailbox.store(mb.is_some(), Ordering::Release);
-            *self.mailbox.lock() = mb;
-        }
+        self.holders
+            .freeze_for_fork(guard.fabric().sharing(), fork_clock());
         // SAFETY: the guard borrows `self.driver`; the Arc stored next to it
         // keeps that alive, and `ForkHold` drops the guard first (field
         // order), so the borrow never outlives the mutex.
@@ -1978,11 +1916,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Participant for 
     }
 
     fn forked_holder(&self, pid: u32) {
-        if !self.closed_here.load(Ordering::SeqCst)
-            && let Some(mb) = self.mailbox()
-        {
-            mb.note_holder(pid);
-        }
+        self.holders.forked_holder(pid);
     }
 }
 
