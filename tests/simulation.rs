@@ -82,6 +82,10 @@ fn seeds_exercise_every_mechanism() {
         ("forks that hand a side to a child", summary.forks.forked),
         ("children that adopt the side", summary.forks.adopted),
         (
+            "children that exec and take the side up again",
+            summary.forks.child_execs,
+        ),
+        (
             "sides taken back by the parent after the grace",
             summary.forks.taken_back,
         ),

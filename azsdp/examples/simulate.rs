@@ -151,8 +151,8 @@ fn main() {
         );
         let f = &summary.forks;
         println!(
-            "  {} forks handed a side to a child: {} adopted by it, {} taken back by the parent after the grace, {} moved onto TCP for it",
-            f.forked, f.adopted, f.taken_back, f.moved_for_child
+            "  {} forks handed a side to a child: {} adopted by it ({} of those exec'd and took it up again), {} taken back by the parent after the grace, {} moved onto TCP for it",
+            f.forked, f.adopted, f.child_execs, f.taken_back, f.moved_for_child
         );
         println!(
             "  {} parents killed while running a side for their child, {} of those heirs carried on over TCP",

@@ -70,6 +70,9 @@ pub struct ForkOutcome {
     /// ... and the peer moved the stream onto TCP for the heir (nothing
     /// was lost with the parent).
     pub heirs_carried_on: u64,
+    /// A child that adopted the side exec'd, and its new image took the
+    /// parked engine up.
+    pub child_execs: u64,
 }
 
 impl ForkOutcome {
@@ -80,6 +83,7 @@ impl ForkOutcome {
         self.moved_for_child += o.moved_for_child;
         self.heirs += o.heirs;
         self.heirs_carried_on += o.heirs_carried_on;
+        self.child_execs += o.child_execs;
     }
 }
 

@@ -118,6 +118,10 @@ pub struct Fork {
     /// The parent is killed this long after the fork: while it runs the
     /// side for a child that has not called yet, the child is its heir.
     pub parent_dies: Option<Duration>,
+    /// A child that adopted the side execs a program that runs the shim
+    /// this long after its first call (sshd's re-exec per connection): its
+    /// engine parks once quiet and the parent has closed its copy.
+    pub child_execs: Option<Duration>,
 }
 
 impl Scenario {
@@ -233,10 +237,29 @@ fn fork_of(seed: u64) -> Option<Fork> {
             child_after: after(&mut r),
             parent_after: after(&mut r),
             parent_dies: None,
+            child_execs: None,
         };
         parent_dies(seed, &mut f);
+        child_execs(seed, &mut f);
         f
     })
+}
+
+/// One fork in two has the child exec once it adopted the side (a
+/// stream of its own, so that the forks' other draws stay as they were):
+/// mostly soon, while the parent may still hold its copy (the park waits
+/// for its close), sometimes after that.
+fn child_execs(seed: u64, f: &mut Fork) {
+    let mut r = Rng::new(seed ^ 0xc41d_e8ec);
+    if !r.chance(1.0 / 2.0) {
+        return;
+    }
+    f.child_execs = Some(match r.below(4) {
+        0 => {
+            f.parent_after.saturating_sub(f.child_after) + Duration::from_micros(r.range(1, 5_000))
+        }
+        _ => Duration::from_micros(r.range(0, 20_000)),
+    });
 }
 
 /// One fork in three kills the parent (a stream of its own, so that the

@@ -568,9 +568,14 @@ impl World {
                     // As the shim does: the connection moves onto TCP.
                     let why = self.drivers[side].park_blocker();
                     let calls = self.calls.keys().filter(|&&(s, _)| s == side).count();
+                    let parent = if self.fork_parent_holds(side) {
+                        ", the fork's parent holds its copy"
+                    } else {
+                        ""
+                    };
                     self.note(|| {
                         format!(
-                            "side {side}: engine did not park ({why:?}, {calls} calls); leaves the fabric"
+                            "side {side}: engine did not park ({why:?}, {calls} calls{parent}); leaves the fabric"
                         )
                     });
                     self.procs[side].exec = false;
@@ -702,12 +707,15 @@ impl World {
         }
     }
 
-    /// Park the engine once it is quiet, and take it up in a fresh driver
-    /// (new protector and host: the new image's), on the same endpoint,
-    /// after the pause the exec takes.
+    /// Park the engine once it is quiet (and, in a forked child, once the
+    /// parent closed its copy, as the shim's park waits for the other
+    /// holders to), and take it up in a fresh driver (new protector and
+    /// host: the new image's), on the same endpoint, after the pause the
+    /// exec takes.
     fn try_park(&mut self, side: usize) {
         let quiet = !self.calls.keys().any(|&(s, _)| s == side)
-            && self.drivers[side].park_blocker().is_none();
+            && self.drivers[side].park_blocker().is_none()
+            && !self.fork_parent_holds(side);
         if !quiet {
             return;
         }
@@ -734,13 +742,16 @@ impl World {
             Rc::clone(&self.tcp),
         );
         host.unprotectable = Rc::clone(&self.drivers[side].host().unprotectable);
-        let ep = SimEndpoint::new(Rc::clone(&self.fabric), side);
+        let ep = self.endpoint_after_exec(side);
         match Driver::unpark(&bytes, ep, p, host) {
             Ok(d) => {
                 self.note(|| format!("side {side}: parked {} bytes, taken up", bytes.len()));
                 self.drivers[side] = d;
                 self.protect[side] = log;
                 self.procs[side].parked += 1;
+                if self.procs[side].fork.is_some() {
+                    self.fork_outcome.child_execs += 1;
+                }
             }
             Err(e) => {
                 self.violations.push(format!("side {side}: unpark: {e}"));

@@ -58,6 +58,8 @@ pub(super) struct ForkState {
     child_started: bool,
     /// The parent's reactor took the side back after the grace.
     parent_ran: bool,
+    /// The parent closed its copy.
+    parent_closed: bool,
     /// The parent was killed.
     parent_dead: bool,
     /// ... while it ran the side: its engine is gone, and the child holds
@@ -88,6 +90,7 @@ impl World {
             forked_at: None,
             child_started: false,
             parent_ran: false,
+            parent_closed: false,
             parent_dead: false,
             runner_dead: false,
             died_at: Timestamp::ZERO,
@@ -136,6 +139,28 @@ impl World {
         );
         if let Some(after) = sc.parent_dies {
             self.schedule(now + after, WEvent::ForkParentDies(side));
+        }
+    }
+
+    /// Does the parent of `side`'s fork still hold its copy of the
+    /// descriptor (a child's exec waits for its close before it parks)?
+    pub(super) fn fork_parent_holds(&self, side: usize) -> bool {
+        self.procs[side]
+            .fork
+            .as_ref()
+            .is_some_and(|f| f.child.is_some() && !f.parent_closed && !f.parent_dead)
+    }
+
+    /// The endpoint an exec's new image takes `side` up on: the process
+    /// keeps its pid, so a forked child's copy stays the child's.
+    pub(super) fn endpoint_after_exec(&self, side: usize) -> SimEndpoint {
+        match self.procs[side]
+            .fork
+            .as_ref()
+            .and_then(|f| f.child.as_ref())
+        {
+            Some(child) if child.ep.ownership() == Ownership::Mine => child.ep.clone(),
+            _ => SimEndpoint::new(std::rc::Rc::clone(&self.fabric), side),
         }
     }
 
@@ -346,6 +371,10 @@ impl World {
                 child.own.adopted(pid);
                 self.note(|| format!("side {side}: child {pid} adopts the side"));
                 self.fork_outcome.adopted += 1;
+                if let Some(after) = self.sc.fork.and_then(|f| f.child_execs) {
+                    // sshd's child re-executes itself.
+                    self.schedule(self.now + after, WEvent::Exec(side));
+                }
                 let p = SimProtector::new(
                     side,
                     std::rc::Rc::clone(&self.mems),
@@ -374,19 +403,21 @@ impl World {
 
     /// The parent closes its copy.
     pub(super) fn fork_parent_closes(&mut self, side: usize) {
-        let f = self.procs[side].fork.as_ref().expect("a fork");
+        let f = self.procs[side].fork.as_mut().expect("a fork");
         if self.procs[side].dead || f.parent_dead {
             return;
         }
+        f.parent_closed = true;
         match f.parent.own.close(&f.parent.ep, false) {
             Close::Now => {
                 self.note(|| format!("side {side}: the parent closes its copy"));
                 self.end_in_parent(side, false);
-                self.settle(side);
             }
             Close::Deferred => self.note(|| format!("side {side}: the parent's close deferred")),
-            Close::NotOurs => {}
+            Close::NotOurs => self.note(|| format!("side {side}: the parent closes its copy")),
         }
+        // A child's exec may have waited for this close.
+        self.settle(side);
     }
 
     /// The parent's reactor looks at the side (a timer of its own).
