@@ -925,7 +925,7 @@ impl Reactor {
                     ..Next::default()
                 },
             };
-            self.apply(id, generation, next);
+            let _ = self.apply(id, generation, next);
         }
     }
 
@@ -982,15 +982,18 @@ impl Reactor {
         self.ring();
     }
 
-    fn apply(&self, id: usize, generation: u32, next: Next) {
+    /// Do what a service of `id` asked for. Whether it set a timer sooner
+    /// than every one before (the sleeper, which took its timeout from
+    /// the earliest, would not wake for it).
+    fn apply(&self, id: usize, generation: u32, next: Next) -> bool {
         if next.done {
             self.remove(id, generation);
-            return;
+            return false;
         }
-        let rearm = {
+        let (rearm, sooner) = {
             let mut st = self.inner.lock();
             let Some(e) = st.entry(id, generation) else {
-                return;
+                return false;
             };
             let mut push = None;
             if let Some(at) = next.at
@@ -1004,18 +1007,24 @@ impl Reactor {
                 e.fds.clone()
             });
             let park = next.parked && !std::mem::replace(&mut e.parked, true);
+            let mut sooner = false;
             if let Some(at) = push {
+                sooner = st
+                    .timers
+                    .peek()
+                    .is_none_or(|Reverse((top, _, _))| at < *top);
                 st.timers.push(Reverse((at, id, generation)));
             }
             if park {
                 st.parked.push((id, generation));
                 self.parked.store(st.parked.len(), Ordering::SeqCst);
             }
-            rearm
+            (rearm, sooner)
         };
         for fd in rearm.into_iter().flatten() {
             let _ = self.ctl(libc::EPOLL_CTL_MOD, fd, token(id, generation), true);
         }
+        sooner
     }
 }
 
@@ -1045,6 +1054,25 @@ impl Registration {
     pub fn wake(&self) {
         if self.reactor.pid == crate::process::pid() {
             self.reactor.wake(self.id, self.generation);
+        }
+    }
+
+    /// The connection's owner serviced it itself (its first look, as it
+    /// registers): do what that service asked, and wake the reactor only
+    /// if it must look sooner than it would anyway (a new connection
+    /// costs it no wake-up while other timers are earlier).
+    pub fn serviced_here(&self, next: Next) {
+        let r = &self.reactor;
+        if r.pid != crate::process::pid() {
+            return;
+        }
+        if next.done || next.parked {
+            // (Rare at a first look: left to the reactor as before.)
+            r.wake(self.id, self.generation);
+            return;
+        }
+        if r.apply(self.id, self.generation, next) {
+            r.signal();
         }
     }
 
@@ -1232,14 +1260,26 @@ mod tests {
     }
 
     fn probe(r: &Arc<Reactor>) -> (Arc<Probe>, Registration, Receiver<Seen>) {
+        probe_registered(r, true)
+    }
+
+    /// A probe registered with a first look (`looked`) or without.
+    fn probe_registered(
+        r: &Arc<Reactor>,
+        looked: bool,
+    ) -> (Arc<Probe>, Registration, Receiver<Seen>) {
         let (tx, rx) = unbounded();
         let p = Arc::new(Probe {
             seen: tx,
             next: Lock::new(Next::default()),
         });
         let weak: Weak<dyn Serviced> = Arc::downgrade(&p) as Weak<dyn Serviced>;
-        let reg = r.register(weak, &[]).expect("register");
-        (p, reg, rx)
+        let reg = if looked {
+            r.register(weak, &[])
+        } else {
+            r.register_watching(weak, &[])
+        };
+        (p, reg.expect("register"), rx)
     }
 
     const LONG: Duration = Duration::from_secs(10);
@@ -1294,6 +1334,40 @@ mod tests {
         );
         // A bad descriptor is an error, not a watch.
         assert!(r.when_ready(-1, libc::EPOLLIN as u32, waker(4)).is_err());
+    }
+
+    /// A first look its owner took in place (no wake-up): the timer it
+    /// asks for is kept, whether it is the earliest (then the reactor is
+    /// woken to sleep less) or not (it wakes for the earlier one first).
+    #[test]
+    fn a_look_taken_in_place_keeps_its_timer_sooner_or_later() {
+        let r = Reactor::get().expect("reactor");
+        let (p, reg, seen) = probe_registered(&r, false);
+        assert!(
+            seen.recv_timeout(Duration::from_millis(100)).is_err(),
+            "registered without a look"
+        );
+        for (earlier, at) in [(None, 50), (Some(30), 120)] {
+            let (_q, other, _other_seen) = probe(&r);
+            let t0 = Instant::now();
+            if let Some(ms) = earlier {
+                other.serviced_here(Next {
+                    at: Some(t0 + Duration::from_millis(ms)),
+                    ..Next::default()
+                });
+            }
+            reg.serviced_here(Next {
+                at: Some(t0 + Duration::from_millis(at)),
+                ..Next::default()
+            });
+            assert_eq!(seen.recv_timeout(LONG).unwrap(), (false, false, false, 0));
+            let took = t0.elapsed();
+            assert!(took >= Duration::from_millis(at), "{took:?}");
+            // (Not the backstop look, a second later.)
+            assert!(took < Duration::from_millis(at + 800), "{took:?}");
+        }
+        drop(reg);
+        drop(p);
     }
 
     #[test]

@@ -388,8 +388,15 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         // In place before the lock goes: a look the reactor tried meanwhile
         // is asked for again when it does (see `Locked::drop`).
         *self.registration.lock() = Some(reg);
-        drop(d);
-        self.wake_reactor();
+        // The reactor's first look, taken here while we hold the lock: it
+        // arms the fabric (the peer rings from now on) and says when to
+        // look next; the reactor wakes for it only if that is sooner than
+        // it would anyway (one wake-up per connection was a tenth of a
+        // pair's context switches).
+        let next = self.service_locked(d, false, Instant::now());
+        if let Some(reg) = self.registration.lock().as_ref() {
+            reg.serviced_here(next);
+        }
     }
 
     /// In a forked child, before adopting: the threads are the parent's.
