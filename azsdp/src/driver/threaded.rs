@@ -768,6 +768,27 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
 
     /// The reactor is needed now, though calls ran a moment ago: off
     /// standby (see [`standby`]) until the next call.
+    /// Do `act` on the engine and turn it on this thread, as a wake-up of
+    /// the reactor would have it turned (the wake-up cost more than the
+    /// turn: one or two per connection that joins from TCP), telling
+    /// readiness waiters and blocked callers what changed.
+    fn act_and_turn<T>(&self, act: impl FnOnce(&mut Driver<F, P>) -> T) -> T {
+        let r = {
+            let mut d = self.lock();
+            let before = d.connection().readiness();
+            let r = act(&mut d);
+            if self.turn_all(&mut d, 0) == 0
+                && d.connection().readiness() != before
+                && let Some(n) = &self.notify
+            {
+                n();
+            }
+            r
+        };
+        self.waiter.kick();
+        r
+    }
+
     fn end_standby(&self) {
         self.last_exit.store(0, Ordering::SeqCst);
         self.wake_reactor();
@@ -1364,9 +1385,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// Only the process that runs the connection joins.
     pub fn join_tx(&self, tcp_sent: u64) {
         if self.shared.make_mine() {
-            self.shared.lock().join_tx(tcp_sent);
-            self.shared.waiter.kick();
-            self.shared.wake_reactor();
+            self.shared.act_and_turn(|d| d.join_tx(tcp_sent));
         }
     }
 
@@ -1374,9 +1393,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// runs the connection allows it).
     pub fn allow_join(&self) {
         if self.shared.make_mine() {
-            self.shared.lock().allow_join();
-            self.shared.waiter.kick();
-            self.shared.wake_reactor();
+            self.shared.act_and_turn(|d| d.allow_join());
         }
     }
 
@@ -1419,9 +1436,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
 
     /// The program took `n` bytes from TCP while the route said so.
     pub fn took_from_tcp(&self, n: u64) -> Result<(), CallError> {
-        let r = self.shared.lock().took_from_tcp(n);
-        self.shared.waiter.kick();
-        self.shared.wake_reactor();
+        let r = self.shared.act_and_turn(|d| d.took_from_tcp(n));
+        if r.is_err() {
+            // Aborted: the reactor finishes it.
+            self.shared.wake_reactor();
+        }
         r
     }
 
