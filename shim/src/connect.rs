@@ -233,15 +233,57 @@ pub(crate) fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), 
     let Some(accepted) = answer.fds.first() else {
         return Err("the answer carries no socket".into());
     };
+    is_far_end(fd, accepted.as_fd())
+}
+
+/// Is `accepted` the far end of our connection `fd`?
+fn is_far_end(fd: c_int, accepted: BorrowedFd<'_>) -> Result<(), String> {
     if !sock_diag::is_tcp(accepted.as_fd()) {
         return Err("the answer's socket is not TCP".into());
     }
-    let theirs = sock_diag::cookie_of(accepted.as_fd()).map_err(|e| e.to_string())?;
+    // SAFETY: `fd` is the program's socket, open for this call.
+    let ours = unsafe { BorrowedFd::borrow_raw(fd) };
+    // The kernel keeps one connected TCP socket per address four-tuple in
+    // a network namespace: a connected socket of ours whose addresses are
+    // ours swapped is the far end of our connection (no netlink lookup,
+    // a tenth of a pair's client-side CPU). Not our own socket, as a
+    // connection to itself would be.
     let (local, peer) = net::local_of(fd)
         .zip(net::peer_of(fd))
         .ok_or("our socket has no addresses")?;
-    // SAFETY: `fd` is the program's socket, open for this call.
-    let ours = unsafe { BorrowedFd::borrow_raw(fd) };
+    let namespaces = sock_diag::netns_cookie(ours).zip(sock_diag::netns_cookie(accepted.as_fd()));
+    let Some((here, there)) = namespaces else {
+        // A kernel older than 5.14 (no SO_NETNS_COOKIE): ask sock_diag.
+        return far_end_is(accepted.as_fd(), local, peer, ours);
+    };
+    if here != there {
+        return Err("the answer's socket is in another network namespace".into());
+    }
+    let (their_local, their_peer) = net::local_of(accepted.as_raw_fd())
+        .zip(net::peer_of(accepted.as_raw_fd()))
+        .ok_or("the answer's socket is not connected")?;
+    let same = |a: SocketAddr, b: SocketAddr| {
+        a.port() == b.port() && net::canonical(a.ip()) == net::canonical(b.ip())
+    };
+    if !same(their_local, peer) || !same(their_peer, local) {
+        return Err("the answer's socket is not the far end of our connection".into());
+    }
+    let theirs = sock_diag::cookie_of(accepted.as_fd()).map_err(|e| e.to_string())?;
+    if sock_diag::cookie_of(ours).is_ok_and(|c| c == theirs) {
+        return Err("the answer's socket is our own".into());
+    }
+    Ok(())
+}
+
+/// Is `accepted` the far end of our connection `local` -> `peer` (the
+/// netlink lookup)?
+fn far_end_is(
+    accepted: BorrowedFd<'_>,
+    local: SocketAddr,
+    peer: SocketAddr,
+    ours: BorrowedFd<'_>,
+) -> Result<(), String> {
+    let theirs = sock_diag::cookie_of(accepted).map_err(|e| e.to_string())?;
     let far = sock_diag::far_end(local, peer, Netns::Of(ours))
         .map_err(|e| format!("sock_diag: {e}"))?
         .ok_or("the kernel knows no far end of our connection")?;
@@ -405,4 +447,32 @@ pub fn connect(
         to,
         local,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream, UdpSocket};
+
+    /// Only the far end of our connection passes: not our own socket, not
+    /// the far end of another connection to the same listener, not a
+    /// socket that is not connected, not a socket of another kind.
+    #[test]
+    fn only_the_far_end_of_our_connection_is_taken_for_it() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (far, _) = l.accept().unwrap();
+        let other = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (other_far, _) = l.accept().unwrap();
+        let fd = ours.as_raw_fd();
+        assert_eq!(is_far_end(fd, far.as_fd()), Ok(()));
+        assert!(is_far_end(fd, ours.as_fd()).is_err(), "our own");
+        assert!(is_far_end(fd, other_far.as_fd()).is_err(), "another's");
+        assert!(is_far_end(fd, other.as_fd()).is_err(), "another client");
+        assert!(is_far_end(fd, l.as_fd()).is_err(), "not connected");
+        let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+        assert!(is_far_end(fd, udp.as_fd()).is_err(), "not TCP");
+        // The far end of the other connection is its far end.
+        assert_eq!(is_far_end(other.as_raw_fd(), other_far.as_fd()), Ok(()));
+    }
 }
