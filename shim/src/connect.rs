@@ -238,7 +238,7 @@ pub(crate) fn answer_holds_our_peer(fd: c_int, answer: &Received) -> Result<(), 
 
 /// Is `accepted` the far end of our connection `fd`?
 fn is_far_end(fd: c_int, accepted: BorrowedFd<'_>) -> Result<(), String> {
-    if !sock_diag::is_tcp(accepted.as_fd()) {
+    if !sock_diag::is_tcp(accepted) {
         return Err("the answer's socket is not TCP".into());
     }
     // SAFETY: `fd` is the program's socket, open for this call.
@@ -251,10 +251,10 @@ fn is_far_end(fd: c_int, accepted: BorrowedFd<'_>) -> Result<(), String> {
     let (local, peer) = net::local_of(fd)
         .zip(net::peer_of(fd))
         .ok_or("our socket has no addresses")?;
-    let namespaces = sock_diag::netns_cookie(ours).zip(sock_diag::netns_cookie(accepted.as_fd()));
+    let namespaces = sock_diag::netns_cookie(ours).zip(sock_diag::netns_cookie(accepted));
     let Some((here, there)) = namespaces else {
         // A kernel older than 5.14 (no SO_NETNS_COOKIE): ask sock_diag.
-        return far_end_is(accepted.as_fd(), local, peer, ours);
+        return far_end_is(accepted, local, peer, ours);
     };
     if here != there {
         return Err("the answer's socket is in another network namespace".into());
@@ -262,13 +262,10 @@ fn is_far_end(fd: c_int, accepted: BorrowedFd<'_>) -> Result<(), String> {
     let (their_local, their_peer) = net::local_of(accepted.as_raw_fd())
         .zip(net::peer_of(accepted.as_raw_fd()))
         .ok_or("the answer's socket is not connected")?;
-    let same = |a: SocketAddr, b: SocketAddr| {
-        a.port() == b.port() && net::canonical(a.ip()) == net::canonical(b.ip())
-    };
-    if !same(their_local, peer) || !same(their_peer, local) {
+    if !net::same_addr(their_local, peer) || !net::same_addr(their_peer, local) {
         return Err("the answer's socket is not the far end of our connection".into());
     }
-    let theirs = sock_diag::cookie_of(accepted.as_fd()).map_err(|e| e.to_string())?;
+    let theirs = sock_diag::cookie_of(accepted).map_err(|e| e.to_string())?;
     if sock_diag::cookie_of(ours).is_ok_and(|c| c == theirs) {
         return Err("the answer's socket is our own".into());
     }

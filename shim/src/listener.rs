@@ -186,13 +186,8 @@ impl Offer {
     /// May this be the offer of the connection accepted from `peer`? Yes
     /// if its note names `peer` or has not come.
     fn may_be_from(&self, peer: SocketAddr) -> bool {
-        self.from.is_none_or(|f| same_addr(f, peer))
+        self.from.is_none_or(|f| net::same_addr(f, peer))
     }
-}
-
-/// The same address, an IPv4 one and its IPv6-mapped form alike.
-fn same_addr(a: SocketAddr, b: SocketAddr) -> bool {
-    a.port() == b.port() && net::canonical(a.ip()) == net::canonical(b.ip())
 }
 
 /// Notes read per `accept()` at most: a client that never sends its note

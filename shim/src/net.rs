@@ -135,6 +135,11 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The same address, an IPv4 one and its IPv6-mapped form alike.
+pub fn same_addr(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port() && canonical(a.ip()) == canonical(b.ip())
+}
+
 /// Is `ip` an address of this host (this network namespace)?
 pub fn is_local(ip: IpAddr) -> bool {
     let ip = canonical(ip);

@@ -1157,15 +1157,11 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
     /// processes that may hold its descriptor: forked with it, or that made
     /// calls)? Cheap when no fork copied it.
     pub fn serves_others(&self) -> bool {
-        let Some(mb) = self.shared.holders.mailbox() else {
-            return false;
-        };
-        !self.shared.orphaned()
-            && !self
-                .shared
-                .holders
-                .taken(self.shared.lock().fabric().sharing())
-            && mb.has_other_holders(process::pid())
+        let h = &self.shared.holders;
+        h.shared_by_fork()
+            && !self.shared.orphaned()
+            && !h.taken(self.shared.lock().fabric().sharing())
+            && h.guests().is_some()
     }
 
     /// This process runs the connection for others and is about to go
