@@ -766,8 +766,6 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
     }
 
-    /// The reactor is needed now, though calls ran a moment ago: off
-    /// standby (see [`standby`]) until the next call.
     /// Do `act` on the engine and turn it on this thread, as a wake-up of
     /// the reactor would have it turned (the wake-up cost more than the
     /// turn: one or two per connection that joins from TCP), telling
@@ -777,27 +775,20 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             let mut d = self.lock();
             let before = d.connection().readiness();
             let r = act(&mut d);
-            if self.turn_all(&mut d, 0) == 0
-                && d.connection().readiness() != before
-                && let Some(n) = &self.notify
-            {
-                n();
-            }
+            self.turn_all_since(&mut d, 0, before);
             r
         };
         self.waiter.kick();
         r
     }
 
+    /// The reactor is needed now, though calls ran a moment ago: off
+    /// standby (see [`standby`]) until the next call.
     fn end_standby(&self) {
         self.last_exit.store(0, Ordering::SeqCst);
         self.wake_reactor();
     }
 
-    /// Hand the faults that wait to the engine: completions already
-    /// delivered may have settled their pages, and what a fault starts may
-    /// complete at once (a compare-and-swap on shared memory), which the
-    /// turn that follows delivers.
     /// Hand the fabric what the reactor brought for it: mail, and news
     /// that the peer's process may have exited.
     fn take_news(&self, d: &mut Driver<F, P>) {
@@ -813,6 +804,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         }
     }
 
+    /// Hand the faults that wait to the engine: completions already
+    /// delivered may have settled their pages, and what a fault starts may
+    /// complete at once (a compare-and-swap on shared memory), which the
+    /// turn that follows delivers.
     fn take_faults(&self, d: &mut Driver<F, P>) -> usize {
         let faults = self.faults.lock();
         let Some(src) = faults.as_ref() else {
@@ -835,6 +830,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// did and `others` of them may be waiting for it.
     fn turn_all(&self, d: &mut Driver<F, P>, others: usize) -> usize {
         let before = d.connection().readiness();
+        self.turn_all_since(d, others, before)
+    }
+
+    /// [`Shared::turn_all`], telling readiness waiters if readiness moved
+    /// from `before` (taken before the caller's own step on the engine).
+    fn turn_all_since(&self, d: &mut Driver<F, P>, others: usize, before: Readiness) -> usize {
         self.take_news(d);
         let mut total = self.take_faults(d);
         loop {
