@@ -19,12 +19,16 @@ pub(super) fn create(
     len: usize,
     seals: SealFlag,
 ) -> std::io::Result<(OwnedFd, MmapMut)> {
-    let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
-    let file = std::fs::File::from(fd.try_clone()?);
+    // (One descriptor, sized as a `File` and handed back as an `OwnedFd`:
+    // no duplicate to make and close per pair.)
+    let file = std::fs::File::from(memfd_create(
+        name,
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )?);
     crate::file_size::set_len(&file, len as u64)?;
     // SAFETY: a fresh memfd of `len` bytes, mapped shared; nobody else has
     // it yet.
     let map = unsafe { MmapOptions::new().len(len).map_mut(&file)? };
-    fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))?;
-    Ok((fd, map))
+    fcntl(&file, FcntlArg::F_ADD_SEALS(seals))?;
+    Ok((OwnedFd::from(file), map))
 }
