@@ -11,6 +11,7 @@
 #
 #   benches/scripts/scale.sh [N=10000] [ROUNDS=2]
 #
+# SHAPES (default: all three) picks some, e.g. SHAPES=serve-threads.
 # Needs a release build (cargo build --release -p azsdp-shim
 # -p azsdp-daemon --bins) and a hard descriptor limit above N + 1000.
 set -uo pipefail
@@ -74,7 +75,7 @@ PY
 median() { sort -n | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'; }
 
 echo "# $N at once; per run: total connect exchange close (ms), client and server CPU (s)"
-for shape in serve serve-threads serve-prefork; do
+for shape in ${SHAPES:-serve serve-threads serve-prefork}; do
   before=$(cut -d' ' -f1-3 /proc/loadavg)
   : > "$DIR/tcp"; : > "$DIR/az"
   for r in $(seq "$ROUNDS"); do

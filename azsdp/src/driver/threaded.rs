@@ -31,7 +31,8 @@ use super::ownership::{self, Close, Ending, FORK_GRACE, ForReactor, Use};
 use super::reactor::{self, Next, Reactor, Registration, Serviced, Wake};
 use super::{Driver, Protector, standby};
 use crate::conn::{
-    Access, CallError, CallId, Counters, Readiness, RecvFlags, SendFlags, Shutdown, State, TxMode,
+    Access, CallError, CallId, Counters, Readiness, RecvFlags, RxRoute, SendFlags, Shutdown, State,
+    TxMode,
 };
 use crate::fabric::{Armed, FabricWaiter, Watched as Fabric};
 use crate::process::{self, HeldBounds, Inside, Participant};
@@ -42,9 +43,14 @@ use crate::time::Timestamp;
 /// wake-ups (the peer's ring, the reactor's kick when the peer's process
 /// dies); it doubles while nothing comes, up to [`LONGEST_CALL_NAP`], so that
 /// ten thousand threads blocked on idle connections leave the CPUs alone
-/// (at a fixed 20 ms they made the load average pass 1,000).
-const MAX_NAP: Duration = Duration::from_millis(20);
+/// (at a fixed 20 ms they made the load average pass 1,000). Not shorter:
+/// from 20 ms, a thread blocked 1.2 s for its request woke six times where
+/// TCP's wakes once, a context switch each (docs/shim.md).
+const FIRST_CALL_NAP: Duration = Duration::from_millis(200);
 const LONGEST_CALL_NAP: Duration = Duration::from_secs(1);
+/// How often the reactor looks at a connection frozen by a fork, for the
+/// claim of the process that takes it.
+const FROZEN_LOOK: Duration = Duration::from_millis(20);
 
 struct Shared<F: Fabric, P: Protector> {
     /// The connection's place in the reactor; dropped (its descriptors no
@@ -489,7 +495,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         deadline: Option<Instant>,
         mut ready: impl FnMut(&mut Driver<F, P>) -> Option<T>,
     ) -> Option<T> {
-        let mut longest = MAX_NAP;
+        let mut longest = FIRST_CALL_NAP;
         loop {
             if self.holders.frozen() && !self.make_mine() {
                 break None;
@@ -773,7 +779,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     fn act_and_turn<T>(&self, act: impl FnOnce(&mut Driver<F, P>) -> T) -> T {
         let r = {
             let mut d = self.lock();
-            let before = d.connection().readiness();
+            let before = Seen::of(&d);
             let r = act(&mut d);
             self.turn_all_since(&mut d, 0, before);
             r
@@ -829,13 +835,14 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// Turn until nothing more arrives; kick sleeping callers if anything
     /// did and `others` of them may be waiting for it.
     fn turn_all(&self, d: &mut Driver<F, P>, others: usize) -> usize {
-        let before = d.connection().readiness();
+        let before = Seen::of(d);
         self.turn_all_since(d, others, before)
     }
 
-    /// [`Shared::turn_all`], telling readiness waiters if readiness moved
-    /// from `before` (taken before the caller's own step on the engine).
-    fn turn_all_since(&self, d: &mut Driver<F, P>, others: usize, before: Readiness) -> usize {
+    /// [`Shared::turn_all`], telling readiness waiters if what they look
+    /// at moved from `before` (taken before the caller's own step on the
+    /// engine).
+    fn turn_all_since(&self, d: &mut Driver<F, P>, others: usize, before: Seen) -> usize {
         self.take_news(d);
         let mut total = self.take_faults(d);
         loop {
@@ -865,13 +872,42 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             // both go on the TCP socket, which the kernel shares.
             d.leave_fabric();
         }
-        // Timers change readiness too (a peer that timed out).
-        if (total > 0 || d.connection().readiness() != before)
+        // Only when what they look at moved: a handshake's step, a credit
+        // or a completion that moves none of it would wake every thread
+        // blocked on the connection for nothing. Timers move it too (a
+        // peer that timed out).
+        if Seen::of(d) != before
             && let Some(n) = &self.notify
         {
             n();
         }
         total
+    }
+}
+
+/// What readiness waiters outside the engine look at: its readiness
+/// (whose counters grow with every arrival and drain, for edge-triggered
+/// waiters) and, while the connection joins from TCP, where receives read
+/// and whether our side may join (`shim/src/join.rs`). Not the handshake
+/// as such: a listener's receiver, blocked until the client joins, has
+/// nothing to do when it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Seen {
+    readiness: Readiness,
+    route: RxRoute,
+    may_join: bool,
+    tx_joined: bool,
+}
+
+impl Seen {
+    fn of<F: Fabric, P: Protector>(d: &Driver<F, P>) -> Seen {
+        let c = d.connection();
+        Seen {
+            readiness: c.readiness(),
+            route: c.rx_route(),
+            may_join: c.may_join_tx(),
+            tx_joined: c.tx_joined(),
+        }
     }
 }
 
@@ -1817,7 +1853,7 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
             // reactor takes it back: the child did not want it).
             ForReactor::Wait => {
                 return Next {
-                    at: Some(now + MAX_NAP),
+                    at: Some(now + FROZEN_LOOK),
                     ..Next::default()
                 };
             }

@@ -190,6 +190,16 @@ impl Connection {
         self.state == super::State::Established
     }
 
+    /// May our sending direction join now, by §8b's rule: the client once
+    /// the handshake is done, the listener once the client's JOIN is in.
+    /// (The caller still picks the moment: no send of its under way.)
+    pub fn may_join_tx(&self) -> bool {
+        match self.cfg.role {
+            super::Role::Client => self.established(),
+            super::Role::Server => self.join.peer.is_some(),
+        }
+    }
+
     /// Our sending direction joins the fabric: `tcp_sent` bytes of our
     /// stream went over TCP, the rest goes here. Once, before any send
     /// through the engine (a second call, or one on a connection that did

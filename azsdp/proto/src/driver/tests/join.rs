@@ -199,6 +199,24 @@ fn the_listener_answers_once_it_allows_the_join() {
     assert!(e.client.established() && e.server.established());
 }
 
+/// §8b's rule of who may join when: the client once the handshake is
+/// done, the listener once the client's JOIN is in (the handshake alone
+/// is not enough: its program may still sleep on the TCP socket alone).
+#[test]
+fn the_client_may_join_once_answered_the_listener_once_the_client_joined() {
+    let mut e = Engines::new();
+    let now = e.now;
+    assert!(!e.client.may_join_tx() && !e.server.may_join_tx());
+    e.server.allow_join(now);
+    e.exchange();
+    assert!(e.client.established() && e.server.established());
+    assert!(e.client.may_join_tx());
+    assert!(!e.server.may_join_tx(), "the handshake alone");
+    e.client.join_tx(now, 3);
+    e.exchange();
+    assert!(e.server.may_join_tx());
+}
+
 /// A listener that forks the connection before the handshake forbids the
 /// join: no HELLO_ACK ever goes, and leaving needs no SWITCH (nothing went
 /// on the fabric); its ABORT (`StaysOnTcp`) tells the client, which
