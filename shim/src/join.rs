@@ -154,15 +154,9 @@ impl Joining {
             // of ours went on it: the socket carries it all.
             return false;
         }
-        let peer_joined = !matches!(c.driver.rx_route(), RxRoute::Tcp { left: None });
         // The client joins once answered (the listener allowed it); the
         // listener once the client's JOIN is in.
-        let may = if self.after_peer {
-            peer_joined
-        } else {
-            c.driver.established()
-        };
-        if tx.inflight > 0 || !(force || may) {
+        if tx.inflight > 0 || !(force || c.driver.may_join_tx()) {
             return false;
         }
         c.driver.join_tx(tx.sent);

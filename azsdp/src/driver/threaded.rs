@@ -1450,9 +1450,12 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         }
     }
 
-    /// Is the engine's handshake done?
-    pub fn established(&self) -> bool {
-        self.shared.lock().connection().established()
+    /// May our sending direction join the fabric now, by §8b's rule
+    /// (`Connection::may_join_tx`), after taking in what came?
+    pub fn may_join_tx(&self) -> bool {
+        let mut d = self.shared.lock();
+        self.shared.turn_all(&mut d, 0);
+        d.connection().may_join_tx()
     }
 
     /// Has our sending direction joined the fabric (or begun there)?
