@@ -6,7 +6,7 @@
 //! change rings while a thread waits in the set ([`Watchers`]).
 //! `epoll_wait` reports upgraded sockets from their engines' readiness:
 //! level-triggered ones whenever ready; edge-triggered ones when their
-//! readiness gained a bit or their engine took something in since the last
+//! readiness gained a bit, or data arrived (room was made) since the last
 //! report; one-shot ones once until re-armed with EPOLL_CTL_MOD.
 //!
 //! As in the kernel, a wait looks only at sockets that may be ready, not at

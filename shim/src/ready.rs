@@ -152,8 +152,9 @@ impl Wakeup {
 }
 
 static SLEEPERS: Lock<Vec<std::sync::Weak<Wakeup>>> = Lock::new(Vec::new());
-/// Wakeups armed now. Engines notify after every turn that took something
-/// in; with no one asleep that is one load, not a lock. (A sleeper counts
+/// Wakeups armed now. Engines notify after every turn that moved what
+/// waiters look at (readiness, and a joining connection's route); with no
+/// one asleep that is one load, not a lock. (A sleeper counts
 /// itself before it looks at the engines, so it sees any change whose
 /// notification found the count at zero.)
 static ARMED: AtomicUsize = AtomicUsize::new(0);
