@@ -875,10 +875,12 @@ fn a_receiver_blocked_on_a_quiet_connection_wakes_only_now_and_then() {
         .collect();
     assert_eq!(wakes.len(), 6, "{log}");
     wakes.sort_unstable();
-    // The looks after 200 ms and 400 ms, the request, and one to spare (a
-    // lock the reactor held); from 20 ms it was 6.
+    // The looks after 200 and 600 ms, the request, and two to spare (a
+    // loaded host oversleeps the client's 1.2 s past the look at 1.4 s; the
+    // JOIN may come while the thread waits); from 20 ms it was 6 (looks at
+    // 20, 60, 140, 300, 620 ms and the request), whatever the load.
     eprintln!("wake-ups per blocked recv(): {wakes:?}");
-    assert!(wakes[3] <= 4, "wake-ups per blocked recv(): {wakes:?}");
+    assert!(wakes[3] <= 5, "wake-ups per blocked recv(): {wakes:?}");
 }
 
 /// Keep-alive requests against an edge-triggered epoll server, as ab's
