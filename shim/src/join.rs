@@ -18,20 +18,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use azsdp::conn::{Readiness, RxRoute};
+use azsdp::driver::threaded::{FIRST_CALL_NAP, LONGEST_CALL_NAP};
 use azsdp::sync::Lock;
 use libc::{c_int, ssize_t};
 
 use crate::conn::Conn;
 use crate::log::info;
 use crate::real;
-
-/// The first sleep of a wait before it looks again (a safety net under
-/// the notifications); it doubles while nothing comes, up to
-/// [`LONGEST_SLICE`], so that ten thousand threads blocked on idle
-/// connections leave the CPUs alone. (From 20 ms, a receiver that waited
-/// 1.2 s woke six times where TCP's wakes once.)
-const SLICE: Duration = Duration::from_millis(200);
-const LONGEST_SLICE: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 struct Tx {
@@ -247,7 +240,11 @@ impl Joining {
     ) -> Received {
         self.allow(c);
         let signals = crate::signals::CallSignals::default();
-        let mut slice = SLICE;
+        // Looks again now and then (a safety net under the notifications),
+        // as a blocked call on the fabric does: from its first nap,
+        // doubling while nothing comes, so that ten thousand threads
+        // blocked on idle connections leave the CPUs alone.
+        let mut slice = FIRST_CALL_NAP;
         loop {
             // (Joining needs no send of ours: a program that only reads
             // gets the peer's stream on the fabric too.)
@@ -308,7 +305,7 @@ impl Joining {
                 libc::POLLIN,
                 left_time.map_or(slice, |l| l.min(slice)),
             );
-            slice = (slice * 2).min(LONGEST_SLICE);
+            slice = (slice * 2).min(LONGEST_CALL_NAP);
         }
     }
 

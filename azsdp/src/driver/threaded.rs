@@ -45,9 +45,10 @@ use crate::time::Timestamp;
 /// ten thousand threads blocked on idle connections leave the CPUs alone
 /// (at a fixed 20 ms they made the load average pass 1,000). Not shorter:
 /// from 20 ms, a thread blocked 1.2 s for its request woke six times where
-/// TCP's wakes once, a context switch each (docs/shim.md).
-const FIRST_CALL_NAP: Duration = Duration::from_millis(200);
-const LONGEST_CALL_NAP: Duration = Duration::from_secs(1);
+/// TCP's wakes once, a context switch each (docs/shim.md). The shim's
+/// wait of a receive on a connection still joining sleeps the same.
+pub const FIRST_CALL_NAP: Duration = Duration::from_millis(200);
+pub const LONGEST_CALL_NAP: Duration = Duration::from_secs(1);
 /// How often the reactor looks at a connection frozen by a fork, for the
 /// claim of the process that takes it.
 const FROZEN_LOOK: Duration = Duration::from_millis(20);
