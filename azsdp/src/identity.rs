@@ -35,7 +35,8 @@ pub const MAX_FDS: usize = 3;
 /// A peer process, verified by the kernel and pinned by a pidfd. Every
 /// connection to one process shares one pidfd ([`PeerId::pidfd_shared`]):
 /// ten thousand connections to one peer hold one descriptor for it.
-#[derive(Debug)]
+/// A clone pins the same pidfd.
+#[derive(Clone, Debug)]
 pub struct PeerId {
     pid: u32,
     uid: u32,
@@ -125,6 +126,12 @@ impl PeerId {
     /// polls readable once the process has exited).
     pub fn pidfd_shared(&self) -> Arc<OwnedFd> {
         Arc::clone(&self.pin.fd)
+    }
+
+    /// Is `other` the same process? (Both pin one pidfd while either
+    /// lives: a live pid is shared, [`shared_pidfd`].)
+    pub fn same_process(&self, other: &PeerId) -> bool {
+        Arc::ptr_eq(&self.pin, &other.pin)
     }
 
     /// Has the pinned process not exited? (A pidfd polls readable once it

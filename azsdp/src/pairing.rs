@@ -35,10 +35,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use thiserror::Error;
 
 const MAGIC: [u8; 4] = *b"AZBT";
-/// Version of the side channel's format and of the registry names (4: an
-/// offer names its connection by cookie alone, so a client need not bind
-/// before `connect()`; 3 began connections on TCP, docs/protocol.md §8b).
-pub const VERSION: u16 = 4;
+/// Version of the side channel's format and of the registry names (5: an
+/// offer or answer names its sender's bell, and passes it only to a
+/// process that does not keep it already; 4 named an offer's connection
+/// by cookie alone; 3 began connections on TCP, docs/protocol.md §8b).
+pub const VERSION: u16 = 5;
 /// Bytes of an encoded [`Intro`].
 pub const INTRO_LEN: usize = 48;
 
@@ -84,6 +85,8 @@ pub struct Intro {
     /// [`IntroKind::Connected`] note: the address the connection comes
     /// from, and the same cookie.
     pub pair: Option<PairTarget>,
+    /// For an offer or answer of the shm fabric: the sender's bell.
+    pub bell: Option<BellNote>,
 }
 
 /// The TCP connection an offer is about.
@@ -96,6 +99,24 @@ pub struct PairTarget {
     /// belongs to the offer's (kernel-verified) user. The client's port is
     /// not named: the kernel picks it at `connect()`, after the offer.
     pub cookie: u64,
+}
+
+/// What an offer or answer says of the two processes' bells (the
+/// sockets their reactors are rung on, docs/protocol.md §10): a process
+/// passes its bell to a peer process once, and names it after that. Each
+/// side states only what it holds itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BellNote {
+    /// The sender's bell (its socket's inode number; never 0).
+    pub id: u32,
+    /// Not passed: the receiver said it keeps it.
+    pub held: bool,
+    /// The receiver's bell that the sender keeps (0: none).
+    pub keeps: u32,
+}
+
+impl BellNote {
+    const HELD: u8 = 1;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -116,6 +137,8 @@ pub enum PairError {
     PageSize(u32),
     #[error("side-channel message has non-zero reserved bytes")]
     Reserved,
+    #[error("side-channel message says of bells without naming its own")]
+    BellFlags,
 }
 
 impl Intro {
@@ -124,7 +147,13 @@ impl Intro {
             kind,
             page_size,
             pair: None,
+            bell: None,
         }
+    }
+
+    /// Does a message of this kind name its sender's bell?
+    fn names_a_bell(kind: IntroKind) -> bool {
+        matches!(kind, IntroKind::Offer | IntroKind::Answer)
     }
 
     pub fn emit(&self, out: &mut [u8; INTRO_LEN]) {
@@ -134,6 +163,14 @@ impl Intro {
         out[6] = self.kind.code();
         if let IntroKind::LoopBell(id) = self.kind {
             out[40..44].copy_from_slice(&id.to_le_bytes());
+        }
+        if let Some(b) = self
+            .bell
+            .filter(|b| b.id != 0 && Intro::names_a_bell(self.kind))
+        {
+            out[30] = if b.held { BellNote::HELD } else { 0 };
+            out[40..44].copy_from_slice(&b.id.to_le_bytes());
+            out[44..48].copy_from_slice(&b.keeps.to_le_bytes());
         }
         out[8..12].copy_from_slice(&self.page_size.to_le_bytes());
         if let Some(p) = self.pair {
@@ -175,14 +212,30 @@ impl Intro {
         if !page_size.is_power_of_two() || !(4096..=1 << 30).contains(&page_size) {
             return Err(PairError::PageSize(page_size));
         }
-        let reserved_from = if matches!(kind, IntroKind::LoopBell(_)) {
-            44
-        } else {
-            40
+        let names_a_bell = Intro::names_a_bell(kind);
+        let reserved_from = match kind {
+            IntroKind::LoopBell(_) => 44,
+            _ if names_a_bell => INTRO_LEN,
+            _ => 40,
         };
-        if b[30..32] != [0; 2] || b[reserved_from..].iter().any(|&x| x != 0) {
+        let flags_ok = b[30] == 0 || (names_a_bell && b[30] == BellNote::HELD);
+        if !flags_ok || b[31] != 0 || b[reserved_from..].iter().any(|&x| x != 0) {
             return Err(PairError::Reserved);
         }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let bell = if names_a_bell {
+            match u32_at(40) {
+                0 if b[30] != 0 || u32_at(44) != 0 => return Err(PairError::BellFlags),
+                0 => None,
+                id => Some(BellNote {
+                    id,
+                    held: b[30] == BellNote::HELD,
+                    keeps: u32_at(44),
+                }),
+            }
+        } else {
+            None
+        };
         let mut c = [0u8; 8];
         c.copy_from_slice(&b[32..40]);
         let cookie = u64::from_le_bytes(c);
@@ -213,6 +266,7 @@ impl Intro {
             kind,
             page_size,
             pair,
+            bell,
         })
     }
 }
@@ -295,11 +349,15 @@ mod tests {
             ],
             12u32..=30,
             proptest::option::of((addr(), any::<u64>())),
+            proptest::option::of((1u32.., any::<bool>(), any::<u32>())),
         )
-            .prop_map(|(kind, shift, pair)| Intro {
+            .prop_map(|(kind, shift, pair, bell)| Intro {
                 kind,
                 page_size: 1 << shift,
                 pair: pair.map(|(dst, cookie)| PairTarget { dst, cookie }),
+                bell: bell
+                    .filter(|_| Intro::names_a_bell(kind))
+                    .map(|(id, held, keeps)| BellNote { id, held, keeps }),
             })
     }
 
@@ -310,6 +368,11 @@ mod tests {
             pair: Some(PairTarget {
                 dst: "127.0.0.1:80".parse().unwrap(),
                 cookie: 77,
+            }),
+            bell: Some(BellNote {
+                id: 9,
+                held: false,
+                keeps: 4,
             }),
         }
     }
@@ -357,7 +420,17 @@ mod tests {
         z[30] = 5; // where version 3 named the client's port
         assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
         let mut z = b;
-        z[47] = 1;
+        z[30] = 2; // a bell flag no version defines
+        assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
+        let mut z = b;
+        z[40] = 0; // says what it keeps, but names no bell of its own
+        assert_eq!(Intro::parse(&z), Err(PairError::BellFlags));
+        let mut z = b;
+        z[6] = 3; // a claim names no bells in its header
+        assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
+        let mut z = b;
+        z[6] = 4; // nor does a note
+        z[44] = 0;
         assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
         let mut z = b;
         z[12] = 1; // an IPv4 message whose address is not v4-mapped
@@ -376,21 +449,21 @@ mod tests {
     #[test]
     fn names_and_candidates() {
         let v4: SocketAddr = "127.0.0.1:6379".parse().unwrap();
-        assert_eq!(registry_name(v4), "azsdp/v4/tcp/127.0.0.1/6379");
+        assert_eq!(registry_name(v4), "azsdp/v5/tcp/127.0.0.1/6379");
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:6379".parse().unwrap();
         assert_eq!(registry_name(mapped), registry_name(v4));
         assert_eq!(
             registry_candidates(v4),
             vec![
-                "azsdp/v4/tcp/127.0.0.1/6379",
-                "azsdp/v4/tcp/0.0.0.0/6379",
-                "azsdp/v4/tcp/::/6379"
+                "azsdp/v5/tcp/127.0.0.1/6379",
+                "azsdp/v5/tcp/0.0.0.0/6379",
+                "azsdp/v5/tcp/::/6379"
             ]
         );
         let v6: SocketAddr = "[::1]:80".parse().unwrap();
         assert_eq!(
             registry_candidates(v6),
-            vec!["azsdp/v4/tcp/::1/80", "azsdp/v4/tcp/::/80"]
+            vec!["azsdp/v5/tcp/::1/80", "azsdp/v5/tcp/::/80"]
         );
     }
 }

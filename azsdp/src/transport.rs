@@ -22,6 +22,7 @@ use std::sync::atomic::AtomicU32;
 
 use crate::fabric::{FabricWaiter, Watched};
 use crate::identity::PeerId;
+use crate::pairing::BellNote;
 
 /// A way to join two processes' ends of a connection.
 pub trait Transport {
@@ -32,16 +33,27 @@ pub trait Transport {
     /// The accepting side's half, joined to an offer.
     type Join: Join<Endpoint = Self::Endpoint>;
 
-    /// Make an offer (its descriptors go with the offer message).
-    fn offer(&self) -> std::io::Result<Self::Offer>;
-    /// Join the offer that came with `fds` (after the sender's pidfd).
-    /// Anything malformed is an error, never a panic: the peer wrote it.
-    fn join(&self, fds: Vec<OwnedFd>) -> std::io::Result<Self::Join>;
+    /// Make an offer for the process `to` (its pid, as the kernel says; 0:
+    /// not known). Its note and descriptors go with the offer message.
+    fn offer(&self, to: u32) -> std::io::Result<Self::Offer>;
+    /// Join the offer of the verified `peer` that said `offered` and came
+    /// with `fds` (after the sender's pidfd). Anything malformed is an
+    /// error, never a panic: the peer wrote it.
+    fn join(
+        &self,
+        offered: Option<BellNote>,
+        peer: &PeerId,
+        fds: Vec<OwnedFd>,
+    ) -> std::io::Result<Self::Join>;
 }
 
 /// The connecting side's half of a pair.
 pub trait Offer {
     type Endpoint: Endpoint;
+    /// What the offer message says of the sender's process (shm: its bell).
+    fn note(&self) -> Option<BellNote> {
+        None
+    }
     /// What the offer message carries.
     fn fds(&self) -> Vec<BorrowedFd<'_>>;
     /// A word both sides share, 0 at first, that the pairing code agrees on
@@ -50,10 +62,11 @@ pub trait Offer {
     /// Give up on a pair the peer may already have committed to: the
     /// peer's engine sees this side leave.
     fn abandon(self);
-    /// The verified `peer` answered with `fds` (after its pidfd and the
-    /// accepted socket): run this side.
+    /// The verified `peer` answered `answer` with `fds` (after its pidfd
+    /// and the accepted socket): run this side.
     fn into_endpoint(
         self,
+        answer: Option<BellNote>,
         fds: Vec<OwnedFd>,
         peer: PeerId,
         peer_page_size: u32,
@@ -63,6 +76,10 @@ pub trait Offer {
 /// The accepting side's half of a pair.
 pub trait Join {
     type Endpoint: Endpoint;
+    /// What the answer says of the sender's process (shm: its bell).
+    fn note(&self) -> Option<BellNote> {
+        None
+    }
     /// What the answer carries after the accepted socket.
     fn fds(&self) -> Vec<BorrowedFd<'_>>;
     /// See [`Offer::agreement`].

@@ -382,7 +382,7 @@ pub fn connect(
     let Ok(cookie) = sock_diag::cookie_of(tcp) else {
         return plain(TcpReason::SetupFailed);
     };
-    let offer = match transport(settings, fd).offer() {
+    let offer = match transport(settings, fd).offer(reg.pid) {
         Ok(o) => o,
         Err(e) => {
             debug!("connect {dst}: no offer: {e}");
@@ -393,6 +393,7 @@ pub fn connect(
         kind: IntroKind::Offer,
         page_size: azsdp::pages::system_page_size() as u32,
         pair: Some(PairTarget { dst: to, cookie }),
+        bell: offer.note(),
     };
     if let Err(e) = send_intro(reg.sock.as_fd(), &intro, &offer.fds(), true) {
         debug!("connect {dst}: offer not sent: {e}");
@@ -427,6 +428,7 @@ pub fn connect(
             kind: IntroKind::Connected,
             page_size: intro.page_size,
             pair: Some(PairTarget { dst: from, cookie }),
+            bell: None,
         };
         if let Err(e) = send_note(reg.sock.as_fd(), &note) {
             debug!("connect {dst}: note not sent: {e}");

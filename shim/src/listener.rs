@@ -21,7 +21,7 @@ use azsdp::config::Settings;
 use azsdp::conn::Role;
 use azsdp::fabric::shm::{recv_intro, recv_note, send_intro};
 use azsdp::identity::PeerId;
-use azsdp::pairing::{Agreement, Intro, IntroKind, registry_name};
+use azsdp::pairing::{Agreement, BellNote, Intro, IntroKind, registry_name};
 use azsdp::sock_diag::{self, Netns};
 use azsdp::stats::TcpReason;
 use azsdp::transport::{Join, Transport};
@@ -123,8 +123,9 @@ struct Offer {
     /// The uid the registry connection came from (SO_PEERCRED), counted
     /// against that user's quota.
     uid: u32,
-    /// What the transport's offer carries.
+    /// What the transport's offer carries, and says of the client's bell.
     fds: Vec<OwnedFd>,
+    bell: Option<BellNote>,
     page_size: u32,
     dst: SocketAddr,
     /// The cookie of the client's TCP socket, as the client claims it.
@@ -786,6 +787,7 @@ impl Listener {
                             peer: r.peer,
                             uid: w.uid,
                             fds: r.fds,
+                            bell: intro.bell,
                             page_size: intro.page_size,
                             dst: target.dst,
                             cookie: target.cookie,
@@ -998,9 +1000,10 @@ impl Listener {
         if offer.dst.port() != local.port() {
             return Err(TcpReason::Mismatch);
         }
-        let join = crate::conn::transport(s, fd).join(offer.fds).map_err(|e| {
+        let join = crate::conn::transport(s, fd);
+        let join = join.join(offer.bell, &offer.peer, offer.fds).map_err(|e| {
             warning!(
-                "{local} <- {peer}: pid {} offered a bad segment: {e}",
+                "{local} <- {peer}: pid {} made an offer we cannot take up: {e}",
                 offer.peer.pid()
             );
             TcpReason::SetupFailed
@@ -1009,13 +1012,26 @@ impl Listener {
         // SAFETY: `fd` is the descriptor accept() just returned, open for
         // the duration of this call.
         let accepted = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        let answer = Intro::new(IntroKind::Answer, azsdp::pages::system_page_size() as u32);
+        let answer = Intro {
+            bell: join.note(),
+            ..Intro::new(IntroKind::Answer, azsdp::pages::system_page_size() as u32)
+        };
         let mut fds = vec![accepted];
         fds.extend(join.fds());
         if let Err(e) = send_intro(offer.stream.as_fd(), &answer, &fds, true) {
             debug!("{local} <- {peer}: the client left before our answer ({e})");
             return Err(TcpReason::PairTimeout);
         }
+        let said = |b: Option<BellNote>| match b {
+            Some(b) if b.held => "named",
+            _ => "passed",
+        };
+        debug!(
+            "{local} <- {peer}: bells: pid {}'s {}, ours {}",
+            offer.peer.pid(),
+            said(offer.bell),
+            said(answer.bell)
+        );
         // The pairing stream has done its work (dropped here): the
         // connection holds no descriptor of its own.
         let ep = join

@@ -431,7 +431,7 @@ impl Pending {
         let peer = answer.peer;
         let fds = answer.fds.into_iter().skip(1).collect();
         offer
-            .into_endpoint(fds, peer, intro.page_size)
+            .into_endpoint(intro.bell, fds, peer, intro.page_size)
             .map(AnyEndpoint::Shm)
             .map_err(|e| {
                 // (The listener's engine sees us gone and stays on TCP.)

@@ -176,6 +176,7 @@ pub fn publish_all() {
         }
     }
     crate::pending::expire();
+    azsdp::fabric::shm::bells::prune();
     // Finished connections are dropped after the lock is released: the
     // drop joins their threads, which may be waiting for a fork to end.
     let finished: Vec<Arc<Conn>> = {

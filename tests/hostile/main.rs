@@ -384,6 +384,8 @@ fn offer_intro(port: u16, cookie: u64) -> Intro {
             dst: ([127, 0, 0, 1], port).into(),
             cookie,
         }),
+        // (The bell is passed: this client promises nothing.)
+        bell: None,
     }
 }
 

@@ -35,8 +35,8 @@ pub(crate) const LISTEN: Duration = Duration::from_secs(15);
 /// descriptors; 147 a registry flood's cost to accept; 148-149 the
 /// scale tests' server shapes; 160-161 exec-late-close; 182 a child that
 /// accepts; 183 a busy event loop; 162-163 fork-late-child; 150, 152,
-/// 170, 180, 184 and 190 the Python and event-loop tests; free: 153-159,
-/// 164-169, 171-179, 185-189 and 191-255.
+/// 170, 180, 184-186 and 190 the Python and event-loop tests; 187 bells
+/// passed once; free: 153-159, 164-169, 171-179, 188-189 and 191-255.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's
@@ -1235,7 +1235,7 @@ fn connect_from(fd: std::os::fd::OwnedFd, to: u16) -> std::net::TcpStream {
 /// SEQPACKET socket in the abstract namespace).
 fn registration(port: u16) -> std::os::fd::OwnedFd {
     use std::os::fd::FromRawFd;
-    let name = format!("azsdp/v4/tcp/0.0.0.0/{port}");
+    let name = azsdp::pairing::registry_name(([0, 0, 0, 0], port).into());
     // SAFETY: plain socket calls on a descriptor we own from here on, with
     // a sockaddr_un of our own.
     unsafe {

@@ -276,6 +276,9 @@ pub struct Reactor {
     /// The bell: read here, written by peers (see [`Reactor::bell`]).
     bell_r: OwnedFd,
     bell_w: OwnedFd,
+    /// What pairing messages call the bell (its socket's inode number):
+    /// a peer process that keeps it is not passed it again.
+    bell_id: u32,
     /// The thread is in (or about to enter) `epoll_wait`.
     sleeping: AtomicBool,
     /// Who watches the set (see [`super::lease`]).
@@ -511,6 +514,7 @@ impl Reactor {
             .map_err(std::io::Error::from)?
         };
         identity::pass_credentials(bell_r.as_fd())?;
+        let bell_id = crate::fabric::shm::bell_id(bell_w.as_fd())?;
         // Every peer's rings are charged to this one socket's send buffer
         // until read: room for many (what does not fit waits for the next
         // message, or the backstop look).
@@ -536,6 +540,7 @@ impl Reactor {
             wake_fd,
             bell_r,
             bell_w,
+            bell_id,
             sleeping: AtomicBool::new(false),
             lease: Lease::default(),
             turning: Lock::new(()),
@@ -560,6 +565,11 @@ impl Reactor {
     /// claim after a fork); they ring [`Registration::token`] on it.
     pub fn bell(&self) -> BorrowedFd<'_> {
         self.bell_w.as_fd()
+    }
+
+    /// The bell's id in pairing messages (`pairing::BellNote`).
+    pub fn bell_id(&self) -> u32 {
+        self.bell_id
     }
 
     /// Call `wake` once, from whichever thread turns the set, when `fd`

@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use super::bells;
 use super::endpoint::{ShmEndpoint, page_size};
 use super::segment::{Segment, ShmParams, bad};
 use super::waiter::ShmWaiter;
 use crate::driver::reactor::Reactor;
 use crate::fabric::ring;
 use crate::identity::{self, IdentityError, PeerId};
-use crate::pairing::{INTRO_LEN, Intro, IntroKind};
+use crate::pairing::{BellNote, INTRO_LEN, Intro, IntroKind};
 use crate::transport::{self, Transport};
 
 /// Send a side-channel message of `kind` with this process's identity and
@@ -174,6 +175,17 @@ impl ShmOffer {
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
+        let (bell, _) = bells::take(&peer, None, Some(bell), false)?;
+        ShmEndpoint::new(self.seg, 0, bell, peer, peer_page_size, self.params)
+    }
+
+    /// [`Self::into_endpoint`] with the peer's bell in hand.
+    fn into_endpoint_with(
+        self,
+        bell: Arc<OwnedFd>,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
         ShmEndpoint::new(self.seg, 0, bell, peer, peer_page_size, self.params)
     }
 }
@@ -211,32 +223,62 @@ impl ShmJoin {
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
+        let (bell, _) = bells::take(&peer, None, Some(bell), false)?;
+        ShmEndpoint::new(self.seg, 1, bell, peer, peer_page_size, self.params)
+    }
+
+    /// [`Self::into_endpoint`] with the peer's bell in hand.
+    fn into_endpoint_with(
+        self,
+        bell: Arc<OwnedFd>,
+        peer: PeerId,
+        peer_page_size: u32,
+    ) -> std::io::Result<ShmEndpoint> {
         ShmEndpoint::new(self.seg, 1, bell, peer, peer_page_size, self.params)
     }
 }
 
 /// The shm fabric as a [`Transport`]: segments of `params`; each side's
-/// half carries its process's bell (an offer: the segment, then the bell;
-/// an answer: the bell).
+/// half names its process's bell, and passes it unless the peer process
+/// keeps it already ([`bells`]; an offer: the segment, then the bell; an
+/// answer: the bell).
 #[derive(Clone, Copy, Debug)]
 pub struct ShmTransport {
     pub params: ShmParams,
 }
 
-/// [`ShmTransport`]'s offer: the segment made, and the bell it carries.
+/// [`ShmTransport`]'s offer: the segment made, and what it says of our
+/// bell.
 #[derive(Debug)]
 pub struct ShmOffered {
     pub(super) offer: ShmOffer,
     pub(super) reactor: Arc<Reactor>,
+    note: BellNote,
+    held_by: HeldBy,
+}
+
+/// The process an offer said holds our bell: if the pair does not come
+/// about (it may be a new image, or another process answered), the next
+/// offer passes the bell again.
+#[derive(Debug)]
+struct HeldBy(Option<u32>);
+
+impl Drop for HeldBy {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            bells::not_kept_by(pid);
+        }
+    }
 }
 
 /// [`ShmTransport`]'s join: the offered segment mapped and checked, the
-/// offerer's bell, and ours for the answer.
+/// offerer's bell, and what our answer says of the bells.
 #[derive(Debug)]
 pub struct ShmJoined {
     pub(super) join: ShmJoin,
-    pub(super) bell: OwnedFd,
+    pub(super) bell: Arc<OwnedFd>,
     pub(super) reactor: Arc<Reactor>,
+    note: BellNote,
 }
 
 impl Transport for ShmTransport {
@@ -244,22 +286,40 @@ impl Transport for ShmTransport {
     type Offer = ShmOffered;
     type Join = ShmJoined;
 
-    fn offer(&self) -> std::io::Result<ShmOffered> {
+    fn offer(&self, to: u32) -> std::io::Result<ShmOffered> {
+        let reactor = Reactor::get()?;
+        let note = bells::offer_note(reactor.bell_id(), to);
         Ok(ShmOffered {
             offer: ShmOffer::new(self.params)?,
-            reactor: Reactor::get()?,
+            reactor,
+            note,
+            held_by: HeldBy(note.held.then_some(to)),
         })
     }
 
-    fn join(&self, fds: Vec<OwnedFd>) -> std::io::Result<ShmJoined> {
+    fn join(
+        &self,
+        offered: Option<BellNote>,
+        peer: &PeerId,
+        fds: Vec<OwnedFd>,
+    ) -> std::io::Result<ShmJoined> {
         let mut fds = fds.into_iter();
-        let (Some(memfd), Some(bell), None) = (fds.next(), fds.next(), fds.next()) else {
+        let Some(memfd) = fds.next() else {
             return Err(bad("an offer carries a segment and a bell, nothing else"));
         };
+        let passed = fds.next();
+        if fds.next().is_some() {
+            return Err(bad("an offer carries a segment and a bell, nothing else"));
+        }
+        let join = ShmJoin::open(memfd, self.params.poll, self.params.keep_for_exec)?;
+        let (bell, kept) = bells::take(peer, offered, passed, true)?;
+        let reactor = Reactor::get()?;
+        let note = bells::answer_note(reactor.bell_id(), offered, kept);
         Ok(ShmJoined {
-            join: ShmJoin::open(memfd, self.params.poll, self.params.keep_for_exec)?,
+            join,
             bell,
-            reactor: Reactor::get()?,
+            reactor,
+            note,
         })
     }
 }
@@ -267,8 +327,16 @@ impl Transport for ShmTransport {
 impl transport::Offer for ShmOffered {
     type Endpoint = ShmEndpoint;
 
+    fn note(&self) -> Option<BellNote> {
+        Some(self.note)
+    }
+
     fn fds(&self) -> Vec<BorrowedFd<'_>> {
-        vec![self.offer.memfd(), self.reactor.bell()]
+        let mut v = vec![self.offer.memfd()];
+        if !self.note.held {
+            v.push(self.reactor.bell());
+        }
+        v
     }
 
     fn agreement(&self) -> &AtomicU32 {
@@ -281,23 +349,43 @@ impl transport::Offer for ShmOffered {
 
     fn into_endpoint(
         self,
+        answer: Option<BellNote>,
         fds: Vec<OwnedFd>,
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
+        let ShmOffered {
+            offer,
+            note,
+            mut held_by,
+            ..
+        } = self;
+        bells::answer_came(&peer, note, answer);
         let mut fds = fds.into_iter();
-        let (Some(bell), None) = (fds.next(), fds.next()) else {
+        let passed = fds.next();
+        if fds.next().is_some() {
             return Err(bad("an answer carries a bell, nothing else"));
-        };
-        self.offer.into_endpoint(bell, peer, peer_page_size)
+        }
+        let (bell, _) = bells::take(&peer, answer, passed, true)?;
+        let ep = offer.into_endpoint_with(bell, peer, peer_page_size)?;
+        held_by.0 = None;
+        Ok(ep)
     }
 }
 
 impl transport::Join for ShmJoined {
     type Endpoint = ShmEndpoint;
 
+    fn note(&self) -> Option<BellNote> {
+        Some(self.note)
+    }
+
     fn fds(&self) -> Vec<BorrowedFd<'_>> {
-        vec![self.reactor.bell()]
+        if self.note.held {
+            Vec::new()
+        } else {
+            vec![self.reactor.bell()]
+        }
     }
 
     fn agreement(&self) -> &AtomicU32 {
@@ -305,7 +393,8 @@ impl transport::Join for ShmJoined {
     }
 
     fn into_endpoint(self, peer: PeerId, peer_page_size: u32) -> std::io::Result<ShmEndpoint> {
-        self.join.into_endpoint(self.bell, peer, peer_page_size)
+        self.join
+            .into_endpoint_with(self.bell, peer, peer_page_size)
     }
 }
 
@@ -336,20 +425,20 @@ impl transport::Endpoint for ShmEndpoint {
 impl ShmEndpoint {
     /// Bootstrap over a connected Unix socket as the side that makes the
     /// segment (side 0), as [`ShmTransport`] pairs: the offer carries the
-    /// segment and this process's bell, the answer the peer's bell. `sock`
-    /// stays the caller's.
+    /// segment and this process's bell, the answer the peer's bell (or
+    /// names it, if we keep it). `sock` stays the caller's.
     pub fn offer(sock: &impl AsFd, params: ShmParams) -> std::io::Result<ShmEndpoint> {
         use transport::Offer as _;
-        let offer = ShmTransport { params }.offer()?;
+        // (Whom it goes to is not asked: our bell is passed.)
+        let offer = ShmTransport { params }.offer(0)?;
         let fd = sock.as_fd();
-        send_intro(
-            fd,
-            &Intro::new(IntroKind::Offer, page_size()),
-            &offer.fds(),
-            false,
-        )?;
+        let intro = Intro {
+            bell: offer.note(),
+            ..Intro::new(IntroKind::Offer, page_size())
+        };
+        send_intro(fd, &intro, &offer.fds(), false)?;
         let (intro, answer) = recv_intro(fd, IntroKind::Answer, false)?;
-        offer.into_endpoint(answer.fds, answer.peer, intro.page_size)
+        offer.into_endpoint(intro.bell, answer.fds, answer.peer, intro.page_size)
     }
 
     /// Bootstrap over a connected Unix socket as the side that maps the
@@ -358,13 +447,12 @@ impl ShmEndpoint {
         use transport::Join as _;
         let fd = sock.as_fd();
         let (intro, offer) = recv_intro(fd, IntroKind::Offer, false)?;
-        let join = ShmTransport { params }.join(offer.fds)?;
-        send_intro(
-            fd,
-            &Intro::new(IntroKind::Answer, page_size()),
-            &join.fds(),
-            false,
-        )?;
+        let join = ShmTransport { params }.join(intro.bell, &offer.peer, offer.fds)?;
+        let answer = Intro {
+            bell: join.note(),
+            ..Intro::new(IntroKind::Answer, page_size())
+        };
+        send_intro(fd, &answer, &join.fds(), false)?;
         join.into_endpoint(offer.peer, intro.page_size)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::access::{NoGet, Registrations, get_permission};
-use super::liveness::{HeldGet, shared_bell};
+use super::liveness::HeldGet;
 use super::segment::{FORK_GEN, FORK_GEN_ONE, FROZEN, LOCAL_KEY, PID_MASK, Segment, ShmParams};
 use super::waiter::wait_ring;
 use crate::conn::{CasTarget, LockRegion, OpError, OpId, RemoteBuf};
@@ -83,7 +83,7 @@ impl ShmEndpoint {
     pub(super) fn new(
         seg: Segment,
         side: usize,
-        peer_bell: OwnedFd,
+        peer_bell: Arc<OwnedFd>,
         peer: PeerId,
         peer_page_size: u32,
         params: ShmParams,
@@ -97,7 +97,7 @@ impl ShmEndpoint {
             rx,
             seg: Arc::new(seg),
             side,
-            peer_bell: shared_bell(&peer, peer_bell),
+            peer_bell,
             peer,
             peer_page_size,
             no_get,

@@ -3,20 +3,19 @@
 //! claimer's kernel identity), GETs held while a claim is on its way.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::access::get_permission;
+use super::bells;
 use super::endpoint::{ShmEndpoint, page_size};
 use super::loop_bell;
 use super::segment::PID_MASK;
 use crate::conn::{OpId, RemoteBuf};
 use crate::driver::reactor::{self, Mail, Reactor};
 use crate::fabric::{OpResult, Ownership, Sharing};
-use crate::identity::PeerId;
 use crate::pairing::{Intro, IntroKind};
-use crate::sync::Lock;
 
 /// How long a GET waits for the claim of a process that took the peer side
 /// over. A true claim is on our bell before anything the new process
@@ -43,27 +42,6 @@ pub(super) struct HeldGet {
 /// one that dies without closing, whose exit the reactor may not have
 /// heard yet).
 pub(super) const ALIVE_EVERY: Duration = Duration::from_millis(1);
-
-/// Bells this process rings, one per peer process (by its shared pidfd):
-/// a peer's later connections pass the same bell again, and keep none.
-static BELLS: Lock<Vec<(Weak<OwnedFd>, Weak<OwnedFd>)>> = Lock::new(Vec::new());
-
-/// The bell of `peer`'s process: the one we hold already, or `fresh`.
-pub(super) fn shared_bell(peer: &PeerId, fresh: OwnedFd) -> Arc<OwnedFd> {
-    let pidfd = peer.pidfd_shared();
-    let mut bells = BELLS.lock();
-    bells.retain(|(p, b)| p.strong_count() > 0 && b.strong_count() > 0);
-    if let Some(b) = bells
-        .iter()
-        .filter(|(p, _)| std::ptr::eq(p.as_ptr(), Arc::as_ptr(&pidfd)))
-        .find_map(|(_, b)| b.upgrade())
-    {
-        return b;
-    }
-    let b = Arc::new(fresh);
-    bells.push((Arc::downgrade(&pidfd), Arc::downgrade(&b)));
-    b
-}
 
 impl ShmEndpoint {
     pub(super) fn peer_closed(&self) -> bool {
@@ -189,8 +167,11 @@ impl crate::fabric::Watched for ShmEndpoint {
         let Some(bell) = mail.from.fds.into_iter().next() else {
             return;
         };
+        let Ok((bell, _)) = bells::take(&mail.from.peer, None, Some(bell), false) else {
+            return;
+        };
         self.peer = mail.from.peer;
-        self.peer_bell = shared_bell(&self.peer, bell);
+        self.peer_bell = bell;
         self.no_get = get_permission(&self.peer);
         self.alive_suspect = true;
     }

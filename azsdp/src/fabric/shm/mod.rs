@@ -43,7 +43,8 @@
 //! Bootstrap runs over a connected Unix socket: the side that makes the
 //! segment ([`ShmOffer`]) sends it with an [`IntroKind::Offer`] and its
 //! process's bell; the other ([`ShmJoin`]) maps it and answers with its own
-//! bell. Both messages carry the sender's kernel identity, and the socket
+//! bell. A process that promised to keep a peer process's bell is only
+//! told its name after that ([`bells`]). Both messages carry the sender's kernel identity, and the socket
 //! is done with after them. A process that takes a side over after a fork
 //! says so on the peer's bell, as mail with its own kernel identity and
 //! bell ([`IntroKind::Claim`]). [`ShmEndpoint::offer`] and
@@ -57,6 +58,7 @@
 mod access;
 #[doc(hidden)]
 pub mod adversary;
+pub mod bells;
 mod bootstrap;
 mod endpoint;
 mod liveness;
@@ -67,6 +69,7 @@ mod segment;
 mod waiter;
 
 pub use access::NoGet;
+pub use bells::bell_id;
 pub use bootstrap::{
     IntroError, ShmJoin, ShmJoined, ShmOffer, ShmOffered, ShmTransport, recv_intro, recv_note,
     send_intro, send_note,

@@ -200,6 +200,7 @@ fn a_note_is_taken_whole_or_refused_with_what_came_with_it() {
             dst: "127.0.0.1:40000".parse().unwrap(),
             cookie: 7,
         }),
+        bell: None,
     };
     let (a, b) = crate::scm::seqpacket_pair();
     // Nothing yet.
@@ -685,4 +686,77 @@ fn a_loop_that_is_awake_is_not_rung_and_keeps_its_arming() {
     assert!(readable(), "a sleeping loop was not rung");
     assert_eq!(a.tx.armed().load(Ordering::Acquire), 0);
     drop(asleep);
+}
+
+/// A process passes its bell to a peer process once: later pairs between
+/// the two only name it, both ways, and still pair. (Both roles are this
+/// process here; the table is per process, so it is both sides' too.)
+#[test]
+fn later_pairs_between_two_processes_name_the_bells_they_passed() {
+    use crate::identity::{PeerId, pidfd_open};
+    use crate::transport::{Join as _, Offer as _, Transport as _};
+    let t = ShmTransport { params: params() };
+    let pid = std::process::id();
+    // A verified view of us, as a message's would be (one pin per process).
+    let us = || {
+        PeerId::resumed(
+            pid,
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+            pidfd_open(pid).unwrap(),
+        )
+        .unwrap()
+    };
+    let mut ends = Vec::new();
+    for round in 0..3 {
+        let offer = t.offer(pid).unwrap();
+        let offered = offer.note().unwrap();
+        // (Other tests of this process pair it with itself too: the first
+        // round may find the bells kept already.)
+        assert!(
+            offered.held || round == 0,
+            "round {round}: the offer names our bell"
+        );
+        assert!(
+            offered.keeps != 0 || round == 0,
+            "round {round}: it keeps our bell"
+        );
+        let fds: Vec<OwnedFd> = offer
+            .fds()
+            .iter()
+            .map(|f| f.try_clone_to_owned().unwrap())
+            .collect();
+        assert_eq!(fds.len(), if offered.held { 1 } else { 2 });
+        let join = t.join(Some(offered), &us(), fds).unwrap();
+        let answer = join.note().unwrap();
+        assert!(
+            answer.held || round == 0,
+            "round {round}: the answer names our bell"
+        );
+        assert_eq!(join.fds().len(), usize::from(!answer.held));
+        let passed = join
+            .fds()
+            .iter()
+            .map(|f| f.try_clone_to_owned().unwrap())
+            .collect();
+        let _ = join.agreement().compare_exchange(
+            crate::pairing::Agreement::UNDECIDED,
+            crate::pairing::Agreement::COMMITTED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let e1 = join.into_endpoint(us(), 4096).unwrap();
+        let e0 = offer
+            .into_endpoint(Some(answer), passed, us(), 4096)
+            .unwrap();
+        ends.push((e0, e1));
+    }
+    // A peer that says it holds a bell we never kept is refused, and the
+    // pair fails alone.
+    let offer = t.offer(pid).unwrap();
+    let mut lie = offer.note().unwrap();
+    lie.id ^= 0x5a5a;
+    let memfd = vec![offer.fds()[0].try_clone_to_owned().unwrap()];
+    let e = t.join(Some(lie), &us(), memfd).unwrap_err();
+    assert!(e.to_string().contains("which we do not hold"), "{e}");
 }

@@ -1,0 +1,469 @@
+//! Peers' bells, passed once per pair of processes (docs/protocol.md §10,
+//! "Bells").
+//!
+//! Every endpoint rings its peer process's bell, a Unix datagram socket.
+//! Passing a Unix socket in a message keeps it "in flight" until the
+//! receiver takes it, and while any is in flight anywhere on the host, every
+//! close of a Unix socket queues a run of the kernel's Unix garbage
+//! collector (a kworker woken: 1.65 runs per connection in a burst of
+//! pairs, when every offer and answer carried a bell). So a process keeps
+//! a peer process's bell for as long as that process lives, and says so in
+//! its next message to it (`BellNote::keeps`, with that bell's id); the
+//! peer then only names its bell (`BellNote::held`). Each side states only
+//! what it holds, so a bell is named only to a process that said it keeps
+//! it. One named and not found (the process exec'd since, or lied) fails
+//! that one pair (it stays TCP), and the next exchange passes it again.
+//!
+//! A process keeps at most one bell per peer process (a new one replaces
+//! the old: a peer that exec'd has a new reactor), at most
+//! [`KEEP_MOST_OF_USER`] of one user's processes and [`KEEP_MOST`] in all,
+//! so a flood of offers cannot make a server hold descriptors: past those,
+//! it keeps nothing more and bells come with every pair, as before. The
+//! stats thread lets go of the bells of processes that exited ([`prune`]).
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use crate::identity::PeerId;
+use crate::pairing::BellNote;
+use crate::sync::Lock;
+
+/// Peer processes whose bells this process keeps for as long as they live,
+/// at most (each costs a descriptor, and its pidfd).
+pub const KEEP_MOST: usize = 1024;
+/// The same, of one user's processes.
+pub const KEEP_MOST_OF_USER: usize = 64;
+
+/// The id of the bell `fd` in pairing messages: its socket's inode number
+/// (sockets' are 32-bit; never 0).
+pub fn bell_id(fd: BorrowedFd<'_>) -> std::io::Result<u32> {
+    let st = nix::sys::stat::fstat(fd).map_err(std::io::Error::from)?;
+    Ok((st.st_ino as u32).max(1))
+}
+
+/// Why a bell could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum BellError {
+    #[error("the message neither passes a bell nor names one we hold")]
+    Missing,
+    #[error("the message names bell {0}, which we do not hold")]
+    NotHeld(u32),
+    #[error("the message names bell {named}, and passes bell {passed}")]
+    Mislabelled { named: u32, passed: u32 },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<BellError> for std::io::Error {
+    fn from(e: BellError) -> std::io::Error {
+        match e {
+            BellError::Io(e) => e,
+            e => std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
+        }
+    }
+}
+
+/// A peer process's bell that we hold.
+#[derive(Debug)]
+struct Held {
+    peer: PeerId,
+    id: u32,
+    bell: Weak<OwnedFd>,
+    /// Held for good (while the peer lives): we said so.
+    kept: Option<Arc<OwnedFd>>,
+}
+
+/// This process's bells, and the peer processes that said they keep its
+/// own.
+#[derive(Debug, Default)]
+struct Bells {
+    /// The process these are of: a forked child's bell is new, and no
+    /// peer keeps it yet.
+    pid: u32,
+    held: Vec<Held>,
+    keepers: Vec<PeerId>,
+    /// When [`prune`] last looked.
+    pruned: Option<Instant>,
+}
+
+static BELLS: Lock<Bells> = Lock::new(Bells {
+    pid: 0,
+    held: Vec::new(),
+    keepers: Vec::new(),
+    pruned: None,
+});
+
+/// How often [`prune`] asks after the processes whose bells we keep.
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
+
+/// This process's table (a forked child's keepers are dropped first).
+fn bells() -> crate::sync::LockGuard<'static, Bells> {
+    let mut b = BELLS.lock();
+    let pid = crate::process::pid();
+    if b.pid != pid {
+        b.pid = pid;
+        b.keepers.clear();
+    }
+    b
+}
+
+impl Bells {
+    fn kept_count(&self, uid: Option<u32>) -> usize {
+        self.held
+            .iter()
+            .filter(|h| h.kept.is_some() && uid.is_none_or(|u| h.peer.uid() == u))
+            .count()
+    }
+
+    /// Forget the bells and keepers of processes that have exited (one
+    /// question to the kernel per process).
+    fn prune(&mut self) {
+        for h in &mut self.held {
+            if h.kept.is_some() && !h.peer.alive() {
+                h.kept = None;
+            }
+        }
+        self.held
+            .retain(|h| h.kept.is_some() || h.bell.strong_count() > 0);
+        self.keepers.retain(PeerId::alive);
+    }
+
+    /// Is there room to keep one more bell of `uid`'s process? Bells of
+    /// processes that have exited go first.
+    fn room(&mut self, uid: u32) -> bool {
+        let fits = |b: &Bells| {
+            b.kept_count(None) < KEEP_MOST && b.kept_count(Some(uid)) < KEEP_MOST_OF_USER
+        };
+        if fits(self) {
+            return true;
+        }
+        self.prune();
+        fits(self)
+    }
+
+    /// The id of the bell we keep of the live process `pid` (0: none).
+    fn kept_of(&self, pid: u32) -> u32 {
+        self.held
+            .iter()
+            .find(|h| h.kept.is_some() && h.peer.pid() == pid && h.peer.alive())
+            .map_or(0, |h| h.id)
+    }
+
+    fn add_keeper(&mut self, peer: &PeerId) {
+        if self.keepers.iter().any(|k| k.same_process(peer)) {
+            return;
+        }
+        if self.keepers.len() >= KEEP_MOST {
+            self.keepers.retain(PeerId::alive);
+        }
+        if self.keepers.len() < KEEP_MOST {
+            self.keepers.push(peer.clone());
+        }
+    }
+
+    fn drop_keeper(&mut self, peer: &PeerId) {
+        self.keepers.retain(|k| !k.same_process(peer));
+    }
+
+    /// The bell of `peer` that `note` names or `passed` is, and whether we
+    /// keep it for good (if `keep` and we have room).
+    fn take(
+        &mut self,
+        peer: &PeerId,
+        note: Option<BellNote>,
+        passed: Option<OwnedFd>,
+        keep: bool,
+    ) -> Result<(Arc<OwnedFd>, bool), BellError> {
+        self.held
+            .retain(|h| h.kept.is_some() || h.bell.strong_count() > 0);
+        let Some(fd) = passed else {
+            let n = note.filter(|n| n.held).ok_or(BellError::Missing)?;
+            return self
+                .held
+                .iter()
+                .filter(|h| h.peer.same_process(peer) && h.id == n.id)
+                .find_map(|h| h.bell.upgrade().map(|b| (b, h.kept.is_some())))
+                .ok_or(BellError::NotHeld(n.id));
+        };
+        let id = bell_id(fd.as_fd())?;
+        if let Some(n) = note.filter(|n| n.id != id) {
+            return Err(BellError::Mislabelled {
+                named: n.id,
+                passed: id,
+            });
+        }
+        let already = self
+            .held
+            .iter()
+            .any(|h| h.kept.is_some() && h.peer.same_process(peer) && h.id == id);
+        let keep = keep && (already || self.room(peer.uid()));
+        if keep {
+            // One kept bell per process: the newest is its bell now.
+            for h in &mut self.held {
+                if h.peer.same_process(peer) && h.id != id {
+                    h.kept = None;
+                }
+            }
+        }
+        if let Some(h) = self
+            .held
+            .iter_mut()
+            .find(|h| h.peer.same_process(peer) && h.id == id)
+            && let Some(b) = h.bell.upgrade()
+        {
+            if keep {
+                h.kept = Some(Arc::clone(&b));
+            }
+            return Ok((b, h.kept.is_some()));
+        }
+        let b = Arc::new(fd);
+        self.held.push(Held {
+            peer: peer.clone(),
+            id,
+            bell: Arc::downgrade(&b),
+            kept: keep.then(|| Arc::clone(&b)),
+        });
+        Ok((b, keep))
+    }
+}
+
+/// What our offer to the registry of process `to` (its pid, as the kernel
+/// says) says of the bells: ours (`ours`) held if that process said it
+/// keeps it, and which of its bells we keep.
+pub fn offer_note(ours: u32, to: u32) -> BellNote {
+    let b = bells();
+    BellNote {
+        id: ours,
+        held: b.keepers.iter().any(|k| k.pid() == to && k.alive()),
+        keeps: b.kept_of(to),
+    }
+}
+
+/// A pair whose offer said that the process `to` keeps our bell did not
+/// come about: pass it next time.
+pub fn not_kept_by(to: u32) {
+    bells().keepers.retain(|k| k.pid() != to);
+}
+
+/// The bell of `peer` (verified) that its message `note` names or passes
+/// (`passed`), and whether we keep it for good (if `keep`, and we have
+/// room). A bell passed with no note (a claim, an heir's, a peer that
+/// names none) is held only while used.
+pub fn take(
+    peer: &PeerId,
+    note: Option<BellNote>,
+    passed: Option<OwnedFd>,
+    keep: bool,
+) -> Result<(Arc<OwnedFd>, bool), BellError> {
+    bells().take(peer, note, passed, keep && note.is_some())
+}
+
+/// What our answer to an offer that said `offered` says of the bells: ours
+/// (`ours`) held if the offer said it keeps it; theirs kept if `kept`.
+pub fn answer_note(ours: u32, offered: Option<BellNote>, kept: bool) -> BellNote {
+    BellNote {
+        id: ours,
+        held: offered.is_some_and(|o| o.keeps == ours),
+        keeps: if kept { offered.map_or(0, |o| o.id) } else { 0 },
+    }
+}
+
+/// The answer of `peer` (verified) to our offer, which said `offered`,
+/// said `answer`: whether that process keeps our bell now.
+pub fn answer_came(peer: &PeerId, offered: BellNote, answer: Option<BellNote>) {
+    let mut b = bells();
+    if answer.is_some_and(|a| a.keeps == offered.id) {
+        b.add_keeper(peer);
+    } else {
+        b.drop_keeper(peer);
+    }
+}
+
+/// Forget the bells of peer processes that have exited (the stats
+/// thread calls it; it looks once a second at most): a process that
+/// paired with a thousand short-lived clients holds nothing of them after.
+pub fn prune() {
+    let mut b = bells();
+    let now = Instant::now();
+    if b.pruned.is_some_and(|t| now < t + PRUNE_EVERY) {
+        return;
+    }
+    b.pruned = Some(now);
+    b.prune();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bell() -> (OwnedFd, u32) {
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+        let (_r, w) = socketpair(
+            AddressFamily::Unix,
+            SockType::Datagram,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let id = bell_id(w.as_fd()).unwrap();
+        (w, id)
+    }
+
+    fn me() -> PeerId {
+        let fd = crate::identity::pidfd_open(std::process::id()).unwrap();
+        PeerId::resumed(
+            std::process::id(),
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+            fd,
+        )
+        .unwrap()
+    }
+
+    fn note(id: u32, held: bool) -> Option<BellNote> {
+        Some(BellNote { id, held, keeps: 0 })
+    }
+
+    /// A bell passed once is found by name after, and only by its own
+    /// process and id; one not kept only while used.
+    #[test]
+    fn a_kept_bell_is_found_by_its_name_and_an_unkept_one_is_not() {
+        let mut t = Bells::default();
+        let peer = me();
+        let (w, id) = bell();
+        let (b, kept) = t.take(&peer, note(id, false), Some(w), true).unwrap();
+        assert!(kept);
+        assert_eq!(t.kept_of(std::process::id()), id);
+        drop(b);
+        let (again, kept) = t.take(&peer, note(id, true), None, true).unwrap();
+        assert!(kept, "kept while its process lives, used or not");
+        assert!(matches!(
+            t.take(&peer, note(id + 1, true), None, true),
+            Err(BellError::NotHeld(_))
+        ));
+        assert!(matches!(
+            t.take(&peer, None, None, true),
+            Err(BellError::Missing)
+        ));
+        // The same bell passed again is the same descriptor.
+        let dup = again.try_clone().unwrap();
+        let (same, _) = t.take(&peer, note(id, false), Some(dup), true).unwrap();
+        assert!(Arc::ptr_eq(&same, &again));
+
+        let mut t = Bells::default();
+        let (w, id) = bell();
+        let (b, kept) = t.take(&peer, note(id, false), Some(w), false).unwrap();
+        assert!(!kept);
+        assert_eq!(t.kept_of(std::process::id()), 0);
+        assert!(t.take(&peer, note(id, true), None, false).is_ok());
+        drop(b);
+        assert!(
+            t.take(&peer, note(id, true), None, false).is_err(),
+            "gone with its last use"
+        );
+    }
+
+    /// A message that names one bell and passes another is refused, and
+    /// a process's new bell replaces its old one as the one kept.
+    #[test]
+    fn a_mislabelled_bell_is_refused_and_a_new_one_replaces_the_old() {
+        let mut t = Bells::default();
+        let peer = me();
+        let (w1, id1) = bell();
+        let (w2, id2) = bell();
+        assert!(matches!(
+            t.take(&peer, note(id2, false), Some(w1.try_clone().unwrap()), true),
+            Err(BellError::Mislabelled { .. })
+        ));
+        t.take(&peer, note(id1, false), Some(w1), true).unwrap();
+        t.take(&peer, note(id2, false), Some(w2), true).unwrap();
+        assert_eq!(t.kept_count(None), 1);
+        assert!(t.take(&peer, note(id2, true), None, true).is_ok());
+        assert!(t.take(&peer, note(id1, true), None, true).is_err());
+    }
+
+    /// One user's processes cannot make us keep more than their share,
+    /// and the bell of a process that exited goes.
+    #[test]
+    fn one_users_bells_are_kept_up_to_their_share_and_while_they_live() {
+        let mut t = Bells::default();
+        // Peers that are distinct processes to the table (each pins its
+        // own pidfd), without forking one for each.
+        let mut kept = 0;
+        let mut held = Vec::new();
+        for _ in 0..KEEP_MOST_OF_USER + 3 {
+            let peer = PeerId::this_process().unwrap();
+            let (w, id) = bell();
+            let (b, k) = t.take(&peer, note(id, false), Some(w), true).unwrap();
+            kept += usize::from(k);
+            held.push(b);
+        }
+        assert_eq!(kept, KEEP_MOST_OF_USER);
+        assert!(!t.room(nix::unistd::geteuid().as_raw()));
+        // A process that exits.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let fd = crate::identity::pidfd_open(child.id()).unwrap();
+        let gone = PeerId::resumed(
+            child.id(),
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+            fd,
+        )
+        .unwrap();
+        child.wait().unwrap();
+        let mut t = Bells::default();
+        let (w, id) = bell();
+        t.held.push(Held {
+            peer: gone.clone(),
+            id,
+            bell: Weak::new(),
+            kept: Some(Arc::new(w)),
+        });
+        t.add_keeper(&gone);
+        t.prune();
+        assert_eq!(t.kept_count(None), 0, "its bell goes");
+        assert!(t.keepers.is_empty(), "and its word");
+    }
+
+    /// An answer names our bell only if the offer said it keeps it, and
+    /// a client believes a listener keeps its bell only when it said so.
+    #[test]
+    fn a_bell_is_named_only_to_a_process_that_said_it_keeps_it() {
+        let offered = BellNote {
+            id: 7,
+            held: false,
+            keeps: 0,
+        };
+        let a = answer_note(9, Some(offered), true);
+        assert!(!a.held && a.keeps == 7);
+        let a = answer_note(
+            9,
+            Some(BellNote {
+                keeps: 9,
+                ..offered
+            }),
+            false,
+        );
+        assert!(a.held && a.keeps == 0);
+        assert!(
+            !answer_note(
+                9,
+                Some(BellNote {
+                    keeps: 8,
+                    ..offered
+                }),
+                true
+            )
+            .held
+        );
+        assert!(!answer_note(9, None, true).held);
+        let mut t = Bells::default();
+        let peer = me();
+        t.add_keeper(&peer);
+        t.add_keeper(&peer);
+        assert_eq!(t.keepers.len(), 1);
+        t.drop_keeper(&peer);
+        assert!(t.keepers.is_empty());
+    }
+}
