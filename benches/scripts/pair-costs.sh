@@ -1,0 +1,71 @@
+#!/bin/bash
+# What a connection costs beyond its process's CPU: context switches per
+# connection, by thread, and runs of the kernel's Unix garbage collector
+# (a kworker each, queued by closes of Unix sockets while one is in flight
+# anywhere on the host), over `azsdp-echo many N 1024` against one server
+# SHAPE, kernel TCP and both ends under `azsdp run` in turn, a fresh
+# server each. (Issue 30, item 5; docs/benchmarks.md, "Ten thousand
+# connections at once, by server shape".)
+#
+#   benches/scripts/pair-costs.sh [N=2000] [SHAPE=serve]
+#
+# SHAPE: serve (one epoll loop), serve-threads, serve-prefork (4 workers).
+# Needs perf (the sched and workqueue tracepoints: root), a release build
+# (cargo build --release -p azsdp-shim -p azsdp-daemon --bins) and a hard
+# descriptor limit above N + 1000. BIN picks another build's directory.
+set -uo pipefail
+N=${1:-2000}
+SHAPE=${2:-serve}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BIN=${BIN:-$ROOT/target/release}
+command -v perf > /dev/null || { echo "pair-costs: perf is missing" >&2; exit 2; }
+for b in azsdp azsdp-echo; do
+  [ -x "$BIN/$b" ] || { echo "pair-costs: no $BIN/$b (cargo build --release first)" >&2; exit 2; }
+done
+ulimit -n $((N + 1000)) || exit 2
+export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
+DIR=$(mktemp -d /tmp/azsdp-pair-costs.XXXXXX)
+trap 'rm -rf "$DIR"' EXIT
+
+run() { # MODE: prints the per-connection counts
+  # (Below Linux's ephemeral ports, which the client's connections take.)
+  local pre='' extra='' port=$((20000 + RANDOM % 9000))
+  [ "$1" = az ] && pre="$BIN/azsdp run --"
+  [ "$SHAPE" = serve-prefork ] && extra=4
+  $pre "$BIN/azsdp-echo" "$SHAPE" "$port" $extra > "$DIR/srv.out" 2>&1 &
+  local i
+  for i in $(seq 50); do grep -q ready "$DIR/srv.out" 2> /dev/null && break; sleep 0.1; done
+  # A first connection, so that what a process makes once is not counted.
+  $pre "$BIN/azsdp-echo" send "$port" 1000 > /dev/null
+  local srv
+  # (A pre-forking server: the master and its workers.)
+  srv=$(pgrep -f "azsdp-echo $SHAPE $port" | paste -sd,)
+  perf record -q -a -e sched:sched_switch -e workqueue:workqueue_execute_start \
+    -o "$DIR/perf.data" -- $pre "$BIN/azsdp-echo" many "$port" "$N" 1024 \
+    > "$DIR/cli.out" 2> /dev/null
+  pkill -f "azsdp-echo $SHAPE $port"
+  wait 2> /dev/null
+  grep -q '"ok":true' "$DIR/cli.out" || { echo "$1: the client failed: $(cat "$DIR/cli.out")"; return; }
+  # Switches away from each thread, by process (the server's, the
+  # client's, the host's) and thread name; the garbage collector's runs.
+  perf script -i "$DIR/perf.data" -F comm,pid,event,trace 2> /dev/null | awk -v srv="$srv" -v n="$N" -v mode="$1" '
+    BEGIN { split(srv, s, ","); for (i in s) server[s[i]] = 1 }
+    /workqueue_execute_start/ { if ($0 ~ /__unix_gc/) gc++; next }
+    /sched_switch/ {
+      split($2, p, "/"); name = $1
+      if (name == "swapper") next
+      if (name ~ /^kworker/) name = "kworker"
+      who = (p[1] in server) ? "server" : (name ~ /^azsdp/) ? "client" : "host"
+      c[who " " name]++
+    }
+    END {
+      printf "%-4s %-32s %6.2f\n", mode, "__unix_gc runs", gc / n
+      for (k in c) if (c[k] / n >= 0.05) printf "%-4s %-32s %6.2f\n", mode, "switches: " k, c[k] / n
+    }' | sort -k2
+}
+
+before=$(cut -d' ' -f1-3 /proc/loadavg)
+echo "# $N connections at once against azsdp-echo $SHAPE; per connection:"
+run tcp
+run az
+echo "# load $before -> $(cut -d' ' -f1-3 /proc/loadavg)"
