@@ -124,9 +124,14 @@ impl Bells {
                 h.kept = None;
             }
         }
+        self.drop_unused();
+        self.keepers.retain(PeerId::alive);
+    }
+
+    /// Forget the bells neither kept nor used by a connection.
+    fn drop_unused(&mut self) {
         self.held
             .retain(|h| h.kept.is_some() || h.bell.strong_count() > 0);
-        self.keepers.retain(PeerId::alive);
     }
 
     /// Is there room to keep one more bell of `uid`'s process? Bells of
@@ -175,8 +180,7 @@ impl Bells {
         passed: Option<OwnedFd>,
         keep: bool,
     ) -> Result<(Arc<OwnedFd>, bool), BellError> {
-        self.held
-            .retain(|h| h.kept.is_some() || h.bell.strong_count() > 0);
+        self.drop_unused();
         let Some(fd) = passed else {
             let n = note.filter(|n| n.held).ok_or(BellError::Missing)?;
             return self
