@@ -26,24 +26,18 @@ ulimit -n $((N + 1000)) || exit 2
 export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
 DIR=$(mktemp -d /tmp/azsdp-pair-costs.XXXXXX)
 trap 'rm -rf "$DIR"' EXIT
+# shellcheck source=echo-server.sh
+. "$ROOT/benches/scripts/echo-server.sh"
 
 run() { # MODE: prints the per-connection counts
-  # (Below Linux's ephemeral ports, which the client's connections take.)
-  local pre='' extra='' port=$((20000 + RANDOM % 9000))
-  [ "$1" = az ] && pre="$BIN/azsdp run --"
-  [ "$SHAPE" = serve-prefork ] && extra=4
-  $pre "$BIN/azsdp-echo" "$SHAPE" "$port" $extra > "$DIR/srv.out" 2>&1 &
-  local i
-  for i in $(seq 50); do grep -q ready "$DIR/srv.out" 2> /dev/null && break; sleep 0.1; done
-  # A first connection, so that what a process makes once is not counted.
-  $pre "$BIN/azsdp-echo" send "$port" 1000 > /dev/null
+  start_echo "$1" "$SHAPE"
   local srv
   # (A pre-forking server: the master and its workers.)
-  srv=$(pgrep -f "azsdp-echo $SHAPE $port" | paste -sd,)
+  srv=$(pgrep -f "azsdp-echo $SHAPE $PORT" | paste -sd,)
   perf record -q -a -e sched:sched_switch -e workqueue:workqueue_execute_start \
-    -o "$DIR/perf.data" -- $pre "$BIN/azsdp-echo" many "$port" "$N" 1024 \
+    -o "$DIR/perf.data" -- $PRE "$BIN/azsdp-echo" many "$PORT" "$N" 1024 \
     > "$DIR/cli.out" 2> /dev/null
-  pkill -f "azsdp-echo $SHAPE $port"
+  pkill -f "azsdp-echo $SHAPE $PORT"
   wait 2> /dev/null
   grep -q '"ok":true' "$DIR/cli.out" || { echo "$1: the client failed: $(cat "$DIR/cli.out")"; return; }
   # Switches away from each thread, by process (the server's, the

@@ -34,23 +34,20 @@ export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
 DIR=$(mktemp -d /tmp/azsdp-scale.XXXXXX)
 trap 'rm -rf "$DIR"' EXIT
 
+# shellcheck source=echo-server.sh
+. "$ROOT/benches/scripts/echo-server.sh"
+
 # CPU seconds (user + system) of process $1 so far.
 cpu() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$1/stat"; }
 
 run() { # MODE SHAPE: prints "total connect exchange close client_cpu server_cpu"
-  local pre='' extra='' port=$((20000 + RANDOM % 9000))
-  [ "$1" = az ] && pre="$BIN/azsdp run --"
-  [ "$2" = serve-prefork ] && extra=4
-  $pre "$BIN/azsdp-echo" "$2" "$port" $extra > "$DIR/srv.out" 2> "$DIR/srv.err" &
-  local s=$! i
-  for i in $(seq 50); do grep -q ready "$DIR/srv.out" 2> /dev/null && break; sleep 0.1; done
-  $pre "$BIN/azsdp-echo" send "$port" 1000 > /dev/null
-  local s0 s1
+  start_echo "$1" "$2"
+  local s=$SERVER s0 s1
   s0=$(cpu $s)
   # The client's CPU: its subshell's children times (bash's `times`).
   local cc
   cc=$( (
-    $pre "$BIN/azsdp-echo" many "$port" "$N" 1024 > "$DIR/cli.out" 2> "$DIR/cli.err"
+    $PRE "$BIN/azsdp-echo" many "$PORT" "$N" 1024 > "$DIR/cli.out" 2> "$DIR/cli.err"
     times
   ) | tail -1 | awk '{
     split($1, u, /[ms]/); split($2, k, /[ms]/)
@@ -58,7 +55,7 @@ run() { # MODE SHAPE: prints "total connect exchange close client_cpu server_cpu
   }')
   s1=$(cpu $s)
   kill $s 2> /dev/null; wait $s 2> /dev/null
-  pkill -f "azsdp-echo $2 $port" 2> /dev/null
+  pkill -f "azsdp-echo $2 $PORT" 2> /dev/null
   python3 - "$DIR/cli.out" "$cc" "$s0" "$s1" << 'PY'
 import json, sys
 try:
