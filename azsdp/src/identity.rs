@@ -17,7 +17,8 @@
 //! from is the verified one ([`PeerId::alive`] after the read proves the
 //! pid was not reused meanwhile).
 //!
-//! `unsafe` here: the `pidfd_open` and `pidfd_send_signal` system calls.
+//! `unsafe` here: the `pidfd_open`, `pidfd_getfd` and `pidfd_send_signal`
+//! system calls.
 
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -203,6 +204,22 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     }
     // SAFETY: the kernel returned a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// A copy of descriptor `fd` of the process behind `pidfd`. The kernel
+/// allows it only to a process that may ptrace that one
+/// (`PTRACE_MODE_ATTACH_REALCREDS`, the check `process_vm_readv` makes).
+/// What the descriptor is, is the other process's word: check it.
+pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: u32) -> std::io::Result<OwnedFd> {
+    let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: plain system call with integer arguments.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if got < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new descriptor (close-on-exec) that
+    // nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(got as RawFd) })
 }
 
 /// Has the process behind pidfd `fd` exited?

@@ -35,13 +35,15 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use thiserror::Error;
 
 const MAGIC: [u8; 4] = *b"AZBT";
-/// Version of the side channel's format and of the registry names (5: an
-/// offer or answer names its sender's bell, and passes it only to a
-/// process that does not keep it already; 4 named an offer's connection
-/// by cookie alone; 3 began connections on TCP, docs/protocol.md §8b).
-pub const VERSION: u16 = 5;
+/// Version of the side channel's format and of the registry names (6: a
+/// bell is named with its descriptor number, for a receiver that takes it
+/// from the sender's process itself; 5: an offer or answer names its
+/// sender's bell, and passes it only to a process that does not keep it
+/// already; 4 named an offer's connection by cookie alone; 3 began
+/// connections on TCP, docs/protocol.md §8b).
+pub const VERSION: u16 = 6;
 /// Bytes of an encoded [`Intro`].
-pub const INTRO_LEN: usize = 48;
+pub const INTRO_LEN: usize = 56;
 
 /// What an [`Intro`] is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,14 +111,23 @@ pub struct PairTarget {
 pub struct BellNote {
     /// The sender's bell (its socket's inode number; never 0).
     pub id: u32,
-    /// Not passed: the receiver said it keeps it.
+    /// Not passed: the receiver said it keeps it, or that it takes it from
+    /// the sender's process itself.
     pub held: bool,
     /// The receiver's bell that the sender keeps (0: none).
     pub keeps: u32,
+    /// The sender's descriptor number of its bell, for a receiver that
+    /// takes it from the sender's process itself (`pidfd_getfd`; the
+    /// receiver checks that it is the bell named).
+    pub fd: u32,
+    /// The sender takes the receiver's bell from the receiver's process
+    /// itself: a reply need not pass it.
+    pub fetches: bool,
 }
 
 impl BellNote {
     const HELD: u8 = 1;
+    const FETCHES: u8 = 2;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -139,6 +150,8 @@ pub enum PairError {
     Reserved,
     #[error("side-channel message says of bells without naming its own")]
     BellFlags,
+    #[error("side-channel message names descriptor {0} for its bell")]
+    BellFd(u32),
 }
 
 impl Intro {
@@ -168,9 +181,11 @@ impl Intro {
             .bell
             .filter(|b| b.id != 0 && Intro::names_a_bell(self.kind))
         {
-            out[30] = if b.held { BellNote::HELD } else { 0 };
+            out[30] = if b.held { BellNote::HELD } else { 0 }
+                | if b.fetches { BellNote::FETCHES } else { 0 };
             out[40..44].copy_from_slice(&b.id.to_le_bytes());
             out[44..48].copy_from_slice(&b.keeps.to_le_bytes());
+            out[48..52].copy_from_slice(&b.fd.to_le_bytes());
         }
         out[8..12].copy_from_slice(&self.page_size.to_le_bytes());
         if let Some(p) = self.pair {
@@ -215,22 +230,28 @@ impl Intro {
         let names_a_bell = Intro::names_a_bell(kind);
         let reserved_from = match kind {
             IntroKind::LoopBell(_) => 44,
-            _ if names_a_bell => INTRO_LEN,
+            _ if names_a_bell => 52,
             _ => 40,
         };
-        let flags_ok = b[30] == 0 || (names_a_bell && b[30] == BellNote::HELD);
+        let flags_ok =
+            b[30] == 0 || (names_a_bell && b[30] & !(BellNote::HELD | BellNote::FETCHES) == 0);
         if !flags_ok || b[31] != 0 || b[reserved_from..].iter().any(|&x| x != 0) {
             return Err(PairError::Reserved);
         }
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let bell = if names_a_bell {
             match u32_at(40) {
-                0 if b[30] != 0 || u32_at(44) != 0 => return Err(PairError::BellFlags),
+                0 if b[30] != 0 || u32_at(44) != 0 || u32_at(48) != 0 => {
+                    return Err(PairError::BellFlags);
+                }
                 0 => None,
+                _ if u32_at(48) > i32::MAX as u32 => return Err(PairError::BellFd(u32_at(48))),
                 id => Some(BellNote {
                     id,
-                    held: b[30] == BellNote::HELD,
+                    held: b[30] & BellNote::HELD != 0,
                     keeps: u32_at(44),
+                    fd: u32_at(48),
+                    fetches: b[30] & BellNote::FETCHES != 0,
                 }),
             }
         } else {
@@ -349,15 +370,27 @@ mod tests {
             ],
             12u32..=30,
             proptest::option::of((addr(), any::<u64>())),
-            proptest::option::of((1u32.., any::<bool>(), any::<u32>())),
+            proptest::option::of((
+                1u32..,
+                any::<bool>(),
+                any::<u32>(),
+                0..=i32::MAX as u32,
+                any::<bool>(),
+            )),
         )
             .prop_map(|(kind, shift, pair, bell)| Intro {
                 kind,
                 page_size: 1 << shift,
                 pair: pair.map(|(dst, cookie)| PairTarget { dst, cookie }),
-                bell: bell
-                    .filter(|_| Intro::names_a_bell(kind))
-                    .map(|(id, held, keeps)| BellNote { id, held, keeps }),
+                bell: bell.filter(|_| Intro::names_a_bell(kind)).map(
+                    |(id, held, keeps, fd, fetches)| BellNote {
+                        id,
+                        held,
+                        keeps,
+                        fd,
+                        fetches,
+                    },
+                ),
             })
     }
 
@@ -373,6 +406,8 @@ mod tests {
                 id: 9,
                 held: false,
                 keeps: 4,
+                fd: 12,
+                fetches: true,
             }),
         }
     }
@@ -420,7 +455,13 @@ mod tests {
         z[30] = 5; // where version 3 named the client's port
         assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
         let mut z = b;
-        z[30] = 2; // a bell flag no version defines
+        z[30] = 4; // a bell flag no version defines
+        assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
+        let mut z = b;
+        z[51] = 0x80; // no descriptor number is negative
+        assert_eq!(Intro::parse(&z), Err(PairError::BellFd(0x8000_000c)));
+        let mut z = b;
+        z[52] = 1; // past the bell's bytes
         assert_eq!(Intro::parse(&z), Err(PairError::Reserved));
         let mut z = b;
         z[40] = 0; // says what it keeps, but names no bell of its own
@@ -449,21 +490,21 @@ mod tests {
     #[test]
     fn names_and_candidates() {
         let v4: SocketAddr = "127.0.0.1:6379".parse().unwrap();
-        assert_eq!(registry_name(v4), "azsdp/v5/tcp/127.0.0.1/6379");
+        assert_eq!(registry_name(v4), "azsdp/v6/tcp/127.0.0.1/6379");
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:6379".parse().unwrap();
         assert_eq!(registry_name(mapped), registry_name(v4));
         assert_eq!(
             registry_candidates(v4),
             vec![
-                "azsdp/v5/tcp/127.0.0.1/6379",
-                "azsdp/v5/tcp/0.0.0.0/6379",
-                "azsdp/v5/tcp/::/6379"
+                "azsdp/v6/tcp/127.0.0.1/6379",
+                "azsdp/v6/tcp/0.0.0.0/6379",
+                "azsdp/v6/tcp/::/6379"
             ]
         );
         let v6: SocketAddr = "[::1]:80".parse().unwrap();
         assert_eq!(
             registry_candidates(v6),
-            vec!["azsdp/v5/tcp/::1/80", "azsdp/v5/tcp/::/80"]
+            vec!["azsdp/v6/tcp/::1/80", "azsdp/v6/tcp/::/80"]
         );
     }
 }

@@ -175,7 +175,7 @@ impl ShmOffer {
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
-        let (bell, _) = bells::take(&peer, None, Some(bell), false)?;
+        let bell = bells::take(&peer, None, Some(bell), false)?.bell;
         ShmEndpoint::new(self.seg, 0, bell, peer, peer_page_size, self.params)
     }
 
@@ -223,7 +223,7 @@ impl ShmJoin {
         peer: PeerId,
         peer_page_size: u32,
     ) -> std::io::Result<ShmEndpoint> {
-        let (bell, _) = bells::take(&peer, None, Some(bell), false)?;
+        let bell = bells::take(&peer, None, Some(bell), false)?.bell;
         ShmEndpoint::new(self.seg, 1, bell, peer, peer_page_size, self.params)
     }
 
@@ -236,6 +236,11 @@ impl ShmJoin {
     ) -> std::io::Result<ShmEndpoint> {
         ShmEndpoint::new(self.seg, 1, bell, peer, peer_page_size, self.params)
     }
+}
+
+/// Our bell's descriptor number, for a peer that takes it from us itself.
+fn bell_fd(reactor: &Reactor) -> u32 {
+    reactor.bell().as_raw_fd() as u32
 }
 
 /// The shm fabric as a [`Transport`]: segments of `params`; each side's
@@ -255,6 +260,8 @@ pub struct ShmOffered {
     pub(super) reactor: Arc<Reactor>,
     note: BellNote,
     held_by: HeldBy,
+    /// The registry's owner the offer goes to.
+    to: u32,
 }
 
 /// The process an offer said holds our bell: if the pair does not come
@@ -288,12 +295,13 @@ impl Transport for ShmTransport {
 
     fn offer(&self, to: u32) -> std::io::Result<ShmOffered> {
         let reactor = Reactor::get()?;
-        let note = bells::offer_note(reactor.bell_id(), to);
+        let note = bells::offer_note(reactor.bell_id(), bell_fd(&reactor), to);
         Ok(ShmOffered {
             offer: ShmOffer::new(self.params)?,
             reactor,
             note,
             held_by: HeldBy(note.held.then_some(to)),
+            to,
         })
     }
 
@@ -312,12 +320,18 @@ impl Transport for ShmTransport {
             return Err(bad("an offer carries a segment and a bell, nothing else"));
         }
         let join = ShmJoin::open(memfd, self.params.poll, self.params.keep_for_exec)?;
-        let (bell, kept) = bells::take(peer, offered, passed, true)?;
+        let taken = bells::take(peer, offered, passed, true)?;
         let reactor = Reactor::get()?;
-        let note = bells::answer_note(reactor.bell_id(), offered, kept);
+        let note = bells::answer_note(
+            reactor.bell_id(),
+            bell_fd(&reactor),
+            offered,
+            taken.kept,
+            taken.takes,
+        );
         Ok(ShmJoined {
             join,
-            bell,
+            bell: taken.bell,
             reactor,
             note,
         })
@@ -358,16 +372,18 @@ impl transport::Offer for ShmOffered {
             offer,
             note,
             mut held_by,
+            to,
             ..
         } = self;
-        bells::answer_came(&peer, note, answer);
+        bells::answer_came(&peer, to, note, answer);
         let mut fds = fds.into_iter();
         let passed = fds.next();
         if fds.next().is_some() {
             return Err(bad("an answer carries a bell, nothing else"));
         }
-        let (bell, _) = bells::take(&peer, answer, passed, true)?;
-        let ep = offer.into_endpoint_with(bell, peer, peer_page_size)?;
+        let taken = bells::take(&peer, answer, passed, true);
+        bells::we_take_from(to, taken.as_ref().is_ok_and(|t| t.takes));
+        let ep = offer.into_endpoint_with(taken?.bell, peer, peer_page_size)?;
         held_by.0 = None;
         Ok(ep)
     }

@@ -167,11 +167,11 @@ impl crate::fabric::Watched for ShmEndpoint {
         let Some(bell) = mail.from.fds.into_iter().next() else {
             return;
         };
-        let Ok((bell, _)) = bells::take(&mail.from.peer, None, Some(bell), false) else {
+        let Ok(taken) = bells::take(&mail.from.peer, None, Some(bell), false) else {
             return;
         };
         self.peer = mail.from.peer;
-        self.peer_bell = bell;
+        self.peer_bell = taken.bell;
         self.no_get = get_permission(&self.peer);
         self.alive_suspect = true;
     }

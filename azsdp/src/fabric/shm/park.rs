@@ -190,7 +190,7 @@ impl ShmEndpoint {
             poll: p.poll,
             keep_for_exec: true,
         };
-        let (bell, _) = super::bells::take(&peer, None, Some(bell), false)?;
+        let bell = super::bells::take(&peer, None, Some(bell), false)?.bell;
         let mut ep = ShmEndpoint::new(seg, side, bell, peer, p.peer_page_size, params)?;
         ep.fork_gen = AtomicU32::new(p.fork_gen);
         Ok(ep)

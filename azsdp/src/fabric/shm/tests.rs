@@ -751,12 +751,12 @@ fn later_pairs_between_two_processes_name_the_bells_they_passed() {
             .unwrap();
         ends.push((e0, e1));
     }
-    // A peer that says it holds a bell we never kept is refused, and the
-    // pair fails alone.
+    // A peer that names a bell we never kept, at a descriptor that is
+    // another bell, is refused, and the pair fails alone.
     let offer = t.offer(pid).unwrap();
     let mut lie = offer.note().unwrap();
     lie.id ^= 0x5a5a;
     let memfd = vec![offer.fds()[0].try_clone_to_owned().unwrap()];
     let e = t.join(Some(lie), &us(), memfd).unwrap_err();
-    assert!(e.to_string().contains("which we do not hold"), "{e}");
+    assert!(e.to_string().contains("is not that bell"), "{e}");
 }
