@@ -1,5 +1,5 @@
 # Sourced by the scripts that measure `azsdp-echo` servers (scale.sh,
-# pair-costs.sh); they set BIN (the build's directory) and DIR (a
+# pair-costs.sh, phase-costs.sh); they set BIN (the build's directory) and DIR (a
 # scratch directory).
 
 # Start `azsdp-echo SHAPE` (SHAPE serve-prefork: 4 workers), on kernel
