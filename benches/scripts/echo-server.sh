@@ -1,6 +1,32 @@
 # Sourced by the scripts that measure `azsdp-echo` servers (scale.sh,
-# pair-costs.sh, phase-costs.sh); they set BIN (the build's directory) and DIR (a
-# scratch directory).
+# pair-costs.sh, phase-costs.sh); they set ROOT (the tree) and BIN (the
+# build's directory).
+
+# The common start of measuring script NAME with N connections at once:
+# perf (if the third argument says so) and the build's binaries present,
+# a descriptor limit of N + 1000 (each process holds N connections and a
+# few descriptors of its own), the log level, and a scratch directory DIR,
+# removed on exit.
+prepare() { # NAME N [perf]
+  local b want hard
+  if [ "${3:-}" = perf ] && ! command -v perf > /dev/null; then
+    echo "$1: perf is missing" >&2
+    exit 2
+  fi
+  for b in azsdp azsdp-echo; do
+    [ -x "$BIN/$b" ] || { echo "$1: no $BIN/$b (cargo build --release first)" >&2; exit 2; }
+  done
+  want=$(($2 + 1000))
+  hard=$(ulimit -Hn)
+  if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
+    echo "$1: $2 connections need $want descriptors; the hard limit is $hard" >&2
+    exit 2
+  fi
+  ulimit -n "$want"
+  export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
+  DIR=$(mktemp -d "/tmp/azsdp-$1.XXXXXX")
+  trap 'rm -rf "$DIR"' EXIT
+}
 
 # Start `azsdp-echo SHAPE` (SHAPE serve-prefork: 4 workers), on kernel
 # TCP for MODE tcp or under `azsdp run` for az, on a port below Linux's

@@ -18,16 +18,9 @@ N=${1:-2000}
 SHAPE=${2:-serve}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-$ROOT/target/release}
-command -v perf > /dev/null || { echo "pair-costs: perf is missing" >&2; exit 2; }
-for b in azsdp azsdp-echo; do
-  [ -x "$BIN/$b" ] || { echo "pair-costs: no $BIN/$b (cargo build --release first)" >&2; exit 2; }
-done
-ulimit -n $((N + 1000)) || exit 2
-export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
-DIR=$(mktemp -d /tmp/azsdp-pair-costs.XXXXXX)
-trap 'rm -rf "$DIR"' EXIT
 # shellcheck source=echo-server.sh
 . "$ROOT/benches/scripts/echo-server.sh"
+prepare pair-costs "$N" perf
 
 run() { # MODE: prints the per-connection counts
   start_echo "$1" "$SHAPE"

@@ -21,16 +21,9 @@ N=${1:-3000}
 SHAPE=${2:-serve}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-$ROOT/target/release}
-command -v perf > /dev/null || { echo "phase-costs: perf is missing" >&2; exit 2; }
-for b in azsdp azsdp-echo; do
-  [ -x "$BIN/$b" ] || { echo "phase-costs: no $BIN/$b (cargo build --release first)" >&2; exit 2; }
-done
-ulimit -n $((N + 1000)) || exit 2
-export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
-DIR=$(mktemp -d /tmp/azsdp-phase-costs.XXXXXX)
-trap 'rm -rf "$DIR"' EXIT
 # shellcheck source=echo-server.sh
 . "$ROOT/benches/scripts/echo-server.sh"
+prepare phase-costs "$N" perf
 HZ=4000
 
 run() { # MODE: prints the per-connection CPU by phase, process and thread

@@ -19,23 +19,9 @@ N=${1:-10000}
 ROUNDS=${2:-2}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-$ROOT/target/release}
-for b in azsdp azsdp-echo; do
-  [ -x "$BIN/$b" ] || { echo "scale: no $BIN/$b (cargo build --release first)" >&2; exit 2; }
-done
-# Each process holds N connections, and a few descriptors of its own.
-want=$((N + 1000))
-hard=$(ulimit -Hn)
-if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
-  echo "scale: $N connections need $want descriptors; the hard limit is $hard" >&2
-  exit 2
-fi
-ulimit -n "$want"
-export AZSDP_LOG_LEVEL=${AZSDP_LOG_LEVEL:-warn}
-DIR=$(mktemp -d /tmp/azsdp-scale.XXXXXX)
-trap 'rm -rf "$DIR"' EXIT
-
 # shellcheck source=echo-server.sh
 . "$ROOT/benches/scripts/echo-server.sh"
+prepare scale "$N"
 
 # CPU seconds (user + system) of process $1 so far.
 cpu() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$1/stat"; }
