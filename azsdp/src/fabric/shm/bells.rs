@@ -199,8 +199,12 @@ impl Bells {
             })
     }
 
-    fn set_family(&mut self, f: Family) {
-        self.families.retain(|g| g.owner != f.owner);
+    /// Change what we know of the family behind the registry of `owner`
+    /// (a record that says nothing is dropped).
+    fn update_family(&mut self, owner: u32, change: impl FnOnce(&mut Family)) {
+        let mut f = self.family(owner);
+        change(&mut f);
+        self.families.retain(|g| g.owner != owner);
         if f.take_ours || f.we_take {
             if self.families.len() >= KEEP_MOST {
                 self.families.remove(0);
@@ -360,11 +364,7 @@ pub fn offer_note(ours: u32, fd: u32, to: u32) -> BellNote {
 pub fn not_kept_by(to: u32) {
     let mut b = bells();
     b.keepers.retain(|k| k.pid() != to);
-    let f = b.family(to);
-    b.set_family(Family {
-        take_ours: false,
-        ..f
-    });
+    b.update_family(to, |f| f.take_ours = false);
 }
 
 /// The bell of `peer` (verified) that its message `note` names or passes
@@ -412,22 +412,14 @@ pub fn answer_came(peer: &PeerId, to: u32, offered: BellNote, answer: Option<Bel
     } else {
         b.drop_keeper(peer);
     }
-    let f = b.family(to);
-    b.set_family(Family {
-        take_ours: keeps && answer.is_some_and(|a| a.fetches),
-        ..f
-    });
+    let takes = keeps && answer.is_some_and(|a| a.fetches);
+    b.update_family(to, |f| f.take_ours = takes);
 }
 
 /// Whether we took (or could take) a bell of the family behind the
 /// registry of `to` from its process ourselves: later offers say so.
 pub fn we_take_from(to: u32, takes: bool) {
-    let mut b = bells();
-    let f = b.family(to);
-    b.set_family(Family {
-        we_take: takes,
-        ..f
-    });
+    bells().update_family(to, |f| f.we_take = takes);
 }
 
 /// Forget the bells of peer processes that have exited (the stats
@@ -481,10 +473,6 @@ mod tests {
         })
     }
 
-    fn not_had(r: Result<Taken, BellError>) -> bool {
-        matches!(r, Err(BellError::NotHeld(..)))
-    }
-
     /// A bell passed once is found by name after, and only by its own
     /// process and id; one not kept only while used.
     #[test]
@@ -499,7 +487,10 @@ mod tests {
         let again = t.take(&peer, note(id, true), None, true).unwrap();
         assert!(again.kept, "kept while its process lives, used or not");
         let again = again.bell;
-        assert!(not_had(t.take(&peer, note(id + 1, true), None, true)));
+        assert!(matches!(
+            t.take(&peer, note(id + 1, true), None, true),
+            Err(BellError::NotHeld(..))
+        ));
         assert!(matches!(
             t.take(&peer, None, None, true),
             Err(BellError::Missing)
