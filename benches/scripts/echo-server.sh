@@ -45,3 +45,20 @@ start_echo() { # MODE SHAPE
   for i in $(seq 50); do grep -q ready "$DIR/srv.out" 2> /dev/null && break; sleep 0.1; done
   $PRE "$BIN/azsdp-echo" send "$PORT" 1000 > /dev/null
 }
+
+# `azsdp-echo many N 1024` under `perf record -a PERF-ARGS`, into
+# $DIR/perf.data, against a fresh `azsdp-echo SHAPE` (MODE as start_echo's),
+# stopped after; sets SRV (the server's pids, comma-separated: a
+# pre-forking server's master and its workers). Fails, saying why, if the
+# client did.
+record_many() { # MODE SHAPE N PERF-ARGS...
+  local mode=$1 shape=$2 n=$3
+  shift 3
+  start_echo "$mode" "$shape"
+  SRV=$(pgrep -f "azsdp-echo $shape $PORT" | paste -sd,)
+  perf record -q -a "$@" -o "$DIR/perf.data" -- \
+    $PRE "$BIN/azsdp-echo" many "$PORT" "$n" 1024 > "$DIR/cli.out" 2> /dev/null
+  pkill -f "azsdp-echo $shape $PORT"
+  wait 2> /dev/null
+  grep -q '"ok":true' "$DIR/cli.out" || { echo "$mode: the client failed: $(cat "$DIR/cli.out")"; return 1; }
+}

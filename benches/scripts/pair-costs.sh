@@ -23,19 +23,10 @@ BIN=${BIN:-$ROOT/target/release}
 prepare pair-costs "$N" perf
 
 run() { # MODE: prints the per-connection counts
-  start_echo "$1" "$SHAPE"
-  local srv
-  # (A pre-forking server: the master and its workers.)
-  srv=$(pgrep -f "azsdp-echo $SHAPE $PORT" | paste -sd,)
-  perf record -q -a -e sched:sched_switch -e workqueue:workqueue_execute_start \
-    -o "$DIR/perf.data" -- $PRE "$BIN/azsdp-echo" many "$PORT" "$N" 1024 \
-    > "$DIR/cli.out" 2> /dev/null
-  pkill -f "azsdp-echo $SHAPE $PORT"
-  wait 2> /dev/null
-  grep -q '"ok":true' "$DIR/cli.out" || { echo "$1: the client failed: $(cat "$DIR/cli.out")"; return; }
+  record_many "$1" "$SHAPE" "$N" -e sched:sched_switch -e workqueue:workqueue_execute_start || return
   # Switches away from each thread, by process (the server's, the
   # client's, the host's) and thread name; the garbage collector's runs.
-  perf script -i "$DIR/perf.data" -F comm,pid,event,trace 2> /dev/null | awk -v srv="$srv" -v n="$N" -v mode="$1" '
+  perf script -i "$DIR/perf.data" -F comm,pid,event,trace 2> /dev/null | awk -v srv="$SRV" -v n="$N" -v mode="$1" '
     BEGIN { split(srv, s, ","); for (i in s) server[s[i]] = 1 }
     /workqueue_execute_start/ { if ($0 ~ /__unix_gc/) gc++; next }
     /sched_switch/ {

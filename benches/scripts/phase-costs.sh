@@ -27,17 +27,9 @@ prepare phase-costs "$N" perf
 HZ=4000
 
 run() { # MODE: prints the per-connection CPU by phase, process and thread
-  start_echo "$1" "$SHAPE"
-  local srv
-  # (A pre-forking server: the master and its workers.)
-  srv=$(pgrep -f "azsdp-echo $SHAPE $PORT" | paste -sd,)
-  ECHO_PAUSE_MS=1500 perf record -q -a -e cpu-clock -F $HZ -o "$DIR/perf.data" -- \
-    $PRE "$BIN/azsdp-echo" many "$PORT" "$N" 1024 > "$DIR/cli.out" 2> /dev/null
-  pkill -f "azsdp-echo $SHAPE $PORT"
-  wait 2> /dev/null
-  grep -q '"ok":true' "$DIR/cli.out" || { echo "$1: the client failed: $(cat "$DIR/cli.out")"; return; }
+  ECHO_PAUSE_MS=1500 record_many "$1" "$SHAPE" "$N" -e cpu-clock -F $HZ || return
   perf script -i "$DIR/perf.data" -F comm,pid,tid,time 2> /dev/null > "$DIR/samples"
-  python3 - "$DIR/samples" "$srv" "$N" "$1" "$HZ" << 'PY'
+  python3 - "$DIR/samples" "$SRV" "$N" "$1" "$HZ" << 'PY'
 import collections, re, sys
 path, srv, n, mode, hz = sys.argv[1], set(sys.argv[2].split(",")), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 rows = []
