@@ -76,6 +76,64 @@ pub struct Conn {
     judge: Lock<Option<(SocketAddr, Instant)>>,
 }
 
+/// A connection's engine made and started, not yet driven by this
+/// process: its HELLO is posted, and the peer's answer waits in the ring
+/// until [`Prepared::run`] (a client prepares its connection when the
+/// listener's answer comes, so that the handshake is over by the
+/// program's first call; docs/shim.md, "Pairing").
+pub struct Prepared {
+    driver: Driver<ActiveEndpoint, Box<dyn Protector + Send>>,
+    faults: Option<Box<dyn azsdp::protect::FaultSource>>,
+    beneath: Arc<TcpBeneath>,
+    role: Role,
+}
+
+impl Prepared {
+    /// Make the engine for a pair whose segment is set up and agreed on;
+    /// `joins`: the connection began on TCP and joins the fabric.
+    pub fn new(
+        ep: ActiveEndpoint,
+        fd: i32,
+        role: Role,
+        settings: &Settings,
+        joins: bool,
+    ) -> Prepared {
+        let p = protect::open(settings.protection);
+        let mut caps: Capabilities = capabilities(ep.get_refused().is_none(), p.protector.as_ref());
+        // Never advertise our pages to a peer of another user: it cannot
+        // read them (a hostile one may claim it can, to have us protect
+        // pages and wait for GETs that never come).
+        caps.zcopy_source &= Endpoint::same_user(&ep);
+        caps.arm_recv &= ep.arms_receives();
+        let mut cfg = settings.engine_config(role, caps, LockRegion::UNSET);
+        cfg.joins_from_tcp = joins;
+        if !ep.reads_ahead() {
+            cfg.read_ahead = 0;
+        }
+        let beneath = Arc::new(TcpBeneath::new(fd));
+        let host = Conn::host(settings, &beneath);
+        Prepared {
+            driver: Driver::with_host(cfg, ep, p.protector, host),
+            faults: p.faults,
+            beneath,
+            role,
+        }
+    }
+
+    /// Drive the connection from this process's reactor and the program's
+    /// calls. `joining`: what the program moved on TCP so far, if the
+    /// connection began there.
+    pub fn run(
+        self,
+        settings: &Settings,
+        local: SocketAddr,
+        peer: SocketAddr,
+        joining: Option<crate::join::Joining>,
+    ) -> Arc<Conn> {
+        Conn::run(self, settings, local, peer, joining)
+    }
+}
+
 impl Conn {
     /// Start the engine for a pair whose segment is set up and agreed on.
     /// Nothing waits for the peer here: the handshake completes in the
@@ -93,22 +151,7 @@ impl Conn {
         peer: SocketAddr,
         joining: Option<crate::join::Joining>,
     ) -> Arc<Conn> {
-        let p = protect::open(settings.protection);
-        let mut caps: Capabilities = capabilities(ep.get_refused().is_none(), p.protector.as_ref());
-        // Never advertise our pages to a peer of another user: it cannot
-        // read them (a hostile one may claim it can, to have us protect
-        // pages and wait for GETs that never come).
-        caps.zcopy_source &= Endpoint::same_user(&ep);
-        caps.arm_recv &= ep.arms_receives();
-        let mut cfg = settings.engine_config(role, caps, LockRegion::UNSET);
-        cfg.joins_from_tcp = joining.is_some();
-        if !ep.reads_ahead() {
-            cfg.read_ahead = 0;
-        }
-        let beneath = Arc::new(TcpBeneath::new(fd));
-        let host = Self::host(settings, &beneath);
-        let d = Driver::with_host(cfg, ep, p.protector, host);
-        Self::run(d, p.faults, beneath, role, settings, local, peer, joining)
+        Prepared::new(ep, fd, role, settings, joining.is_some()).run(settings, local, peer, joining)
     }
 
     /// Take up a connection the previous image of this process parked
@@ -126,9 +169,15 @@ impl Conn {
         let p = protect::open(settings.protection);
         let beneath = Arc::new(TcpBeneath::new(fd));
         let host = Self::host(settings, &beneath);
-        let d = Driver::unpark(engine, ep, p.protector, host)?;
+        let driver = Driver::unpark(engine, ep, p.protector, host)?;
+        let prepared = Prepared {
+            driver,
+            faults: p.faults,
+            beneath,
+            role,
+        };
         // (Only a connection whose join was over is parked.)
-        let c = Self::run(d, p.faults, beneath, role, settings, local, peer, None);
+        let c = prepared.run(settings, local, peer, None);
         // The peer rings the previous image's bell, gone with it.
         c.driver.with_fabric(|ep| {
             if let Some(shm) = ep.shm() {
@@ -146,18 +195,20 @@ impl Conn {
         host
     }
 
-    /// Drive `d` from this process's reactor and the program's calls.
-    #[allow(clippy::too_many_arguments)] // (WIP: fold into one start record)
+    /// Drive `p` from this process's reactor and the program's calls.
     fn run(
-        d: Driver<ActiveEndpoint, Box<dyn Protector + Send>>,
-        faults: Option<Box<dyn azsdp::protect::FaultSource>>,
-        beneath: Arc<TcpBeneath>,
-        role: Role,
+        p: Prepared,
         settings: &Settings,
         local: SocketAddr,
         peer: SocketAddr,
         joining: Option<crate::join::Joining>,
     ) -> Arc<Conn> {
+        let Prepared {
+            driver: d,
+            faults,
+            beneath,
+            role,
+        } = p;
         let peer_pid = Endpoint::peer_pid(d.fabric());
         let fabric = d.fabric().fabric_name();
         let waiter = Endpoint::waiter(d.fabric());

@@ -391,6 +391,18 @@ fn cap(bufs: &[(*mut u8, usize)], left: Option<u64>) -> Vec<(*mut u8, usize)> {
 /// (each waiting for its client's first bytes), and each would hold a
 /// descriptor. The reactor watches the socket for it instead, once.
 fn wait(c: &Conn, fd: c_int, events: i16, most: Duration) {
+    // Before the peer's JOIN, what comes next is most likely that JOIN on
+    // the fabric (the peer joins at its first send after ours): sleep
+    // where the peer's post wakes this thread itself, with the socket
+    // watched for the rest. (Through the reactor, each first exchange
+    // woke two threads in turn where TCP wakes one.)
+    if matches!(c.driver.rx_route(), RxRoute::Tcp { left: None })
+        && let Ok(_watch) = azsdp::driver::reactor::Reactor::get()
+            .and_then(|r| r.when_ready(fd, events as u32, c.driver.kicker()))
+        && c.driver.wait_for_peer_join(most)
+    {
+        return;
+    }
     let Some(w) = crate::ready::my_quiet_wakeup() else {
         std::thread::sleep(most.min(Duration::from_millis(1)));
         return;

@@ -2,6 +2,8 @@
 //! at once, and the program uses it as TCP while the listener answers
 //! (docs/shim.md, "Pairing").
 //!
+//! The reactor starts the connection's engine as soon as the listener
+//! committed, so that the handshake is over by the program's first call.
 //! The pair completes at the start of one of the program's calls on the
 //! socket, when no other call of this process is on it: then no thread
 //! sleeps in the kernel on the socket alone (polls over it are the shim's
@@ -31,7 +33,7 @@ use azsdp::sync::Lock;
 use azsdp::transport::{Offer, Transport};
 use libc::c_int;
 
-use crate::conn::{Active, Conn, TcpConn};
+use crate::conn::{Active, Conn, Prepared, TcpConn};
 use crate::endpoint::AnyEndpoint;
 use crate::log::{debug, info, warning};
 use crate::sock::{Role, Sock};
@@ -135,8 +137,9 @@ struct Parts {
     /// The answer, once in (it may come before the listener's commit).
     answer: Option<(Intro, Received)>,
     /// What the reactor made of a committed pair (`intake`), for the
-    /// program's next call: the endpoint, or why there is none.
-    made: Option<Result<AnyEndpoint, TcpReason>>,
+    /// program's next call: the connection, started (its HELLO went), or
+    /// why there is none.
+    made: Option<Result<Prepared, TcpReason>>,
 }
 
 impl Parts {
@@ -158,7 +161,8 @@ impl Parts {
         if let Some(o) = self.offer {
             o.abandon();
         }
-        // (An endpoint made already closes its side as it drops.)
+        // (A connection prepared already closes its side as it drops: the
+        // listener's engine, which nothing joined, stays on TCP.)
     }
 }
 
@@ -319,11 +323,11 @@ impl Pending {
         let _counted = self.decide_later();
         let made = match (parts.made, parts.offer) {
             (Some(made), _) => made,
-            (None, Some(offer)) => self.endpoint(fd, offer, parts.answer),
+            (None, Some(offer)) => self.prepare(fd, offer, parts.answer),
             (None, None) => Err(TcpReason::SetupFailed),
         };
-        let ep = match made {
-            Ok(ep) => ep,
+        let prepared = match made {
+            Ok(p) => p,
             Err(reason) => {
                 self.stay_tcp(sock, reason);
                 return None;
@@ -334,12 +338,8 @@ impl Pending {
             counts.sent.load(Ordering::SeqCst),
             counts.taken.load(Ordering::SeqCst),
         );
-        // Starting and joining post a message each: one ring for both.
         let rings = azsdp::fabric::shm::hold_rings();
-        let c = Conn::start(
-            ep,
-            fd,
-            EngineRole::Client,
+        let c = prepared.run(
             &self.settings,
             local,
             self.dst,
@@ -405,14 +405,18 @@ impl Pending {
         }
     }
 
-    /// The endpoint of a committed pair, from the listener's answer, which
-    /// must name the far end of our connection `fd`; else why not.
-    fn endpoint(
+    /// The connection of a committed pair, from the listener's answer,
+    /// which must name the far end of our connection `fd` (else why not),
+    /// started: its HELLO goes now, so that the handshake is over by the
+    /// program's first call, and its first send goes on the fabric (the
+    /// listener's HELLO_ACK waits in the ring, unrung: nothing here
+    /// listens for it before that call).
+    fn prepare(
         &self,
         fd: c_int,
         offer: ActiveOffer,
         answer: Option<(Intro, Received)>,
-    ) -> Result<AnyEndpoint, TcpReason> {
+    ) -> Result<Prepared, TcpReason> {
         let Some((intro, answer)) = answer else {
             offer.abandon();
             return Err(TcpReason::SetupFailed);
@@ -430,18 +434,25 @@ impl Pending {
         }
         let peer = answer.peer;
         let fds = answer.fds.into_iter().skip(1).collect();
-        offer
+        let ep = offer
             .into_endpoint(intro.bell, fds, peer, intro.page_size)
-            .map(AnyEndpoint::Shm)
             .map_err(|e| {
                 // (The listener's engine sees us gone and stays on TCP.)
                 debug!("connect {}: {e}", self.dst);
                 TcpReason::SetupFailed
-            })
+            })?;
+        Ok(Prepared::new(
+            AnyEndpoint::Shm(ep),
+            fd,
+            EngineRole::Client,
+            &self.settings,
+            true,
+        ))
     }
 
     /// The reactor: take the answer in, and once the listener committed,
-    /// make the endpoint; the registration goes (to `SPENT`).
+    /// make the connection and start its engine (`prepare`); the
+    /// registration goes (to `SPENT`).
     fn intake(&self) -> Next {
         let _ = SPENT.try_with(|s| s.borrow_mut().clear());
         let done = Next {
@@ -493,7 +504,7 @@ impl Pending {
         }
         let spent = parts.reg.take();
         if let Some(offer) = parts.offer.take() {
-            parts.made = Some(self.endpoint(self.fd, offer, parts.answer.take()));
+            parts.made = Some(self.prepare(self.fd, offer, parts.answer.take()));
         }
         drop(guard);
         // (Closed now, with the closure, if the thread's locals are gone.)

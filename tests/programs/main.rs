@@ -36,7 +36,8 @@ pub(crate) const LISTEN: Duration = Duration::from_secs(15);
 /// scale tests' server shapes; 160-161 exec-late-close; 182 a child that
 /// accepts; 183 a busy event loop; 162-163 fork-late-child; 150, 152,
 /// 170, 180, 184-186 and 190 the Python and event-loop tests; 187-188
-/// bells passed once; free: 153-159, 164-169, 171-179, 189 and 191-255.
+/// bells passed once; 189 and 191 first sends on the fabric; free: 153-159,
+/// 164-169, 171-179 and 192-255.
 fn port(offset: u16) -> u16 {
     debug_assert!(offset < 256);
     // Below Linux's ephemeral range (32768-60999), where the bench test's

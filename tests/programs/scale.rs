@@ -214,6 +214,67 @@ fn bells_pass_once_to(shape: &[&str], port_offset: u16) {
     srv.kill();
 }
 
+/// A client starts its engine when the listener's answer comes, and the
+/// listener's HELLO_ACK waits in the ring for the client's first call: a
+/// connection whose first send comes after the listener looked at it
+/// (here a pause between the connects and the exchanges) sends it on the
+/// fabric, and so does the listener's answer to it. (The engine started
+/// at the first call, and every first send went over TCP, while the
+/// handshake's rings ran beside it.) Every byte is checked by
+/// `azsdp-echo many`.
+#[test]
+fn a_first_send_goes_on_the_fabric_to_an_epoll_server() {
+    first_sends_on_the_fabric(&["serve"], 189);
+}
+
+/// The same against a thread per connection, whose thread looks at the
+/// connection as it blocks in its first receive.
+#[test]
+fn a_first_send_goes_on_the_fabric_to_a_thread_per_connection() {
+    first_sends_on_the_fabric(&["serve-threads"], 191);
+}
+
+fn first_sends_on_the_fabric(shape: &[&str], port_offset: u16) {
+    let _one = one_at_a_time();
+    let s = Scratch::new("first-sends");
+    let p = port(port_offset).to_string();
+    let mut srv = echo_server(&s, shape, &p, "info", "1");
+    let n = 40;
+    let many = client_with(
+        &s,
+        "many",
+        &["many", &p, &n.to_string(), "1024"],
+        Duration::from_secs(120),
+        &[("ECHO_PAUSE_MS", "1000")],
+    );
+    assert_eq!(many["connections"], n, "{many}");
+    let client_log = s.log("many");
+    let server_log = s.log("server");
+    let client_joined = client_log
+        .matches("joined the fabric after 0 bytes")
+        .count();
+    assert_eq!(
+        client_log
+            .matches("after 0 bytes sent and 0 taken on TCP")
+            .count(),
+        n,
+        "every connection pairs before its first call:\n{}",
+        &client_log[..client_log.len().min(4000)]
+    );
+    // (The warm-up client's connection is the server's too.)
+    let server_joined = server_log
+        .matches("joined the fabric after 0 bytes")
+        .count();
+    assert!(
+        client_joined == n && server_joined >= n,
+        "of {n} connections, the client sent {client_joined} first sends on the fabric, \
+         the server {server_joined} answers:\n{}\n{}",
+        &client_log[..client_log.len().min(3000)],
+        &server_log[..server_log.len().min(3000)]
+    );
+    srv.kill();
+}
+
 /// Threads of process `pid` now.
 fn threads_of(pid: i32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

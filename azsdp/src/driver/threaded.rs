@@ -1471,6 +1471,52 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         d.rx_route()
     }
 
+    /// A receive that reads the TCP socket until the peer's JOIN comes
+    /// sleeps here, counted in a call (the reactor stands by), until the
+    /// route leaves [`RxRoute::Tcp`]`{ left: None }`, a message comes (the
+    /// peer's post wakes this thread itself, as it wakes a call blocked on
+    /// the fabric), the waiter is kicked ([`ThreadedDriver::kicker`]: the
+    /// socket turned ready), or `nap` passes. Whether it slept here (or
+    /// found the route moved): false if this process does not run the
+    /// connection, or the engine is over (nothing more comes on the
+    /// fabric: wait for the socket alone).
+    ///
+    /// [`RxRoute::Tcp`]: crate::conn::RxRoute::Tcp
+    pub fn wait_for_peer_join(&self, nap: Duration) -> bool {
+        let sh = &self.shared;
+        // (A forked copy does not claim the connection here.)
+        if !sh.holders.settled() && !self.is_mine() {
+            return false;
+        }
+        let _call = sh.enter_call();
+        let ticket = sh.waiter.prepare();
+        {
+            let mut d = sh.lock();
+            sh.turn_all(&mut d, 1);
+            if !matches!(
+                d.connection().state(),
+                crate::conn::State::Handshake | crate::conn::State::Established
+            ) {
+                return false;
+            }
+            if !matches!(d.rx_route(), crate::conn::RxRoute::Tcp { left: None }) {
+                return true;
+            }
+        }
+        // No busy-poll: the peer's JOIN follows its program's next send,
+        // which our peer's loop makes after a wake-up of its own (tens of
+        // microseconds at least), and a spin here takes that CPU from it.
+        sh.waiter.wait(ticket, nap, false);
+        true
+    }
+
+    /// Wakes the threads asleep in [`ThreadedDriver::wait_for_peer_join`]
+    /// (and in blocked calls): for a watch of the socket beneath.
+    pub fn kicker(&self) -> reactor::Waker {
+        let waiter = Arc::clone(&self.shared.waiter);
+        Arc::new(move || waiter.kick())
+    }
+
     /// The program took `n` bytes from TCP while the route said so.
     pub fn took_from_tcp(&self, n: u64) -> Result<(), CallError> {
         let r = self.shared.act_and_turn(|d| d.took_from_tcp(n));
