@@ -6,7 +6,10 @@
 #   memcached -t T / memcaslap -T CT -c C -t 5s (1/1/16, 2/2/32, 4/2/32)
 #   nginx with W workers (1, 2) serving 4 KiB to ab -k -c 10 -n 200000
 # Prints one line per program and shape: the figures of each build, in
-# the order TCP, [BASE,] this build, and the load average before and after.
+# the order TCP, [BASE,] this build, and the load average before and after;
+# with ROUNDS > 1, then per row the median of each build and this build's
+# ratio to TCP: of the medians, and the lowest and highest of a round (on
+# a loaded host one round swings more than the builds differ).
 #
 #   benches/scripts/event-loops.sh [ROUNDS=1]
 #
@@ -77,8 +80,35 @@ row() { # NAME FUNCTION ARGS...
   local name=$1; shift
   local f=$1; shift
   local out="$name:"
-  for b in "${builds[@]}"; do out="$out $($f "$b" "$@")"; done
+  local b v
+  # (A run that printed nothing counts 0, so that the columns stay.)
+  for b in "${builds[@]}"; do v=$($f "$b" "$@"); out="$out ${v:-0}"; done
   echo "$out"
+  echo "$out" >> "$DIR/rows"
+}
+
+# Per row name (in first-seen order): each build's median over the rounds,
+# and this build's ratio to TCP (the medians', and the range of rounds').
+medians() {
+  awk -F': ' '
+    !($1 in seen) { seen[$1] = 1; order[++rows] = $1 }
+    { n = split($2, v, " "); k = ++count[$1]; cols[$1] = n
+      for (i = 1; i <= n; i++) val[$1, i, k] = v[i]
+      if (v[1] > 0) { r = v[n] / v[1]
+        if (!(($1) in lo) || r < lo[$1]) lo[$1] = r
+        if (!(($1) in hi) || r > hi[$1]) hi[$1] = r } }
+    function median(name, col,   m, i, j, t, a) {
+      m = count[name]
+      for (i = 1; i <= m; i++) a[i] = val[name, col, i] + 0
+      for (i = 2; i <= m; i++) for (j = i; j > 1 && a[j - 1] > a[j]; j--) {
+        t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+      return (m % 2) ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2
+    }
+    END { for (o = 1; o <= rows; o++) { name = order[o]; n = cols[name]; out = ""
+      for (i = 1; i <= n; i++) { md[i] = median(name, i); out = out sprintf(" %.0f", md[i]) }
+      printf "median %s:%s (%.2fx; rounds %.2f-%.2fx)\n", name, out,
+        (md[1] > 0) ? md[n] / md[1] : 0, lo[name], hi[name] } }
+  ' "$DIR/rows"
 }
 
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg); builds: ${builds[*]}"
@@ -94,4 +124,5 @@ for r in $(seq 1 "$ROUNDS"); do
   row "nginx 1 worker" nginx_run 1
   row "nginx 2 workers" nginx_run 2
 done
+[ "$ROUNDS" -gt 1 ] && medians
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
