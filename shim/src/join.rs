@@ -304,6 +304,7 @@ impl Joining {
                 fd,
                 libc::POLLIN,
                 left_time.map_or(slice, |l| l.min(slice)),
+                left.is_none(),
             );
             slice = (slice * 2).min(LONGEST_CALL_NAP);
         }
@@ -384,19 +385,21 @@ fn cap(bufs: &[(*mut u8, usize)], left: Option<u64>) -> Vec<(*mut u8, usize)> {
 }
 
 /// Sleep until the socket is ready for `events`, the connection's state
-/// may have changed (a JOIN came), or `most` passes.
+/// may have changed (a JOIN came), or `most` passes. `no_join`: the
+/// caller's last look found the peer's JOIN not in yet.
 ///
 /// The thread sleeps on a futex of its own, not in `poll` with an eventfd:
 /// a thread-per-connection server has thousands of threads here at once
 /// (each waiting for its client's first bytes), and each would hold a
 /// descriptor. The reactor watches the socket for it instead, once.
-fn wait(c: &Conn, fd: c_int, events: i16, most: Duration) {
+fn wait(c: &Conn, fd: c_int, events: i16, most: Duration, no_join: bool) {
     // Before the peer's JOIN, what comes next is most likely that JOIN on
     // the fabric (the peer joins at its first send after ours): sleep
     // where the peer's post wakes this thread itself, with the socket
     // watched for the rest. (Through the reactor, each first exchange
-    // woke two threads in turn where TCP wakes one.)
-    if matches!(c.driver.rx_route(), RxRoute::Tcp { left: None })
+    // woke two threads in turn where TCP wakes one.) The caller looked
+    // at the route just now; the wait looks again under the lock.
+    if no_join
         && let Ok(_watch) = azsdp::driver::reactor::Reactor::get()
             .and_then(|r| r.when_ready(fd, events as u32, c.driver.kicker()))
         && c.driver.wait_for_peer_join(most)
