@@ -258,7 +258,7 @@ fn first_sends_on_the_fabric(shape: &[&str], port_offset: u16) {
             .matches("after 0 bytes sent and 0 taken on TCP")
             .count(),
         n,
-        "every connection pairs before its first call:\n{}",
+        "every connection pairs, with nothing on TCP before its pair completed:\n{}",
         &client_log[..client_log.len().min(4000)]
     );
     // (The warm-up client's connection is the server's too.)
