@@ -14,7 +14,9 @@
 //! azsdp-echo many PORT N BYTES     hold N connections at once, each checked
 //!                                  (connect all, echo on each, close all;
 //!                                  ECHO_PAUSE_MS=T pauses T ms between the
-//!                                  connects and the echoes, to profile one)
+//!                                  connects and the echoes, to profile one;
+//!                                  ECHO_CLOSE_PAUSE_MS=T between the echoes
+//!                                  and the closes)
 //! azsdp-echo cycle PORT N BYTES    N connections one after another, each checked
 //! ```
 //!
@@ -191,6 +193,13 @@ fn quantiles(mut v: Vec<f64>) -> (f64, f64, f64) {
     (q(0.5), q(0.99), q(1.0))
 }
 
+/// Sleep as many milliseconds as the environment variable `var` says.
+fn pause(var: &str) {
+    if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
 /// Hold `n` connections at once, each checked, then close them all.
 fn many(port: u16, n: usize, bytes: u64) {
     raise_fd_limit();
@@ -207,12 +216,7 @@ fn many(port: u16, n: usize, bytes: u64) {
     }
     let connect_all = t0.elapsed();
     // A pause between the phases (for profiling one phase alone).
-    if let Some(ms) = std::env::var("ECHO_PAUSE_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-    }
+    pause("ECHO_PAUSE_MS");
     let t_exchange = Instant::now();
     let mut exchange_us = Vec::with_capacity(n);
     for (i, s) in conns.iter().enumerate() {
@@ -221,6 +225,7 @@ fn many(port: u16, n: usize, bytes: u64) {
         exchange_us.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let exchange_all = t_exchange.elapsed();
+    pause("ECHO_CLOSE_PAUSE_MS");
     let during = own_counts();
     let t1 = Instant::now();
     let mut close_us = Vec::with_capacity(n);
