@@ -62,6 +62,9 @@ pub struct ShmEndpoint {
     /// The last of our loop bells the peer's process was found to hold
     /// (see `Watched::ring_at`; 0: none).
     pub(super) given_bell: u32,
+    /// A fork froze the peer's side, or another process took it, since we
+    /// paired (see [`ShmEndpoint::peer_runs_alone`]); it stays set.
+    pub(super) peer_changed_hands: std::sync::atomic::AtomicBool,
 }
 
 /// An endpoint this process runs and lets go of says so in the segment:
@@ -113,6 +116,7 @@ impl ShmEndpoint {
             first_failure: std::sync::atomic::AtomicU8::new(0),
             claim_unsent: std::sync::atomic::AtomicBool::new(false),
             given_bell: 0,
+            peer_changed_hands: Default::default(),
         })
     }
 

@@ -171,6 +171,7 @@ impl crate::fabric::Watched for ShmEndpoint {
             return;
         };
         self.peer = mail.from.peer;
+        self.peer_changed_hands.store(true, Ordering::Relaxed);
         self.peer_bell = taken.bell;
         self.no_get = get_permission(&self.peer);
         self.alive_suspect = true;

@@ -656,6 +656,44 @@ fn held_rings_go_once_when_the_hold_ends() {
     assert_eq!(a.tx.armed().load(Ordering::Acquire), 1);
 }
 
+/// A message for a peer with a thread asleep on the ring wakes that thread
+/// alone: the doorbell stays armed for the next. Once a fork froze the
+/// peer's side (or another process took it), a sleeper may be one that no
+/// longer runs it, and the doorbell rings as well, for good.
+#[test]
+fn a_sleeper_is_woken_without_the_doorbell_until_the_peer_changes_hands() {
+    let (mut a, b) = pair();
+    let (bell_r, bell_w) = std::os::unix::net::UnixDatagram::pair().unwrap();
+    bell_r.set_nonblocking(true).unwrap();
+    a.peer_bell = std::sync::Arc::new(OwnedFd::from(bell_w));
+    let token = 0x5eed_u64;
+    a.seg.hdr().bell[1 - a.side].store(token, Ordering::Release);
+    let rung = || {
+        let mut buf = [0u8; 16];
+        bell_r.recv(&mut buf).is_ok()
+    };
+    // (b's incoming ring is a's outgoing one; its side is a's peer's.)
+    let sleeping = b.rx.wait_words().1;
+    let owner = &b.seg.hdr().owner[b.side];
+    let runner = owner.load(Ordering::Acquire);
+    sleeping.store(1, Ordering::SeqCst);
+    a.tx.armed().store(1, Ordering::Release);
+    a.post_message(b"x").unwrap();
+    assert!(!rung(), "a sleeper's reactor was rung too");
+    assert_eq!(a.tx.armed().load(Ordering::Acquire), 1, "the arming stays");
+    // Frozen by a fork: rung as well.
+    owner.store(runner | FROZEN, Ordering::Release);
+    a.post_message(b"y").unwrap();
+    assert!(rung(), "a frozen side's reactor was not rung");
+    // Back with the same process: still rung (a sleeper of the child may
+    // be left).
+    owner.store(runner, Ordering::Release);
+    a.tx.armed().store(1, Ordering::Release);
+    a.post_message(b"z").unwrap();
+    assert!(rung(), "a side that changed hands once was not rung");
+    sleeping.store(0, Ordering::SeqCst);
+}
+
 #[test]
 fn a_loop_that_is_awake_is_not_rung_and_keeps_its_arming() {
     let (mut a, _b) = pair();

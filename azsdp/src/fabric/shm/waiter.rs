@@ -24,18 +24,50 @@ impl ShmEndpoint {
     }
 
     /// Wake the peer's threads sleeping on the ring, and ring its
-    /// reactor's doorbell if it is armed (`force`: whatever they do).
+    /// reactor's doorbell if it is armed and none slept (`force`: whatever
+    /// they do).
     pub(super) fn wake_peer(&self, force: bool) {
         let (published, sleeping) = self.tx.wait_words();
-        if force || sleeping.load(Ordering::Acquire) != 0 {
+        // Pairs with the count in `wait_ring` (either the sleeper sees what
+        // we published, or we see it counted) and with the fence in `arm`
+        // (either the peer's reactor sees it, or we see it armed).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let asleep = sleeping.load(Ordering::Relaxed) != 0;
+        if force || asleep {
             crate::futex::wake_all(published);
         }
-        // Pairs with the fence in `arm`: either the peer's reactor sees
-        // what we published, or we see it armed.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        // A thread asleep in a call turns the whole engine once it wakes,
+        // and tells readiness waiters what moved, after it stopped counting
+        // as asleep: the reactor has nothing to do for this message, and
+        // its doorbell stays armed for the next. (Rung as well, each first
+        // exchange woke two threads of the peer where TCP wakes one.)
+        if asleep && !force && self.peer_runs_alone() {
+            return;
+        }
         let armed = self.tx.armed();
         if (force || armed.load(Ordering::Relaxed) != 0) && armed.swap(0, Ordering::AcqRel) != 0 {
             self.ring_doorbell();
+        }
+    }
+
+    /// Has the peer's side stayed with the process we paired with (no fork
+    /// froze it, no other process took it)? Only then is a thread asleep on
+    /// our ring one that runs it: a sleeper of a process that let the side
+    /// go wakes and leaves it be, and the process that runs it now may need
+    /// its reactor rung. Once not, never again (a side handed back may
+    /// still have the other process's sleeper).
+    fn peer_runs_alone(&self) -> bool {
+        if self.peer_changed_hands.load(Ordering::Relaxed) {
+            return false;
+        }
+        match self.seg.hdr().owner[1 - self.side].load(Ordering::Acquire) {
+            // (Not set yet: the peer's endpoint is on its way.)
+            0 => false,
+            w if w == self.peer.pid() => true,
+            _ => {
+                self.peer_changed_hands.store(true, Ordering::Relaxed);
+                false
+            }
         }
     }
 
