@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use azsdp::beneath::TcpBeneath;
 use azsdp::config::Settings;
 use azsdp::conn::{Capabilities, LockRegion, Role, TxMode};
-use azsdp::driver::threaded::ThreadedDriver;
+use azsdp::driver::threaded::{Start, ThreadedDriver};
 use azsdp::driver::{Driver, ProcessHost, Protector, capabilities};
 use azsdp::fabric::shm::{ShmParams, ShmTransport};
 use azsdp::protect;
@@ -122,15 +122,17 @@ impl Prepared {
 
     /// Drive the connection from this process's reactor and the program's
     /// calls. `joining`: what the program moved on TCP so far, if the
-    /// connection began there.
+    /// connection began there. `start`: whether a call of the program
+    /// starts it (and drives it now).
     pub fn run(
         self,
         settings: &Settings,
         local: SocketAddr,
         peer: SocketAddr,
         joining: Option<crate::join::Joining>,
+        start: Start,
     ) -> Arc<Conn> {
-        Conn::run(self, settings, local, peer, joining)
+        Conn::run(self, settings, local, peer, joining, start)
     }
 }
 
@@ -151,7 +153,13 @@ impl Conn {
         peer: SocketAddr,
         joining: Option<crate::join::Joining>,
     ) -> Arc<Conn> {
-        Prepared::new(ep, fd, role, settings, joining.is_some()).run(settings, local, peer, joining)
+        Prepared::new(ep, fd, role, settings, joining.is_some()).run(
+            settings,
+            local,
+            peer,
+            joining,
+            Start::Idle,
+        )
     }
 
     /// Take up a connection the previous image of this process parked
@@ -177,7 +185,7 @@ impl Conn {
             role,
         };
         // (Only a connection whose join was over is parked.)
-        let c = prepared.run(settings, local, peer, None);
+        let c = prepared.run(settings, local, peer, None, Start::Idle);
         // The peer rings the previous image's bell, gone with it.
         c.driver.with_fabric(|ep| {
             if let Some(shm) = ep.shm() {
@@ -202,6 +210,7 @@ impl Conn {
         local: SocketAddr,
         peer: SocketAddr,
         joining: Option<crate::join::Joining>,
+        start: Start,
     ) -> Arc<Conn> {
         let Prepared {
             driver: d,
@@ -215,7 +224,7 @@ impl Conn {
         let watchers = Arc::new(crate::epoll::Watchers::default());
         let w = Arc::clone(&watchers);
         let notify: azsdp::driver::threaded::Notify = Arc::new(move || w.touched());
-        let driver = ThreadedDriver::start_with_notify(d, waiter, faults, Some(notify));
+        let driver = ThreadedDriver::start_with_notify(d, waiter, faults, Some(notify), start);
         // A forked child that takes the connection over protects its own
         // memory with its own userfaultfd.
         let mode = settings.protection;

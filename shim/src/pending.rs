@@ -344,6 +344,7 @@ impl Pending {
             local,
             self.dst,
             Some(crate::join::Joining::new(false, sent)),
+            azsdp::driver::threaded::Start::InCall,
         );
         // What the program took of the listener's TCP part so far; then
         // our JOIN goes at once (no send of ours is on the socket).

@@ -222,6 +222,12 @@ fn bells_pass_once_to(shape: &[&str], port_offset: u16) {
 /// at the first call, and every first send went over TCP, while the
 /// handshake's rings ran beside it.) Every byte is checked by
 /// `azsdp-echo many`.
+///
+/// The client's receive, asleep while the listener answers, is woken by
+/// the listener's post alone: the client's reactor is not rung for it
+/// (`rung`, counted while the client holds its connections after the
+/// exchanges). It was rung about once per connection as well, two
+/// wake-ups per answer where TCP makes one.
 #[test]
 fn a_first_send_goes_on_the_fabric_to_an_epoll_server() {
     first_sends_on_the_fabric(&["serve"], 189);
@@ -240,14 +246,46 @@ fn first_sends_on_the_fabric(shape: &[&str], port_offset: u16) {
     let p = port(port_offset).to_string();
     let mut srv = echo_server(&s, shape, &p, "info", "1");
     let n = 40;
-    let many = client_with(
-        &s,
+    let mut cli = s.under_azsdp(
         "many",
+        echo().to_str().expect("path"),
         &["many", &p, &n.to_string(), "1024"],
-        Duration::from_secs(120),
-        &[("ECHO_PAUSE_MS", "1000")],
     );
+    cli.env("AZSDP_LOG_LEVEL", "info")
+        .env("ECHO_PAUSE_MS", "1000")
+        .env("ECHO_CLOSE_PAUSE_MS", "3000")
+        .stdout(Stdio::piped());
+    let mut cli = Proc::start(cli, "many");
+    // The client's connections once every exchange is over (the stats
+    // thread publishes ten times a second), before they close.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let exchanged = loop {
+        let done: Vec<serde_json::Value> = s
+            .stat()
+            .into_iter()
+            .filter(|c| c["role"] == "client" && c["bytes"]["received"]["bsdp"] == 1024)
+            .collect();
+        if done.len() == n {
+            break done;
+        }
+        assert!(
+            Instant::now() < deadline && cli.wait(Duration::ZERO).is_none(),
+            "{} of {n} exchanges seen: {}",
+            done.len(),
+            s.log("many")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let rung: u64 = exchanged.iter().filter_map(|c| c["rung"].as_u64()).sum();
+    let out = cli.stdout();
+    cli.expect_success(Duration::from_secs(120), || s.log("many"));
+    let many: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(many["connections"], n, "{many}");
+    assert!(
+        rung * 4 <= n as u64,
+        "the client's reactor was rung {rung} times for {n} first exchanges"
+    );
     let client_log = s.log("many");
     let server_log = s.log("server");
     let client_joined = client_log

@@ -1076,7 +1076,7 @@ impl Registration {
         if r.pid != crate::process::pid() {
             return;
         }
-        if next.done || next.parked {
+        if next.done {
             // (Rare at a first look: left to the reactor as before.)
             r.wake(self.id, self.generation);
             return;

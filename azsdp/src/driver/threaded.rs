@@ -400,7 +400,20 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
         // look next; the reactor wakes for it only if that is sooner than
         // it would anyway (one wake-up per connection was a tenth of a
         // pair's context switches).
-        let next = self.service_locked(d, false, Instant::now());
+        let now = Instant::now();
+        let next = if standby::wanted(self.in_calls.load(Ordering::SeqCst), &self.last_exit) {
+            // Started by the program's call (see `Start::InCall`):
+            // the call drives it, and the reactor stands by unarmed, or a
+            // reply to this call rings it beside waking the caller.
+            drop(d);
+            Next {
+                at: Some(standby::first_look(now)),
+                parked: true,
+                ..Next::default()
+            }
+        } else {
+            self.service_locked(d, false, now)
+        };
         if let Some(reg) = self.registration.lock().as_ref() {
             reg.serviced_here(next);
         }
@@ -928,6 +941,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> std::fmt::Debug
     }
 }
 
+/// Who starts a connection's driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// Nothing drives it yet: the reactor's first look arms the fabric.
+    Idle,
+    /// A call of the program that drives it from here (a client's first
+    /// call after its pair completed): the reactor starts on standby, its
+    /// first look on the grid of [`standby::first_look`].
+    InCall,
+}
+
 impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F, P> {
     /// Hand the connection to the process's reactor, which watches
     /// `waiter` and `faults` for it when no call drives it.
@@ -936,16 +960,17 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         waiter: impl FabricWaiter + 'static,
         faults: Option<Box<dyn FaultSource>>,
     ) -> Self {
-        Self::start_with_notify(driver, waiter, faults, None)
+        Self::start_with_notify(driver, waiter, faults, None, Start::Idle)
     }
 
     /// [`ThreadedDriver::start`], calling `notify` whenever readiness may
-    /// have changed.
+    /// have changed; `start` says whether a call of the program starts it.
     pub fn start_with_notify(
         driver: Driver<F, P>,
         waiter: impl FabricWaiter + 'static,
         faults: Option<Box<dyn FaultSource>>,
         notify: Option<Notify>,
+        start: Start,
     ) -> Self {
         let shared = Arc::new_cyclic(|this| Shared {
             registration: Lock::new(None),
@@ -955,7 +980,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
             stop: AtomicBool::new(false),
             released: AtomicBool::new(false),
             in_calls: AtomicUsize::new(0),
-            last_exit: AtomicU64::new(0),
+            last_exit: AtomicU64::new(match start {
+                Start::Idle => 0,
+                Start::InCall => standby::now_ns(),
+            }),
             loop_at: AtomicU64::new(0),
             loop_bell: AtomicU32::new(0),
             loop_armed: AtomicU64::new(0),
