@@ -494,13 +494,24 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> Shared<F, P> {
     /// Count the calling thread as in a call (the reactor stays off the
     /// connection: the engine may touch this call's memory) until dropped.
     fn enter_call(&self) -> InCall<'_> {
-        self.in_calls.fetch_add(1, Ordering::SeqCst);
-        InCall {
-            in_calls: &self.in_calls,
-            last_exit: &self.last_exit,
-            parked_long: &self.parked_long,
-            registration: &self.registration,
-        }
+        self.enter(false)
+    }
+
+    /// [`Shared::enter_call`] for one step of a wait that its caller takes
+    /// again at once: its end leaves the reactor parked (the end of the
+    /// caller's next call brings it back).
+    fn enter_call_step(&self) -> InCall<'_> {
+        self.enter(true)
+    }
+
+    fn enter(&self, step: bool) -> InCall<'_> {
+        InCall::enter(
+            &self.in_calls,
+            &self.last_exit,
+            &self.parked_long,
+            &self.registration,
+            step,
+        )
     }
 
     /// [`Shared::wait_until`] for a thread already counted in a call.
@@ -1516,7 +1527,10 @@ impl<F: Fabric + Send + 'static, P: Protector + Send + 'static> ThreadedDriver<F
         if !sh.holders.settled() && !self.is_mine() {
             return false;
         }
-        let _call = sh.enter_call();
+        // (The caller's loop comes back here until the route moves: the
+        // reactor stays parked between the steps, instead of a wake-up of
+        // it at each nap's end, ten thousand threads waiting at once.)
+        let _call = sh.enter_call_step();
         let ticket = sh.waiter.prepare();
         {
             let mut d = sh.lock();
@@ -1768,6 +1782,27 @@ struct InCall<'a> {
     last_exit: &'a AtomicU64,
     parked_long: &'a AtomicBool,
     registration: &'a Lock<Option<reactor::Registration>>,
+    /// One step of a longer wait (see [`Shared::enter_call_step`]).
+    step: bool,
+}
+
+impl<'a> InCall<'a> {
+    fn enter(
+        in_calls: &'a AtomicUsize,
+        last_exit: &'a AtomicU64,
+        parked_long: &'a AtomicBool,
+        registration: &'a Lock<Option<reactor::Registration>>,
+        step: bool,
+    ) -> Self {
+        in_calls.fetch_add(1, Ordering::SeqCst);
+        InCall {
+            in_calls,
+            last_exit,
+            parked_long,
+            registration,
+            step,
+        }
+    }
 }
 
 impl Drop for InCall<'_> {
@@ -1778,7 +1813,8 @@ impl Drop for InCall<'_> {
         // The reactor parked the connection for long while this call
         // blocked: it looks again now (once per long wait, never per
         // quick call).
-        if self.parked_long.load(Ordering::SeqCst)
+        if !self.step
+            && self.parked_long.load(Ordering::SeqCst)
             && self.parked_long.swap(false, Ordering::SeqCst)
             && let Some(r) = self.registration.lock().as_ref()
         {
@@ -2099,5 +2135,34 @@ impl<F: Fabric, P: Protector> delegation::Engine for Driver<F, P> {
     }
     fn switched(&self) -> bool {
         *self.connection().state() == State::Switched
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call is counted while its guard lives, and only a whole call's end
+    /// (not one step of a wait) takes back a long park of the reactor.
+    #[test]
+    fn a_call_counts_until_it_ends_and_only_a_whole_call_ends_a_long_park() {
+        let (calls, exit, parked) = (
+            AtomicUsize::new(0),
+            AtomicU64::new(0),
+            AtomicBool::new(true),
+        );
+        let reg = Lock::new(None);
+        for step in [true, false] {
+            let call = InCall::enter(&calls, &exit, &parked, &reg, step);
+            assert_eq!(calls.load(Ordering::SeqCst), 1, "counted while it runs");
+            drop(call);
+            assert_eq!(calls.load(Ordering::SeqCst), 0, "not counted after");
+            assert_ne!(exit.load(Ordering::SeqCst), 0, "its end is the last exit");
+            assert_eq!(
+                parked.load(Ordering::SeqCst),
+                step,
+                "a step leaves the park"
+            );
+        }
     }
 }
