@@ -1811,14 +1811,17 @@ impl Drop for InCall<'_> {
             .store(standby::now_ns().max(1), Ordering::SeqCst);
         self.in_calls.fetch_sub(1, Ordering::SeqCst);
         // The reactor parked the connection for long while this call
-        // blocked: it looks again now (once per long wait, never per
-        // quick call).
+        // blocked: it looks again soon (once per long wait, never per
+        // quick call), on the grid of first looks, where the ends of other
+        // threads' waits share its wake-up (at once, it found the program
+        // calling still and parked the connection again, or armed it for
+        // the peer's answer to this call, which wakes the caller anyway).
         if !self.step
             && self.parked_long.load(Ordering::SeqCst)
             && self.parked_long.swap(false, Ordering::SeqCst)
             && let Some(r) = self.registration.lock().as_ref()
         {
-            r.wake();
+            r.look_by(standby::first_look(Instant::now()));
         }
     }
 }
