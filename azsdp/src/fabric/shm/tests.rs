@@ -611,16 +611,23 @@ fn two_processes_get_and_cas() {
     }
 }
 
+/// The peer's bell as `a` rings it, made a datagram socket read here (not
+/// blocking), with the peer's token `token`.
+fn peer_bell_here(a: &mut ShmEndpoint, token: u64) -> std::os::unix::net::UnixDatagram {
+    let (bell_r, bell_w) = std::os::unix::net::UnixDatagram::pair().unwrap();
+    bell_r.set_nonblocking(true).unwrap();
+    a.peer_bell = std::sync::Arc::new(OwnedFd::from(bell_w));
+    a.seg.hdr().bell[1 - a.side].store(token, Ordering::Release);
+    bell_r
+}
+
 /// Rings held by a thread go once per bell and token when the hold ends,
 /// and none before; a full bell leaves the doorbell armed.
 #[test]
 fn held_rings_go_once_when_the_hold_ends() {
     let (mut a, _b) = pair();
-    let (bell_r, bell_w) = std::os::unix::net::UnixDatagram::pair().unwrap();
-    bell_r.set_nonblocking(true).unwrap();
-    a.peer_bell = std::sync::Arc::new(OwnedFd::from(bell_w));
     let token = 0x5eed_u64;
-    a.seg.hdr().bell[1 - a.side].store(token, Ordering::Release);
+    let bell_r = peer_bell_here(&mut a, token);
     let rings = || {
         let mut got = Vec::new();
         let mut buf = [0u8; 16];
@@ -663,11 +670,7 @@ fn held_rings_go_once_when_the_hold_ends() {
 #[test]
 fn a_sleeper_is_woken_without_the_doorbell_until_the_peer_changes_hands() {
     let (mut a, b) = pair();
-    let (bell_r, bell_w) = std::os::unix::net::UnixDatagram::pair().unwrap();
-    bell_r.set_nonblocking(true).unwrap();
-    a.peer_bell = std::sync::Arc::new(OwnedFd::from(bell_w));
-    let token = 0x5eed_u64;
-    a.seg.hdr().bell[1 - a.side].store(token, Ordering::Release);
+    let bell_r = peer_bell_here(&mut a, 0x5eed);
     let rung = || {
         let mut buf = [0u8; 16];
         bell_r.recv(&mut buf).is_ok()
