@@ -1070,19 +1070,10 @@ impl Registration {
     /// Service the connection by `at` (sooner if its timers say), waking
     /// the reactor only if it would look later than that anyway.
     pub fn look_by(&self, at: Instant) {
-        let r = &self.reactor;
-        if r.pid == crate::process::pid()
-            && r.apply(
-                self.id,
-                self.generation,
-                Next {
-                    at: Some(at),
-                    ..Next::default()
-                },
-            )
-        {
-            r.signal();
-        }
+        self.serviced_here(Next {
+            at: Some(at),
+            ..Next::default()
+        });
     }
 
     /// The connection's owner serviced it itself (its first look, as it
