@@ -51,12 +51,24 @@ fn client_with(
     within: Duration,
     env: &[(&str, &str)],
 ) -> serde_json::Value {
+    let p = start_client(s, name, args, env);
+    report_of(p, s, name, within)
+}
+
+/// `azsdp-echo args` under azsdp, started, with `env` set on top of the
+/// harness's (its report comes from [`report_of`]).
+fn start_client(s: &Scratch, name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
     let echo = echo();
     let mut c = s.under_azsdp(name, echo.to_str().expect("path"), args);
     c.env("AZSDP_LOG_LEVEL", "info")
         .envs(env.iter().copied())
         .stdout(Stdio::piped());
-    let mut p = Proc::start(c, name);
+    Proc::start(c, name)
+}
+
+/// The JSON report of a client [`start_client`] started, once it ended
+/// well within `within`.
+fn report_of(mut p: Proc, s: &Scratch, name: &str, within: Duration) -> serde_json::Value {
     let out = p.stdout();
     p.expect_success(within, || s.log(name));
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
@@ -256,16 +268,12 @@ fn first_sends_on_the_fabric(shape: &[&str], port_offset: u16) {
     let p = port(port_offset).to_string();
     let mut srv = echo_server(&s, shape, &p, "info", "1");
     let n = 40;
-    let mut cli = s.under_azsdp(
+    let mut cli = start_client(
+        &s,
         "many",
-        echo().to_str().expect("path"),
         &["many", &p, &n.to_string(), "1024"],
+        &[("ECHO_PAUSE_MS", "1000"), ("ECHO_CLOSE_PAUSE_MS", "3000")],
     );
-    cli.env("AZSDP_LOG_LEVEL", "info")
-        .env("ECHO_PAUSE_MS", "1000")
-        .env("ECHO_CLOSE_PAUSE_MS", "3000")
-        .stdout(Stdio::piped());
-    let mut cli = Proc::start(cli, "many");
     // The client's connections once every exchange is over (the stats
     // thread publishes ten times a second), before they close.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -287,10 +295,7 @@ fn first_sends_on_the_fabric(shape: &[&str], port_offset: u16) {
         std::thread::sleep(Duration::from_millis(50));
     };
     let rung: u64 = exchanged.iter().filter_map(|c| c["rung"].as_u64()).sum();
-    let out = cli.stdout();
-    cli.expect_success(Duration::from_secs(120), || s.log("many"));
-    let many: serde_json::Value =
-        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let many = report_of(cli, &s, "many", Duration::from_secs(120));
     assert_eq!(many["connections"], n, "{many}");
     assert!(
         rung * 4 <= n as u64,
